@@ -31,6 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lnstab.errors import ConfigError
+
 NORM_PLACEMENTS = ("pre", "peri", "post", "output", "none")
 NORM_TYPES = ("layernorm", "rmsnorm")
 
@@ -45,10 +47,6 @@ PRESETS: dict[str, dict[str, int]] = {
     "small": dict(n_layer=6, n_head=6, n_embd=384, block_size=256),
     "deep-narrow": dict(n_layer=24, n_head=2, n_embd=64, block_size=128),
 }
-
-
-class ConfigError(ValueError):
-    """A bad configuration value; the message is one line naming the field, the value and what is allowed."""
 
 
 def _check_choice(field: str, value: Any, allowed: tuple[str, ...] | list[str]) -> None:

@@ -1,0 +1,110 @@
+"""Per-layer gradient and weight norms, and the total gradient norm, with one host sync per logging event."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from ._sites import PARAM_LAYER_PATTERN, check_positive_int, check_regex, log_metrics
+
+
+def group_norms(tensors: list[torch.Tensor], groups: torch.Tensor, n_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """L2 norm of each group of ``tensors`` (``groups[i]`` is tensor i's group, -1 for none) and of all of them."""
+    norms = torch.stack(torch._foreach_norm(tensors)).float()  # (P,)
+    squares = norms.square()
+    per_group = torch.zeros(n_groups + 1, device=norms.device).index_add_(0, groups.to(norms.device) + 1, squares)
+    return per_group[1:].sqrt(), squares.sum().sqrt()
+
+
+class GradientStatistics(Callback):
+    """Per-layer L2 norms of the gradients and of the weights, and the total gradient norm.
+
+    Computed in ``on_before_optimizer_step`` (after DDP's all-reduce and AMP's unscaling, so the values are the
+    ones the optimizer sees, identical on every rank) every ``every_n_steps`` optimizer steps with
+    ``torch._foreach_norm``; all norms are stacked and read with one host sync. A parameter belongs to the layer
+    given by the first capture group of ``layer_pattern`` searched in its name; other parameters (embeddings, final
+    norm) only count in the totals.
+
+    Args:
+        every_n_steps: Log on optimizer steps ``0, N, 2N, …``.
+        layer_pattern: Regex with one capture group, the layer index; default matches ``h.<i>.`` (lnstab, Hugging
+            Face GPT-2) and ``layers.<i>.`` (``nn.TransformerEncoder``).
+
+    **Logged metrics**:
+        ``grad/norm/L07``, ``weight/norm/L07`` (each layer), ``grad/norm/total``, ``weight/norm/total``.
+
+    Raises:
+        ValueError: A bad argument (the message names it).
+
+    Example::
+
+        trainer = Trainer(callbacks=[GradientStatistics(every_n_steps=100)])
+    """
+
+    def __init__(self, every_n_steps: int = 100, layer_pattern: str = PARAM_LAYER_PATTERN) -> None:
+        self.every_n_steps = check_positive_int("every_n_steps", every_n_steps)
+        self.layer_pattern = check_regex("layer_pattern", layer_pattern, optional=False)
+        if self.layer_pattern.groups < 1:
+            raise ValueError(f"layer_pattern={layer_pattern!r} is not allowed; it needs a capture group (layer index)")
+        self.params: list[torch.nn.Parameter] = []
+        self.layers: list[str] = []
+        self.layer_of: list[int] = []
+        self.last: dict[str, float] = {}
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(every_n_steps=self.every_n_steps, layer_pattern=self.layer_pattern.pattern)
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        names: dict[int, str] = {}
+        self.params, self.layer_of = [], []
+        for name, param in pl_module.named_parameters():  # tied weights are listed once
+            if not param.requires_grad:
+                continue
+            match = self.layer_pattern.search(name)
+            index = int(match.group(1)) if match and match.group(1).isdigit() else None
+            if index is not None:
+                names.setdefault(index, f"L{index:02d}")
+            self.params.append(param)
+            self.layer_of.append(-1 if index is None else index)
+        order = sorted(names)
+        position = {index: k for k, index in enumerate(order)}
+        self.layers = [names[i] for i in order]
+        self.layer_of = [position.get(i, -1) for i in self.layer_of]
+        if not self.layers:
+            rank_zero_warn(f"{type(self).__name__}: layer_pattern matched no parameter; only totals are logged")
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.params, self.layer_of = [], []
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
+        step = trainer.global_step
+        if step % self.every_n_steps or not self.params:
+            return
+        with torch.no_grad():
+            with_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
+            if not with_grad:
+                return
+            device = self.params[with_grad[0]].grad.device
+            groups = torch.tensor([self.layer_of[i] for i in with_grad], device=device)
+            grad_layers, grad_total = group_norms([self.params[i].grad for i in with_grad], groups, len(self.layers))
+            all_groups = torch.tensor(self.layer_of, device=device)
+            weight_layers, weight_total = group_norms([p.detach() for p in self.params], all_groups, len(self.layers))
+            values = torch.cat([grad_layers, weight_layers, grad_total[None], weight_total[None]]).tolist()  # one sync
+        n = len(self.layers)
+        metrics = {f"grad/norm/{tag}": v for tag, v in zip(self.layers, values[:n], strict=True)}
+        metrics.update({f"weight/norm/{tag}": v for tag, v in zip(self.layers, values[n : 2 * n], strict=True)})
+        metrics["grad/norm/total"], metrics["weight/norm/total"] = values[-2], values[-1]
+        self.last = metrics
+        log_metrics(trainer, metrics, step)
+

@@ -1,0 +1,176 @@
+"""Spectral norms of each block's input–output Jacobian on a fixed probe batch (Propositions 7 and 8)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from typing_extensions import override
+
+from ._sites import BLOCK_PATTERN, Site, check_positive_int, check_regex, find_sites, first_tensor, log_metrics, probe_input
+
+
+def spectral_norm(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, n_iter: int, seed: int = 0) -> torch.Tensor:
+    """Largest singular value of the Jacobian of ``fn`` at ``x`` (``fn`` maps a tensor to one of the same size).
+
+    Power iteration on ``JᵀJ`` with ``torch.func.jvp`` (``Jv``) and ``torch.func.vjp`` (``Jᵀu``); the estimate is the
+    Rayleigh quotient ``√(vᵀJᵀJv)`` of the last unit vector ``v``. Returns a 0-dim device tensor (no host sync).
+    """
+    generator = torch.Generator(device=x.device).manual_seed(seed)
+    v = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
+    v = v / torch.linalg.vector_norm(v)
+    _, vjp_fn = torch.func.vjp(fn, x)
+    estimate = torch.zeros((), device=x.device, dtype=x.dtype)
+    for _ in range(n_iter):
+        _, jv = torch.func.jvp(fn, (x,), (v,))
+        w = vjp_fn(jv)[0]  # JᵀJ v
+        estimate = (v * w).sum().clamp_min(0).sqrt()
+        v = w / torch.linalg.vector_norm(w).clamp_min(1e-30)
+    return estimate
+
+
+def _block_call(block: nn.Module, args: tuple, kwargs: dict) -> Callable[[torch.Tensor], torch.Tensor]:
+    kwargs = {k: v for k, v in kwargs.items() if "cache" not in k and "past" not in k}
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return first_tensor(block(x, *args[1:], **kwargs))
+
+    return fn
+
+
+class JacobianSensitivity(Callback):
+    """Spectral norms of every block's Jacobian on a small fixed probe batch, beside the block's activation scale.
+
+    For a block ``B`` (the map of one layer, ``X ↦ X + Δt·f(X)`` for a residual block; the whole sequence
+    ``(P, n, d)`` of the probe is one vector) at its input ``X`` during a forward pass on the probe:
+
+    * ``jacobian/residual/<L>`` = ‖∇_X B‖₂ = ‖I + Δt∇_X f‖₂ (the layer's input–output Jacobian);
+    * ``jacobian/sensitivity/<L>`` = ‖∇_X (B(X) − X)‖₂ = Δt‖∇_X f‖₂ (the residual branch alone);
+    * ``jacobian/act_scale/<L>`` = mean |X| at the block's input (Proposition 7/8: sensitivity ∝ 1/scale).
+
+    Both norms come from power iteration (:func:`spectral_norm`). The module is put in eval mode (no dropout) and
+    restored afterwards; attention runs with the math SDPA kernel (forward-mode AD); nothing is written to ``.grad``.
+    The probe is the first ``probe_size`` rows of the first training batch's input (``batch[0]``,
+    ``batch["input_ids"]`` or the batch tensor), or ``probe``; the forward is ``pl_module(probe)``.
+
+    Args:
+        every_n_steps: Measure on optimizer steps ``0, M, 2M, …``.
+        probe_size: Sequences taken from the first batch.
+        probe: A fixed input tensor instead (kept on the module's device).
+        n_iter: Power iterations per norm.
+        layer_pattern: Regex of the blocks, first capture group the layer index.
+        seed: Seed of the power iteration's start vector.
+
+    **Logged metrics**:
+        ``jacobian/residual/L07``, ``jacobian/sensitivity/L07``, ``jacobian/act_scale/L07``.
+
+    Raises:
+        ValueError: A bad argument (the message names it).
+
+    Example::
+
+        trainer = Trainer(callbacks=[JacobianSensitivity(every_n_steps=1000, probe_size=2)])
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 1000,
+        probe_size: int = 2,
+        probe: torch.Tensor | None = None,
+        n_iter: int = 20,
+        layer_pattern: str = BLOCK_PATTERN,
+        seed: int = 0,
+    ) -> None:
+        self.every_n_steps = check_positive_int("every_n_steps", every_n_steps)
+        self.probe_size = check_positive_int("probe_size", probe_size)
+        if probe is not None and not isinstance(probe, torch.Tensor):
+            raise ValueError(f"probe={type(probe).__name__} is not allowed; give a tensor or None")
+        self.probe = probe
+        self.n_iter = check_positive_int("n_iter", n_iter)
+        self.layer_pattern = check_regex("layer_pattern", layer_pattern, optional=False)
+        if not isinstance(seed, int):
+            raise ValueError(f"seed={seed!r} is not allowed; it must be an integer")
+        self.seed = seed
+        self.blocks: list[Site] = []
+        self.last: dict[str, float] = {}
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(every_n_steps=self.every_n_steps, layer_pattern=self.layer_pattern.pattern)
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.blocks = find_sites(pl_module, self.layer_pattern)
+        if not self.blocks:
+            rank_zero_warn(f"{type(self).__name__}: layer_pattern matched no module; nothing will be logged")
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.blocks = []
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.probe is None:
+            self.probe = probe_input(batch, self.probe_size)
+        step = trainer.global_step
+        if self.blocks and step % self.every_n_steps == 0:
+            self.last = self.measure(pl_module)
+            log_metrics(trainer, self.last, step)
+
+    def measure(self, pl_module: nn.Module) -> dict[str, float]:
+        """All three metrics of every block on the probe (one host sync)."""
+        inputs: dict[int, tuple[tuple, dict]] = {}
+
+        def keep(i: int) -> Callable:
+            def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+                inputs.setdefault(i, (args, kwargs))
+
+            return hook
+
+        handles = [s.module.register_forward_pre_hook(keep(i), with_kwargs=True) for i, s in enumerate(self.blocks)]
+        was_training = pl_module.training
+        pl_module.eval()
+        try:
+            with torch.no_grad():
+                pl_module(self.probe.to(pl_module.device))
+            for handle in handles:
+                handle.remove()
+            values = []
+            with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
+                for i, site in enumerate(self.blocks):
+                    args, kwargs = inputs[i]
+                    x = first_tensor(args).detach()
+                    fn = _block_call(site.module, args, kwargs)
+                    full = spectral_norm(fn, x, self.n_iter, self.seed)
+                    branch = spectral_norm(lambda z, fn=fn: fn(z) - z, x, self.n_iter, self.seed)
+                    values += [full.detach(), branch.detach(), x.abs().mean().to(full.dtype)]
+        finally:
+            for handle in handles:
+                handle.remove()
+            pl_module.train(was_training)
+        numbers = torch.stack(values).tolist() if values else []
+        metrics = {}
+        for i, site in enumerate(self.blocks):
+            full, branch, scale = numbers[3 * i : 3 * i + 3]
+            metrics[f"jacobian/residual/{site.tag}"] = full
+            metrics[f"jacobian/sensitivity/{site.tag}"] = branch
+            metrics[f"jacobian/act_scale/{site.tag}"] = scale
+        return metrics
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"probe": None if self.probe is None else self.probe.cpu()}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("probe") is not None:
+            self.probe = state_dict["probe"]

@@ -1,0 +1,209 @@
+"""The Lightning training module: next-token loss, AdamW with decoupled decay on matrices, warmup + cosine."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torchmetrics import MeanMetric
+from typing_extensions import override
+
+from lnstab.errors import ConfigError
+from lnstab.model import GPT, GPTConfig
+
+
+def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int) -> float:
+    """Linear warmup from ``max_lr/warmup_steps`` to ``max_lr``, then cosine to ``min_lr`` at ``decay_steps``."""
+    if step < warmup_steps:
+        return max_lr * (step + 1) / warmup_steps
+    if step >= decay_steps:
+        return min_lr
+    progress = (step - warmup_steps) / max(1, decay_steps - warmup_steps)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (max_lr - min_lr)
+
+
+class GPTModule(pl.LightningModule):
+    """A GPT-2-family language model under any norm placement, trained on next-token prediction.
+
+    Args:
+        preset: Shape preset (``gpt2``, ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``, ``tiny``, ``mini``, ``small``,
+            ``deep-narrow``); the fields below that are ``None`` keep the preset's value.
+        norm_placement: ``pre``, ``peri``, ``post``, ``output`` or ``none``.
+        norm_type: ``layernorm`` or ``rmsnorm``.
+        residual_scale: Δt > 0, the residual step size.
+        block_size: Context length (linked to the data's block size by the CLI).
+        n_layer, n_head, n_embd, vocab_size, pad_vocab_multiple, bias, dropout: Overrides of the preset.
+        learning_rate: Peak learning rate after warmup.
+        min_lr: Learning rate at the end of the cosine decay.
+        warmup_steps: Linear warmup steps.
+        lr_decay_steps: Step at which the cosine reaches ``min_lr``; ``None`` uses the trainer's total steps.
+        weight_decay: AdamW decay on ≥ 2-D weights only (``0`` is the paper's "WD off").
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        compile: Compile the model's forward with ``torch.compile`` (module names, hence hooks, are unchanged).
+
+    **Logged metrics**: ``train/loss``, ``train/lr``, ``train/tokens`` (seen so far, all ranks),
+    ``train/tokens_per_s``, ``val/loss``, ``val/ppl`` (``exp(val/loss)``), ``test/loss``, ``test/ppl``.
+    """
+
+    def __init__(
+        self,
+        preset: str = "gpt2",
+        norm_placement: str = "pre",
+        norm_type: str = "layernorm",
+        residual_scale: float = 1.0,
+        block_size: int = 1024,
+        n_layer: int | None = None,
+        n_head: int | None = None,
+        n_embd: int | None = None,
+        vocab_size: int | None = None,
+        pad_vocab_multiple: int | None = None,
+        bias: bool | None = None,
+        dropout: float | None = None,
+        learning_rate: float = 6e-4,
+        min_lr: float = 6e-5,
+        warmup_steps: int = 2000,
+        lr_decay_steps: int | None = None,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        compile: bool = False,
+    ) -> None:
+        super().__init__()
+        for name, value in (("learning_rate", learning_rate), ("min_lr", min_lr), ("weight_decay", weight_decay)):
+            if not value >= 0:
+                raise ConfigError(f"{name}={value!r} is not allowed; it must be >= 0")
+        if min_lr > learning_rate:
+            raise ConfigError(f"min_lr={min_lr!r} is not allowed; it must be <= learning_rate={learning_rate!r}")
+        if warmup_steps < 0:
+            raise ConfigError(f"warmup_steps={warmup_steps!r} is not allowed; it must be >= 0")
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ConfigError(f"betas={tuple(betas)!r} is not allowed; each must be in [0, 1)")
+        self.save_hyperparameters()
+        self.config = GPTConfig.preset(
+            preset,
+            norm_placement=norm_placement,
+            norm_type=norm_type,
+            residual_scale=residual_scale,
+            block_size=block_size,
+            n_layer=n_layer,
+            n_head=n_head,
+            n_embd=n_embd,
+            vocab_size=vocab_size,
+            pad_vocab_multiple=pad_vocab_multiple,
+            bias=bias,
+            dropout=dropout,
+        )
+        self.model = GPT(self.config)
+        self.val_loss = MeanMetric()
+        self.test_loss = MeanMetric()
+        self.tokens_seen = 0
+        self._step_started: float | None = None
+
+    @override
+    def configure_model(self) -> None:
+        if self.hparams.compile and not getattr(self, "_compiled", False):
+            self.model.compile()  # in place: parameter and module names (hence hook names) stay as they are
+            self._compiled = True
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy in fp32 over all positions."""
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._step_started = time.perf_counter()
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch  # (B, T), (B, T)
+        loss = self.loss(self(x), y)
+        tokens = y.numel() * self.trainer.world_size
+        self.tokens_seen += tokens
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/tokens", float(self.tokens_seen))
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        return loss
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._step_started is not None:
+            elapsed = time.perf_counter() - self._step_started
+            x, _ = batch
+            self.log("train/tokens_per_s", x.numel() * self.trainer.world_size / max(elapsed, 1e-9))
+
+    def _eval_step(self, batch: tuple[torch.Tensor, torch.Tensor], metric: MeanMetric) -> torch.Tensor:
+        x, y = batch
+        loss = self.loss(self(x), y)
+        metric.update(loss, weight=y.numel())
+        return loss
+
+    @override
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self._eval_step(batch, self.val_loss)
+
+    @override
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self._eval_step(batch, self.test_loss)
+
+    def _log_eval(self, prefix: str, metric: MeanMetric) -> None:
+        loss = metric.compute()  # token-weighted mean over every batch of every rank
+        metric.reset()
+        self.log(f"{prefix}/loss", loss, prog_bar=True)
+        self.log(f"{prefix}/ppl", torch.exp(loss))
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        self._log_eval("val", self.val_loss)
+
+    @override
+    def on_test_epoch_end(self) -> None:
+        self._log_eval("test", self.test_loss)
+
+    def parameter_groups(self) -> list[dict[str, Any]]:
+        """AdamW groups: every ≥ 2-D weight (matrices, embeddings) decays; biases and norm gains do not."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        return [
+            {"params": decay, "weight_decay": self.hparams.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+
+    @override
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        # Fused AdamW unscales gradients itself, which Lightning's mixed-precision clipping refuses; with clipping
+        # on (the paper's setting) the multi-tensor foreach implementation is the fastest that composes with it.
+        clipping = bool(self._trainer is not None and self.trainer.gradient_clip_val)
+        kind = {"foreach": True} if clipping else {"fused": True}
+        optimizer = torch.optim.AdamW(
+            self.parameter_groups(), lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.eps, **kind
+        )
+        decay_steps = hp.lr_decay_steps
+        if decay_steps is None:
+            total = self.trainer.estimated_stepping_batches
+            decay_steps = int(total) if math.isfinite(total) else hp.warmup_steps + 1
+        warmup = max(1, hp.warmup_steps)
+
+        def scale(step: int) -> float:
+            lr = lr_at(step, max_lr=hp.learning_rate, min_lr=hp.min_lr, warmup_steps=warmup, decay_steps=decay_steps)
+            return lr / hp.learning_rate if hp.learning_rate > 0 else 0.0
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, scale)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["tokens_seen"] = self.tokens_seen
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.tokens_seen = int(checkpoint.get("tokens_seen", 0))
