@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -87,7 +85,9 @@ class GradientStatistics(Callback):
         self.params, self.layer_of = [], []
 
     @override
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
         step = trainer.global_step
         if step % self.every_n_steps or not self.params:
             return
@@ -107,4 +107,3 @@ class GradientStatistics(Callback):
         metrics["grad/norm/total"], metrics["weight/norm/total"] = values[-2], values[-1]
         self.last = metrics
         log_metrics(trainer, metrics, step)
-

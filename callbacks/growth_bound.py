@@ -121,7 +121,9 @@ class GrowthBoundMonitor(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.sites = auto_sites(pl_module, self.layer_pattern, self.module_types, self.embed_pattern, self.final_pattern)
+        self.sites = auto_sites(
+            pl_module, self.layer_pattern, self.module_types, self.embed_pattern, self.final_pattern
+        )
         layers = [s for s in self.sites if s.tag.startswith("L")]
         if not layers:
             rank_zero_warn(f"{type(self).__name__}: no layers found; nothing will be logged")
@@ -166,7 +168,9 @@ class GrowthBoundMonitor(Callback):
         return total
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.tap is not None and self.sites and trainer.global_step % self.every_n_steps == 0:
             self._captured, self._step = {}, trainer.global_step
             self.tap.active = True
@@ -234,4 +238,3 @@ class GrowthBoundMonitor(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.violations = int(state_dict["violations"])
-

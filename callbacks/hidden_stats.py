@@ -88,7 +88,8 @@ class HiddenStateStatistics(Callback):
         every_n_steps: Log on optimizer steps ``0, N, 2N, …``.
         layer_pattern: Regex searched in module names; its first group is the layer index (``L07``), a second one is
             appended (``L07_attn``). ``None``: lnstab's ``h.<i>.resid_(attn|mlp)`` modules, else every block
-            ``(h|layers|layer|blocks).<i>`` (Hugging Face GPT-2, ``nn.TransformerEncoder``). Tuple outputs: first tensor.
+            ``(h|layers|layer|blocks).<i>`` (Hugging Face GPT-2, ``nn.TransformerEncoder``). For tuple outputs
+            the first tensor is used.
         module_types: Module classes (or dotted paths) to watch instead of / besides ``layer_pattern``.
         embed_pattern: Regex of the module whose output is X_0 (``None`` to skip).
         final_pattern: Regex of the module whose *input* is the final-norm input (``None`` to skip).
@@ -145,7 +146,9 @@ class HiddenStateStatistics(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.sites = auto_sites(pl_module, self.layer_pattern, self.module_types, self.embed_pattern, self.final_pattern)
+        self.sites = auto_sites(
+            pl_module, self.layer_pattern, self.module_types, self.embed_pattern, self.final_pattern
+        )
         if not self.sites:
             rank_zero_warn(f"{type(self).__name__}: no module matched; nothing will be logged")
         self.tap = Tap(self.sites, self._capture)
@@ -181,7 +184,9 @@ class HiddenStateStatistics(Callback):
             old[2] += parts[2]
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.tap is None:
             return
         step = trainer.global_step

@@ -13,10 +13,21 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from typing_extensions import override
 
-from ._sites import BLOCK_PATTERN, Site, check_positive_int, check_regex, find_sites, first_tensor, log_metrics, probe_input
+from ._sites import (
+    BLOCK_PATTERN,
+    Site,
+    check_positive_int,
+    check_regex,
+    find_sites,
+    first_tensor,
+    log_metrics,
+    probe_input,
+)
 
 
-def spectral_norm(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, n_iter: int, seed: int = 0) -> torch.Tensor:
+def spectral_norm(
+    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, n_iter: int, seed: int = 0
+) -> torch.Tensor:
     """Largest singular value of the Jacobian of ``fn`` at ``x`` (``fn`` maps a tensor to one of the same size).
 
     Power iteration on ``JᵀJ`` with ``torch.func.jvp`` (``Jv``) and ``torch.func.vjp`` (``Jᵀu``); the estimate is the
@@ -118,7 +129,9 @@ class JacobianSensitivity(Callback):
         self.blocks = []
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.probe is None:
             self.probe = probe_input(batch, self.probe_size)
         step = trainer.global_step

@@ -1,0 +1,55 @@
+"""A TensorBoard custom-scalars layout: each statistic one chart, one line per layer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_only
+from typing_extensions import override
+
+from ._sites import tensorboard_writer
+
+CHARTS: dict[str, list[str]] = {
+    "hidden": ["hidden/mean_abs", "hidden/var_entry", "hidden/var_data", "hidden/max_abs"],
+    "grad": ["grad/norm", "weight/norm"],
+    "jacobian": ["jacobian/residual", "jacobian/sensitivity", "jacobian/act_scale"],
+    "bound": ["bound/ma", "bound/var", "bound/slack", "bound/violations"],
+    "growth": ["growth/linear", "growth/exp"],
+    "divergence": ["divergence/events"],
+}
+
+
+def stability_layout() -> dict[str, dict[str, list[Any]]]:
+    """The layout for ``SummaryWriter.add_custom_scalars``: category → chart → ``["Multiline", [regex]]``."""
+    return {
+        category: {chart: ["Multiline", [rf"^{chart}(/.*|_.*)?$"]] for chart in charts}
+        for category, charts in CHARTS.items()
+    }
+
+
+class StabilityLayout(Callback):
+    """Adds :func:`stability_layout` to the TensorBoard run once, in ``setup`` (no-op without a TensorBoardLogger).
+
+    **Logged metrics**: none (a layout in the TensorBoard *Custom Scalars* tab).
+
+    Example::
+
+        trainer = Trainer(logger=TensorBoardLogger("runs"), callbacks=[StabilityLayout(), HiddenStateStatistics()])
+    """
+
+    def __init__(self) -> None:
+        self.added = False
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if not self.added:
+            self._add(trainer)
+            self.added = True
+
+    @rank_zero_only
+    def _add(self, trainer: pl.Trainer) -> None:
+        writer = tensorboard_writer(trainer)
+        if writer is not None:
+            writer.add_custom_scalars(stability_layout())
