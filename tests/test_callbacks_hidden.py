@@ -1,0 +1,148 @@
+"""HiddenStateStatistics: values equal a direct computation on the captured tensors; files, hooks, state, args."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from test_callbacks_helpers import StepClock, direct_stats, lit, loader, record_outputs, trainer
+
+from lnstab.callbacks import HiddenStateStatistics, StabilityLayout
+from lnstab.callbacks.hidden_stats import STATS
+
+GPT_TAGS = ["embed", "L00_attn", "L00_mlp", "L01_attn", "L01_mlp", "final"]
+
+
+def test_statistics_equal_direct_computation(tmp_path):
+    module = lit("gpt")
+    clock = StepClock()
+    outputs, remove_out = record_outputs(module, r"transformer\.(drop|h\.\d+\.resid_(attn|mlp))$", clock)
+    inputs, remove_in = record_outputs(module, r"transformer\.ln_f$", clock, use_input=True)
+    callback = HiddenStateStatistics(every_n_steps=2)
+    trainer(tmp_path, [clock, callback], max_steps=5).fit(module, loader())
+    remove_out(), remove_in()
+
+    assert callback.tags == GPT_TAGS
+    assert callback.steps == [0, 2, 4]
+    names = {
+        "embed": "model.transformer.drop",
+        "final": "model.transformer.ln_f",
+        **{f"L{i:02d}_{k}": f"model.transformer.h.{i}.resid_{k}" for i in range(2) for k in ("attn", "mlp")},
+    }
+    for k, step in enumerate(callback.steps):
+        for tag, name in names.items():
+            store = inputs if tag == "final" else outputs
+            expected = direct_stats(store[(step, name)])
+            for stat in STATS:
+                assert callback.values[stat][tag][k] == pytest.approx(expected[stat], rel=1e-6, abs=1e-9), (stat, tag)
+    # Peri-LN: the final-norm input is the last residual output; activations grow along depth at init
+    assert callback.values["mean_abs"]["final"] == pytest.approx(callback.values["mean_abs"]["L01_mlp"])
+    assert callback.values["var_data"]["embed"][0] > 0
+
+
+def test_only_logging_steps_capture(tmp_path):
+    module = lit("gpt")
+    calls = []
+    callback = HiddenStateStatistics(every_n_steps=3)
+    original = callback._capture
+    callback._capture = lambda i, x: (calls.append(i), original(i, x))
+    trainer(tmp_path, [callback], max_steps=7).fit(module, loader(n=32))
+    assert callback.steps == [0, 3, 6]
+    assert len(calls) == 3 * len(GPT_TAGS)  # hooks did nothing on the other 4 steps
+
+
+def test_series_file_tensorboard_scalars_heatmap_and_layout(tmp_path):
+    module = lit("gpt")
+    callback = HiddenStateStatistics(every_n_steps=1)
+    t = trainer(tmp_path, [StabilityLayout(), callback], max_steps=3, tensorboard=True)
+    t.fit(module, loader())
+    series = json.loads((tmp_path / "tb" / "version_0" / "hidden_stats.json").read_text())
+    assert series["tags"] == GPT_TAGS and series["steps"] == [0, 1, 2]
+    assert series["stats"]["max_abs"]["L01_mlp"] == pytest.approx(callback.values["max_abs"]["L01_mlp"])
+    events = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"images": 0, "scalars": 0})
+    events.Reload()
+    tags = events.Tags()
+    assert "hidden/mean_abs/L00_attn" in tags["scalars"] and "hidden/var_data/final" in tags["scalars"]
+    assert [e.step for e in events.Scalars("hidden/max_abs/embed")] == [0, 1, 2]
+    assert {f"hidden/heatmap/{s}" for s in STATS} <= set(tags["images"])
+    layout = events.PluginTagToContent("custom_scalars")
+    assert layout, "StabilityLayout wrote no custom-scalars layout"
+
+
+def test_hooks_removed_in_teardown(tmp_path):
+    module = lit("gpt")
+    callback = HiddenStateStatistics(every_n_steps=1)
+    trainer(tmp_path, [callback], max_steps=1).fit(module, loader())
+    assert callback.tap is None
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in module.modules())
+
+
+def test_gradient_accumulation_pools_micro_batches(tmp_path):
+    module = lit("gpt", lr=0.0)  # nothing changes, so the pooled step equals one forward on both halves
+    callback = HiddenStateStatistics(every_n_steps=1)
+    trainer(tmp_path, [callback], max_steps=1, accumulate_grad_batches=2).fit(module, loader(batch_size=2))
+    x = loader(batch_size=4).dataset.tensors[0][:4]
+    clock = StepClock()
+    store, remove = record_outputs(module, r"h\.1\.resid_mlp$", clock)
+    module.eval()(x)
+    remove()
+    expected = direct_stats(store[(-1, "model.transformer.h.1.resid_mlp")])
+    for stat in STATS:
+        assert callback.values[stat]["L01_mlp"][0] == pytest.approx(expected[stat], rel=1e-5)
+
+
+def test_state_dict_round_trip(tmp_path):
+    callback = HiddenStateStatistics(every_n_steps=1)
+    trainer(tmp_path, [callback], max_steps=2).fit(lit("gpt"), loader())
+    restored = HiddenStateStatistics(every_n_steps=1)
+    restored.load_state_dict(callback.state_dict())
+    assert restored.steps == [0, 1] and restored.values == callback.values
+    assert restored.state_key == callback.state_key != HiddenStateStatistics(every_n_steps=5).state_key
+
+
+def test_foreign_model_selected_by_regex_and_type(tmp_path):
+    callback = HiddenStateStatistics(every_n_steps=1, layer_pattern=r"hf\.transformer\.h\.(\d+)$")
+    by_type = HiddenStateStatistics(every_n_steps=1, module_types="torch.nn.TransformerEncoderLayer")
+    trainer(tmp_path, [callback], max_steps=1).fit(lit("hf"), loader())
+    trainer(tmp_path, [by_type], max_steps=1).fit(lit("encoder"), loader())
+    assert callback.tags == ["embed", "L00", "L01", "final"]
+    assert by_type.tags == ["L00", "L01"]
+    assert all(v[0] > 0 for v in by_type.values["mean_abs"].values())
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"every_n_steps": 0}, "every_n_steps=0"),
+        ({"layer_pattern": "h.(\\d+"}, "layer_pattern="),
+        ({"module_types": "torch.nn.NoSuchLayer"}, "module_types="),
+        ({"series_file": "a/b.json"}, "series_file="),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        HiddenStateStatistics(**kwargs)
+
+
+def test_reduce_is_exact_for_split_batches():
+    """Sums, not averages: pooling two halves reproduces the full batch (what DDP's all-reduce does)."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 5, 4) * 3 + 1
+    callback = HiddenStateStatistics(every_n_steps=1)
+    callback.sites = [None]
+    callback._buffers = [None]
+    callback._capture(0, x[:2])
+    callback._capture(0, x[2:])
+    table = callback.reduce(trainer_stub())
+    expected = direct_stats(x)
+    for row, stat in zip(table[:, 0].tolist(), STATS, strict=True):
+        assert row == pytest.approx(expected[stat], rel=1e-9)
+
+
+def trainer_stub():
+    class Stub:
+        world_size = 1
+
+    return Stub()
