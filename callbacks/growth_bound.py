@@ -105,6 +105,7 @@ class GrowthBoundMonitor(Callback):
         self.tap: Tap | None = None
         self._captured: dict[int, torch.Tensor] = {}
         self._step: int | None = None
+        self._gsum: torch.Tensor | float | None = None
 
     @property
     @override
@@ -173,6 +174,7 @@ class GrowthBoundMonitor(Callback):
     ) -> None:
         if self.tap is not None and self.sites and trainer.global_step % self.every_n_steps == 0:
             self._captured, self._step = {}, trainer.global_step
+            self._gsum = self.growth_sum() if self.norms else None  # the γ, β of this forward, before the update
             self.tap.active = True
 
     @override
@@ -193,7 +195,8 @@ class GrowthBoundMonitor(Callback):
         ma_depth = torch.stack([captured[i][0].sum() for i in layer_ids])  # (sites,) sums over the batch
         b = torch.tensor(float(x0.shape[1]), device=x0.device)
         if self.norms:
-            bound = x0[1] + self.growth_sum()  # (B,) RMS(X_0) + S
+            gsum = self._gsum if self._gsum is not None else self.growth_sum()
+            bound = x0[1] + gsum  # (B,) RMS(X_0) + S
             tol = self.tolerance
             violations = (xd[0] > bound * (1 + tol)).sum() + (xd[2] > bound.square() * (1 + tol)).sum()
             sums = torch.cat([ma_depth, torch.stack([b, bound.sum(), xd[0].sum(), bound.square().sum(), xd[2].sum()])])

@@ -118,16 +118,20 @@ def record_outputs(
     """Keep a copy of every output (or first input) of modules matching ``pattern``, keyed ``(step, name)``."""
     store: dict[tuple[int, str], torch.Tensor] = {}
     handles = []
+
+    def keep(name: str, x: torch.Tensor) -> None:  # returns None: the hooks never replace inputs or outputs
+        store.setdefault((clock.step, name), x.detach().clone())
+
     for name, module in root.named_modules():
         if re.search(pattern, name):
             if use_input:
-                hook = lambda m, a, name=name: store.setdefault((clock.step, name), a[0].detach().clone())  # noqa: E731
-                handles.append(module.register_forward_pre_hook(hook))
+                handles.append(module.register_forward_pre_hook(lambda m, a, name=name: keep(name, a[0])))
             else:
-                hook = lambda m, a, o, name=name: store.setdefault(  # noqa: E731
-                    (clock.step, name), (o[0] if isinstance(o, tuple) else o).detach().clone()
+                handles.append(
+                    module.register_forward_hook(
+                        lambda m, a, o, name=name: keep(name, o[0] if isinstance(o, tuple) else o)
+                    )
                 )
-                handles.append(module.register_forward_hook(hook))
     return store, lambda: [h.remove() for h in handles]
 
 

@@ -1,0 +1,135 @@
+"""GrowthBoundMonitor: Theorem 4's MA bound and the variance bound hold on Peri-LN, fail when broken; growth fits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from lnstab.callbacks import GrowthBoundMonitor
+from lnstab.callbacks.growth_bound import fit_line
+from test_callbacks_helpers import StepClock, lit, loader, record_outputs, trainer
+
+
+def manual_bound(module, x0: torch.Tensor, dt: float) -> torch.Tensor:
+    """RMS(X_0) + Σ Δt·(γmax + βmax) per sequence, from the model's output norms."""
+    total = 0.0
+    for name, m in module.named_modules():
+        if name.endswith(("ln_1_out", "ln_2_out")) and isinstance(m, torch.nn.LayerNorm | torch.nn.RMSNorm):
+            beta = m.bias.abs().max().item() if getattr(m, "bias", None) is not None else 0.0
+            total += dt * (m.weight.abs().max().item() + beta)
+    return x0.reshape(x0.shape[0], -1).square().mean(1).sqrt() + total
+
+
+@pytest.mark.parametrize(
+    "gpt",
+    [
+        {},
+        {"residual_scale": 0.3, "norm_type": "rmsnorm"},
+        {"bias": False, "n_layer": 4},
+    ],
+)
+def test_bound_holds_on_random_and_briefly_trained_peri(tmp_path, gpt):
+    module = lit("gpt", gpt=gpt, lr=3e-2)  # a large learning rate moves γ, β away from 1, 0 within a few steps
+    clock = StepClock()
+    store, remove = record_outputs(module, r"transformer\.drop$", clock)
+    finals, remove_f = record_outputs(module, r"transformer\.ln_f$", clock, use_input=True)
+    callback = GrowthBoundMonitor(every_n_steps=1)
+    snapshots = []
+
+    class Snapshot(StepClock):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            snapshots.append(manual_bound(pl_module, torch.zeros(1, 1), gpt.get("residual_scale", 1.0)).item())
+
+    trainer(tmp_path, [clock, Snapshot(), callback], max_steps=8).fit(module, loader(n=32))
+    remove(), remove_f()
+    assert callback.violations == 0
+    assert callback.last["bound/violations"] == 0
+    assert callback.last["bound/slack"] > 0 and callback.last["bound/var_slack"] > 0
+    assert callback.last["bound/var_final"] <= callback.last["bound/var_bound"]
+    assert snapshots[-1] != pytest.approx(snapshots[0]), snapshots  # γ/β really changed during training
+    # the logged bound at the last step equals the direct evaluation from X_0 and the live γ, β
+    step = 7
+    x0 = store[(step, "model.transformer.drop")]
+    bound = x0.reshape(x0.shape[0], -1).square().mean(1).sqrt() + snapshots[step]
+    assert callback.last["bound/ma_bound"] == pytest.approx(bound.mean().item(), rel=1e-5)
+    xd = finals[(step, "model.transformer.ln_f")]
+    ma = xd.reshape(xd.shape[0], -1).abs().mean(1)
+    assert callback.last["bound/ma_final"] == pytest.approx(ma.mean().item(), rel=1e-5)
+    assert callback.last["bound/slack"] == pytest.approx((bound - ma).min().item(), rel=1e-4)
+
+
+def test_violation_counted_when_an_update_is_scaled_past_the_bound(tmp_path):
+    module = lit("gpt")
+    last = module.model.transformer.h[1].resid_mlp
+    last.register_forward_hook(lambda m, a, out: out * 100.0)
+    callback = GrowthBoundMonitor(every_n_steps=2)
+    trainer(tmp_path, [callback], max_steps=3).fit(module, loader())
+    # 2 logging steps × 4 sequences × (MA bound + variance bound)
+    assert callback.violations == 16
+    assert callback.last["bound/violations"] == 16
+    assert callback.last["bound/slack"] < 0
+
+
+def test_violation_when_bound_uses_a_smaller_step_than_the_model():
+    """A bound computed with Δt too small for a model whose updates use Δt = 1 is violated."""
+    module = lit("gpt", gpt={"n_layer": 4})
+    with torch.no_grad():
+        for name, m in module.named_modules():
+            if name.endswith(("ln_1_out", "ln_2_out")):
+                m.weight.fill_(3.0)  # big, aligned updates
+                m.bias.fill_(3.0)
+    callback = GrowthBoundMonitor(every_n_steps=1, residual_scale=0.01)
+    callback.setup(None, module, "fit")
+    callback.tap.active = True
+    module(torch.randint(0, 100, (4, 16)))
+    captured = callback._captured
+    callback._evaluate(type("T", (), {"world_size": 1, "loggers": []})(), captured, 0)
+    assert callback.violations > 0
+
+
+def test_growth_law_fits():
+    depth = [0.0, 0.5, 1.0, 1.5, 2.0]
+    slope, r2 = fit_line(depth, [1 + 3 * d for d in depth])
+    assert slope == pytest.approx(3.0) and r2 == pytest.approx(1.0)
+    rate, r2 = fit_line(depth, [math.log(2.0**d) for d in depth])
+    assert rate == pytest.approx(math.log(2.0)) and r2 == pytest.approx(1.0)
+    _, r2_noisy = fit_line(depth, [1.0, 3.0, 1.5, 4.0, 2.0])
+    assert 0 <= r2_noisy < 0.9
+    assert math.isnan(fit_line([0.0], [1.0])[0])
+
+
+@pytest.mark.parametrize("placement", ["pre", "post", "none"])
+def test_growth_logged_for_every_placement_without_bound(tmp_path, placement):
+    module = lit("gpt", gpt={"placement": placement, "n_layer": 4})
+    clock = StepClock()
+    store, remove = record_outputs(module, r"transformer\.(drop|h\.\d+\.resid_(attn|mlp))$", clock)
+    callback = GrowthBoundMonitor(every_n_steps=1)
+    trainer(tmp_path, [clock, callback], max_steps=1).fit(module, loader())
+    remove()
+    assert "bound/ma_bound" not in callback.last
+    names = ["model.transformer.drop"] + [
+        f"model.transformer.h.{i}.resid_{k}" for i in range(4) for k in ("attn", "mlp")
+    ]
+    ma = [store[(0, n)].abs().mean().item() for n in names]
+    depth = [k / 2 for k in range(len(names))]
+    slope, r2 = fit_line(depth, ma)
+    rate, r2_exp = fit_line(depth, [math.log(v) for v in ma])
+    assert callback.last["growth/linear_slope"] == pytest.approx(slope, rel=1e-4, abs=1e-5 * max(ma))
+    assert callback.last["growth/linear_r2"] == pytest.approx(r2, rel=1e-3, abs=1e-3)
+    assert callback.last["growth/exp_rate"] == pytest.approx(rate, rel=1e-4, abs=1e-5)
+    assert callback.last["growth/exp_r2"] == pytest.approx(r2_exp, rel=1e-3, abs=1e-3)
+
+
+def test_state_dict_round_trip_and_arguments():
+    callback = GrowthBoundMonitor()
+    callback.violations = 7
+    restored = GrowthBoundMonitor()
+    restored.load_state_dict(callback.state_dict())
+    assert restored.violations == 7
+    with pytest.raises(ValueError, match="residual_scale=-1"):
+        GrowthBoundMonitor(residual_scale=-1)
+    with pytest.raises(ValueError, match="every_n_steps="):
+        GrowthBoundMonitor(every_n_steps="10")
+    with pytest.raises(ValueError, match="tolerance="):
+        GrowthBoundMonitor(tolerance=2)
