@@ -58,8 +58,9 @@ class DivergenceMonitor(Callback):
     Because ``stop``/``skip`` never apply a non-finite update, the weights stay finite and a ``last`` checkpoint
     is a finite one; should weights be non-finite anyway (``continue``), ``on_save_checkpoint`` raises
     :class:`NonFiniteCheckpointError` so no such checkpoint is written. Events go to ``divergence_events.jsonl``
-    in the run directory as they happen; the run's ``summary.json`` gets ``status`` (``completed`` or
-    ``diverged``), ``diverged_step`` and ``divergence_events``.
+    in the run directory as they happen; the run's ``summary.json`` gets ``status`` (``diverged`` when the
+    ``stop`` policy acted or the weights became non-finite, ``failed`` on an exception, else ``completed``),
+    ``diverged_step`` and ``divergence_events``.
 
     Args:
         policy: ``stop``, ``skip`` or ``continue``.
@@ -211,7 +212,7 @@ class DivergenceMonitor(Callback):
             new.append(self._event(step, "remote", math.nan))
         self._record(trainer, new, step)
         self._acted = act and self.policy != "continue"
-        if act and self.diverged_step is None:
+        if act and self.policy == "stop" and self.diverged_step is None:
             self.diverged_step = step
         if self._acted:  # drop the update: the optimizer skips parameters without gradients
             optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,156 @@
+"""DivergenceMonitor: a NaN injected at a known step and layer is reported there, and each policy acts."""
+
+from __future__ import annotations
+
+import json
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lnstab.callbacks import DivergenceMonitor, NonFiniteCheckpointError
+from lnstab.callbacks._io import read_summary
+from test_callbacks_helpers import StepClock, lit, loader, trainer
+
+NAN_STEP = 3
+
+
+def inject_nan(module, clock: StepClock, layer: int = 1, step: int = NAN_STEP) -> None:
+    """Make ``h.<layer>.resid_attn`` return NaN on one step (registered before the monitor's hooks)."""
+    target = module.model.transformer.h[layer].resid_attn
+    target.register_forward_hook(lambda m, a, out: out * float("nan") if clock.step == step else None)
+
+
+class ParamWatch(pl.Callback):
+    """Copies of the weights before and after each step."""
+
+    def __init__(self) -> None:
+        self.before: dict[int, list[torch.Tensor]] = {}
+        self.after: dict[int, list[torch.Tensor]] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.before[trainer.global_step] = [p.detach().clone() for p in pl_module.parameters()]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.after[trainer.global_step - 1] = [p.detach().clone() for p in pl_module.parameters()]
+
+
+def unchanged(watch: ParamWatch, step: int) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(watch.before[step], watch.after[step], strict=True))
+
+
+def run_dir(tmp_path):
+    return tmp_path / "csv" / "version_0"
+
+
+def test_stop_reports_step_and_layer_and_stops(tmp_path):
+    module, clock, watch = lit("gpt"), StepClock(), ParamWatch()
+    inject_nan(module, clock)
+    monitor = DivergenceMonitor(policy="stop")
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1)
+    t = trainer(tmp_path, [clock, watch, monitor, checkpoint], max_steps=10, enable_checkpointing=True)
+    t.fit(module, loader(n=64))
+    kinds = {e["kind"]: e for e in monitor.events}
+    assert {"nonfinite_loss", "nonfinite_activation", "nonfinite_grad"} <= set(kinds)
+    assert all(e["step"] == NAN_STEP for e in monitor.events)
+    assert kinds["nonfinite_activation"]["layer"] == "L01_attn"  # the first site that went non-finite
+    assert t.global_step == NAN_STEP + 1  # stopped on the step it happened
+    assert unchanged(watch, NAN_STEP)  # the NaN update was dropped
+    summary = read_summary(run_dir(tmp_path))
+    assert summary["status"] == "diverged" and summary["diverged_step"] == NAN_STEP
+    assert summary["divergence_events"] == len(monitor.events)
+    lines = (run_dir(tmp_path) / "divergence_events.jsonl").read_text().splitlines()
+    assert [json.loads(line)["kind"] for line in lines] == [e["kind"] for e in monitor.events]
+    last = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    assert all(torch.isfinite(v).all() for v in last["state_dict"].values())
+
+
+def test_skip_drops_only_that_update_and_continues(tmp_path):
+    module, clock, watch = lit("gpt"), StepClock(), ParamWatch()
+    inject_nan(module, clock)
+    monitor = DivergenceMonitor(policy="skip")
+    t = trainer(tmp_path, [clock, watch, monitor], max_steps=6)
+    t.fit(module, loader(n=64))
+    assert t.global_step == 6
+    assert unchanged(watch, NAN_STEP)
+    assert not unchanged(watch, NAN_STEP - 1) and not unchanged(watch, NAN_STEP + 1)
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    assert {e["step"] for e in monitor.events} == {NAN_STEP}
+    assert read_summary(run_dir(tmp_path))["status"] == "completed"
+
+
+def test_continue_keeps_going_and_never_saves_nonfinite_last(tmp_path):
+    module, clock = lit("gpt"), StepClock()
+    inject_nan(module, clock)
+    monitor = DivergenceMonitor(policy="continue")
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1)
+    t = trainer(tmp_path, [clock, monitor, checkpoint], max_steps=6, enable_checkpointing=True)
+    with pytest.raises(NonFiniteCheckpointError, match=f"step {NAN_STEP + 1}"):
+        t.fit(module, loader(n=64))
+    kinds = [(e["step"], e["kind"]) for e in monitor.events]
+    assert (NAN_STEP, "nonfinite_loss") in kinds and (NAN_STEP, "nonfinite_param") in kinds
+    last = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    assert last["global_step"] == NAN_STEP
+    assert all(torch.isfinite(v).all() for v in last["state_dict"].values())
+    assert read_summary(run_dir(tmp_path))["status"] == "failed"
+
+
+def test_continue_without_checkpoints_runs_to_the_end(tmp_path):
+    module, clock = lit("gpt"), StepClock()
+    inject_nan(module, clock)
+    monitor = DivergenceMonitor(policy="continue")
+    t = trainer(tmp_path, [clock, monitor], max_steps=6)
+    t.fit(module, loader(n=64))
+    assert t.global_step == 6
+    summary = read_summary(run_dir(tmp_path))
+    assert summary["status"] == "diverged" and summary["diverged_step"] == NAN_STEP
+
+
+def test_loss_spike_and_grad_explosion(tmp_path):
+    module = lit("gpt", loss_scale_at={14: 50.0}, lr=1e-4)
+    monitor = DivergenceMonitor(policy="continue", window=10, spike_k=6.0, grad_norm_threshold=1e3)
+    trainer(tmp_path, [monitor], max_steps=16).fit(module, loader(n=64))
+    kinds = [(e["step"], e["kind"]) for e in monitor.events]
+    assert (14, "loss_spike") in kinds
+    assert all(step == 14 for step, _ in kinds)
+    tiny = DivergenceMonitor(policy="skip", grad_norm_threshold=1e-9)
+    watch = ParamWatch()
+    trainer(tmp_path / "b", [watch, tiny], max_steps=2).fit(lit("gpt"), loader())
+    assert [e["kind"] for e in tiny.events] == ["grad_explosion", "grad_explosion"]
+    assert unchanged(watch, 0) and unchanged(watch, 1)
+
+
+def test_activation_overflow_risk(tmp_path):
+    module = lit("gpt")
+    module.model.transformer.h[0].resid_mlp.register_forward_hook(lambda m, a, out: out * 1e37)
+    monitor = DivergenceMonitor(policy="continue", overflow_fraction=0.01, track_activations=True)
+    trainer(tmp_path, [monitor], max_steps=1).fit(module, loader())
+    overflow = [e for e in monitor.events if e["kind"] == "activation_overflow"]
+    assert overflow and overflow[0]["layer"] == "L00_mlp" and overflow[0]["step"] == 0
+
+
+def test_clean_run_completes_and_state_round_trips(tmp_path):
+    monitor = DivergenceMonitor()
+    trainer(tmp_path, [monitor], max_steps=3).fit(lit("gpt"), loader())
+    assert monitor.events == []
+    assert read_summary(run_dir(tmp_path))["status"] == "completed"
+    restored = DivergenceMonitor()
+    monitor.events.append({"step": 1, "kind": "loss_spike", "value": 9.0, "layer": None})
+    restored.load_state_dict(monitor.state_dict())
+    assert restored.events == monitor.events and list(restored.losses) == list(monitor.losses)
+    assert len(restored.losses) == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"policy": "abort"}, "policy='abort'.*stop, skip, continue"),
+        ({"window": 0}, "window=0"),
+        ({"overflow_fraction": 2}, "overflow_fraction=2"),
+        ({"fatal_kinds": ["nan"]}, "fatal_kinds='nan'"),
+        ({"grad_norm_threshold": -1.0}, "grad_norm_threshold=-1.0"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DivergenceMonitor(**kwargs)
