@@ -63,11 +63,12 @@ class SyntheticDataModule(pl.LightningDataModule):
         successors = torch.randint(0, vocab_size, (vocab_size, branching), generator=g)
         g = torch.Generator().manual_seed(seed)
         choice = torch.randint(0, branching, (n,), generator=g)
-        out = torch.empty(n, dtype=torch.long)
-        out[0] = 0
+        succ, ch = successors.tolist(), choice.tolist()  # plain ints: ~50x faster than tensor indexing
+        out = [0] * n
+        prev = 0
         for i in range(1, n):
-            out[i] = successors[out[i - 1], choice[i]]
-        return out
+            prev = out[i] = succ[prev][ch[i]]
+        return torch.tensor(out, dtype=torch.long)
 
     def setup(self, stage: str | None = None) -> None:
         hp = self.hparams

@@ -1,0 +1,292 @@
+"""``OpenWebTextDataModule``: the paper's OpenWebText (GPT-2 BPE) from the hub, local files, prepared bins or a
+synthetic stream, packed into ``block_size + 1`` windows, sharded over ranks x workers, resumable to the batch."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from lnstab.datamodules.packing import ArrayWindows, DocumentStream, ShardPlan
+from lnstab.datamodules.prepare import head_documents
+from lnstab.datamodules.prepared import read_meta, verify_split
+from lnstab.datamodules.synthetic import SyntheticDataModule, TokenWindows
+from lnstab.datamodules.text import (
+    DEFAULT_HF_CONFIG,
+    DEFAULT_HF_DATASET,
+    DEFAULT_HF_REVISION,
+    SOURCES,
+    DataError,
+    DocTokenizer,
+    TextSpec,
+    hub_reachable,
+)
+from torch.utils.data import DataLoader, IterableDataset
+
+log = logging.getLogger(__name__)
+STATE_VERSION = 1
+QUICKSTART_DATASET = "stas/openwebtext-10k"
+
+
+class OpenWebTextDataModule(pl.LightningDataModule):
+    """OpenWebText (or any text) as GPT-2 tokens in ``(x, y)`` windows of ``block_size``.
+
+    Sources (``source``):
+
+    - ``hf``: stream ``dataset`` / ``dataset_config`` / ``revision`` / ``data_files`` from the hub (or a local
+      dataset directory) through ``datasets.load_dataset(..., streaming=True)``; fails in seconds when offline.
+    - ``files``: stream local ``.txt`` / ``.jsonl`` / ``.json`` / ``.parquet`` (gzip too) named by ``path``.
+    - ``prepared``: ``path`` is a directory written by ``lnstab prepare`` (``train.bin``, ``val.bin``, ``meta.json``).
+    - ``synthetic``: a seeded Markov token stream (no text), for smoke runs and benchmarks.
+    - ``auto``: ``files`` if ``path`` is set, else ``hf`` with ``stas/openwebtext-10k`` if the hub is reachable, else
+      ``synthetic`` with a one-line warning.
+
+    The source actually used is stored as hyperparameter ``resolved_source`` (``source`` keeps what was asked).
+    For ``hf``/``files`` the first documents holding ``val_tokens`` tokens are the validation set and training reads
+    the rest; for ``prepared`` validation is ``val.bin`` (its first ``val_tokens`` tokens if set).
+
+    Args:
+        block_size: Tokens per window (linked to ``model.block_size``).
+        batch_size: Windows per batch, per rank.
+        source: ``hf``, ``files``, ``prepared``, ``synthetic`` or ``auto``.
+        path: ``files``: file/dir/glob/comma list; ``prepared``: the prepared directory.
+        dataset: ``hf``: dataset id or local dataset directory.
+        dataset_config: ``hf``: config name.
+        revision: ``hf``: git revision.
+        data_files: ``hf``: ``data_files`` within the dataset.
+        text_field: Column holding the text.
+        split: Input split to read (``hf``/``files``).
+        val_tokens: Validation tokens (streamed sources: held out from the head; ``None``: 1,048,576; prepared:
+            ``None`` = all of ``val.bin``).
+        tokenizer: tiktoken encoding name (``gpt2`` works offline).
+        tokenizer_threads: Threads per reader for tokenization.
+        num_workers: DataLoader workers per rank.
+        seed: Seed of the window order (``prepared``/``synthetic``) and of the synthetic stream.
+        synthetic_tokens: Length of the synthetic training stream.
+        synthetic_vocab_size: Token ids of the synthetic stream lie in ``[0, synthetic_vocab_size)``.
+        verify_checksums: Check the sha256 of prepared files in ``setup`` (sizes are always checked).
+
+    Raises:
+        DataError: In ``__init__`` for invalid options; in ``setup`` for missing/empty/corrupt data, a missing
+            text field, an unreachable hub, or data shorter than one batch of windows.
+
+    Example::
+
+        dm = OpenWebTextDataModule(block_size=128, batch_size=8, source="files", path="owt.jsonl.gz",
+                                   val_tokens=65536)
+        dm.setup("fit")
+        x, y = next(iter(dm.train_dataloader()))  # (8, 128) each; y is x shifted by one token
+    """
+
+    def __init__(
+        self,
+        block_size: int = 1024,
+        batch_size: int = 32,
+        source: str = "prepared",
+        path: str | None = None,
+        dataset: str = DEFAULT_HF_DATASET,
+        dataset_config: str | None = DEFAULT_HF_CONFIG,
+        revision: str | None = DEFAULT_HF_REVISION,
+        data_files: str | list[str] | None = None,
+        text_field: str = "text",
+        split: str = "train",
+        val_tokens: int | None = None,
+        tokenizer: str = "gpt2",
+        tokenizer_threads: int = 4,
+        num_workers: int = 2,
+        seed: int = 1337,
+        synthetic_tokens: int = 1_000_000,
+        synthetic_vocab_size: int = 50257,
+        verify_checksums: bool = True,
+    ) -> None:
+        super().__init__()
+        if source not in SOURCES:
+            raise DataError(f"--data.source {source!r} is not allowed; allowed: {', '.join(SOURCES)}")
+        for name, value, low in (
+            ("block_size", block_size, 1),
+            ("batch_size", batch_size, 1),
+            ("num_workers", num_workers, 0),
+            ("tokenizer_threads", tokenizer_threads, 1),
+            ("synthetic_tokens", synthetic_tokens, 2),
+            ("synthetic_vocab_size", synthetic_vocab_size, 2),
+        ):
+            if not isinstance(value, int) or value < low:
+                raise DataError(f"--data.{name} {value!r} is not allowed; it must be an integer >= {low}")
+        if val_tokens is not None and val_tokens < 1:
+            raise DataError(f"--data.val_tokens {val_tokens!r} is not allowed; it must be >= 1 or null")
+        if source in ("files", "prepared") and not path:
+            raise DataError(f"--data.path is required with --data.source {source}")
+        self.save_hyperparameters()
+        self.hparams["resolved_source"] = None if source == "auto" else source
+        self.batches_consumed = 0  # training batches this rank took (the checkpointed position)
+        self._val: torch.Tensor | None = None
+        self._val_docs = 0
+        self._train: IterableDataset | None = None
+
+    # ------------------------------------------------------------------ source resolution and setup
+    def resolve_source(self) -> str:
+        """The source to use (``auto`` decided once: path -> files, hub -> stas/openwebtext-10k, else synthetic)."""
+        hp = self.hparams
+        if hp.resolved_source is None:
+            if hp.path:
+                resolved = "files"
+            elif hub_reachable(QUICKSTART_DATASET, DEFAULT_HF_REVISION):
+                resolved = "hf"
+                hp.dataset, hp.dataset_config, hp.revision = QUICKSTART_DATASET, DEFAULT_HF_CONFIG, DEFAULT_HF_REVISION
+            else:
+                resolved = "synthetic"
+                logging.getLogger("lightning.pytorch").warning(
+                    "lnstab data: no --data.path and the Hugging Face hub is unreachable; training on the SYNTHETIC "
+                    "token stream (recorded as resolved_source=synthetic), not on text"
+                )
+            hp.resolved_source = resolved
+        return hp.resolved_source
+
+    def text_spec(self) -> TextSpec:
+        """The :class:`TextSpec` of the ``hf``/``files`` source."""
+        hp = self.hparams
+        return TextSpec(
+            self.resolve_source(),
+            hp.path,
+            hp.dataset,
+            hp.dataset_config,
+            hp.revision,
+            hp.data_files,
+            hp.text_field,
+            hp.split,
+        )
+
+    def setup(self, stage: str | None = None) -> None:
+        """Resolve the source, check the data, build the validation tokens (all ranks, deterministic)."""
+        if self._val is not None:
+            return
+        hp, source = self.hparams, self.resolve_source()
+        window = hp.block_size + 1
+        if source == "synthetic":
+            n = hp.synthetic_tokens
+            val_n = hp.val_tokens or max(window, n // 10)
+            self._synthetic = SyntheticDataModule.markov_stream(n, hp.synthetic_vocab_size, hp.seed, 0).numpy()
+            self._val = SyntheticDataModule.markov_stream(val_n, hp.synthetic_vocab_size, hp.seed + 1, 0)
+        elif source == "prepared":
+            meta = read_meta(hp.path)
+            self._meta = meta
+            for split in ("train", "val"):
+                verify_split(hp.path, meta, split, checksum=hp.verify_checksums)
+            val = np.memmap(os.path.join(hp.path, meta["splits"]["val"]["file"]), dtype=meta["dtype"], mode="r")
+            self._val = torch.from_numpy(np.asarray(val[: hp.val_tokens] if hp.val_tokens else val, dtype=np.int64))
+        else:
+            tok = DocTokenizer(hp.tokenizer, hp.tokenizer_threads)
+            self._val_docs, arrays = head_documents(self.text_spec(), tok, hp.val_tokens or 1 << 20)
+            self._val = torch.from_numpy(np.concatenate(arrays).astype(np.int64))
+        if self._val.numel() < window:
+            raise DataError(
+                f"--data.block_size {hp.block_size} is longer than the validation data ({self._val.numel()} tokens "
+                f"from source {source}); it must be <= {self._val.numel() - 1}"
+            )
+        rank_zero_info(f"lnstab data: source={source}, validation {self._val.numel()} tokens")
+
+    def validation_tokens(self) -> torch.Tensor:
+        """The validation stream, 1-D int64, documents separated by EOT 50256 (after ``setup``)."""
+        if self._val is None:
+            raise DataError("OpenWebTextDataModule.validation_tokens() needs setup('fit'|'validate'|'test') first")
+        return self._val
+
+    # ------------------------------------------------------------------ loaders
+    def shard_plan(self, rank: int | None = None, world_size: int | None = None) -> ShardPlan:
+        """This rank's :class:`ShardPlan` (rank/world from the trainer unless given)."""
+        trainer = self.trainer
+        rank = rank if rank is not None else (trainer.global_rank if trainer is not None else 0)
+        world_size = world_size if world_size is not None else (trainer.world_size if trainer is not None else 1)
+        return ShardPlan(rank, world_size, self.hparams.num_workers, self.batches_consumed)
+
+    def train_dataset(self, plan: ShardPlan | None = None, passes: int | None = None) -> IterableDataset:
+        """The training :class:`IterableDataset` of batches for ``plan`` (default: :meth:`shard_plan`)."""
+        self.setup("fit")
+        hp, plan = self.hparams, plan or self.shard_plan()
+        source = self.resolve_source()
+        if source == "synthetic":
+            return ArrayWindows(self._synthetic, hp.block_size, hp.batch_size, plan, hp.seed, passes=passes)
+        if source == "prepared":
+            path = os.path.join(hp.path, self._meta["splits"]["train"]["file"])
+            return ArrayWindows(None, hp.block_size, hp.batch_size, plan, hp.seed, path, self._meta["dtype"], passes)
+        return DocumentStream(
+            self.text_spec(),
+            hp.block_size,
+            hp.batch_size,
+            plan,
+            self._val_docs,
+            hp.tokenizer,
+            hp.tokenizer_threads,
+            passes,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Batches from :meth:`train_dataset`, continuing at the checkpointed position."""
+        return self._loader(self.train_dataset())
+
+    def _loader(self, ds: Any) -> DataLoader:
+        w = self.hparams.num_workers
+        return DataLoader(
+            ds, batch_size=None, num_workers=w, pin_memory=torch.cuda.is_available(), prefetch_factor=4 if w else None
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        """Deterministic consecutive windows of :meth:`validation_tokens` (stride ``block_size``)."""
+        self.setup("validate")
+        ds = TokenWindows(self._val, self.hparams.block_size)
+        return DataLoader(ds, batch_size=self.hparams.batch_size, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        """The validation windows."""
+        return self.val_dataloader()
+
+    # ------------------------------------------------------------------ position in the checkpoint
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Count the training batches the loop actually takes (not what workers prefetched)."""
+        trainer = self.trainer
+        if trainer is not None and trainer.training and not trainer.sanity_checking:
+            self.batches_consumed += 1
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"version", "source", "batches_consumed", "batch_size", "block_size", "num_workers", "world_size",
+        "seed", "val_documents"}``: enough to continue with exactly the next batch."""
+        hp, trainer = self.hparams, self.trainer
+        return {
+            "version": STATE_VERSION,
+            "source": hp.resolved_source,
+            "batches_consumed": self.batches_consumed,
+            "batch_size": hp.batch_size,
+            "block_size": hp.block_size,
+            "num_workers": hp.num_workers,
+            "world_size": trainer.world_size if trainer is not None else 1,
+            "seed": hp.seed,
+            "val_documents": self._val_docs,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue at ``state_dict['batches_consumed']``; the layout that decides the order must be unchanged.
+
+        Raises:
+            DataError: If source, batch/block size, workers, world size or seed differ from the checkpoint.
+        """
+        hp, trainer = self.hparams, self.trainer
+        now = {
+            "source": self.resolve_source(),
+            "batch_size": hp.batch_size,
+            "block_size": hp.block_size,
+            "num_workers": hp.num_workers,
+            "seed": hp.seed,
+            "world_size": trainer.world_size if trainer is not None else state_dict.get("world_size", 1),
+        }
+        for key, value in now.items():
+            if state_dict.get(key) != value:
+                raise DataError(
+                    f"--data.{key} {value!r} differs from the checkpoint's {state_dict.get(key)!r}; exact resumption "
+                    f"needs the same value"
+                )
+        self.batches_consumed = int(state_dict["batches_consumed"])

