@@ -13,13 +13,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-
 from lnstab.datamodules import DataError, OpenWebTextDataModule
 from lnstab.datamodules.packing import ShardPlan, pack_batches, windows_of
 from lnstab.datamodules.text import DocStats, TextSpec, iter_documents, open_text_stream
+
 from lnstab.tokenizer import EOT_TOKEN, gpt2_encoding
 
-os.environ["HF_HUB_OFFLINE"] = "1"
 SAMPLE = Path(
     os.environ.get(
         "LNSTAB_OWT_SAMPLE",
@@ -33,6 +32,11 @@ DOCS = [
     "short",
     "The quick brown fox jumps over the lazy dog. " * 20,
 ]
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
 def write_jsonl(path: Path, docs: list[str], field: str = "text", gz: bool = False) -> Path:
