@@ -142,11 +142,12 @@ def prepare(
         if progress.get("options") != options:
             raise DataError(f"--out {out} holds an unfinished prepare with other options; remove {partial} first")
         print(f"lnstab prepare: resuming in {partial}")
-    partial.mkdir(parents=True, exist_ok=True)
     tok = DocTokenizer(tokenizer, num_threads or os.cpu_count() or 1)
+    # open the source before creating anything under out, so bad input leaves no trace
+    ds = open_text_stream(spec, streaming=split_method == "head", cache_dir=cache_dir)
+    partial.mkdir(parents=True, exist_ok=True)
     stats = DocStats()
     if split_method == "nanogpt":
-        ds = open_text_stream(spec, streaming=False, cache_dir=cache_dir)
         parts = ds.train_test_split(test_size=test_size, seed=split_seed, shuffle=True)
         vstats = DocStats()
         for name, part, st in (("train", parts["train"], stats), ("val", parts["test"], vstats)):

@@ -1,0 +1,213 @@
+"""``lnstab prepare`` and the ``prepared`` source: same tokens as ``files``, nanoGPT's split, resume, corruption."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from lnstab.datamodules import DataError, OpenWebTextDataModule
+from lnstab.datamodules.packing import ShardPlan
+from lnstab.datamodules.prepare import prepare
+from lnstab.datamodules.prepared import sha256_file
+from lnstab.datamodules.text import DocTokenizer, TextSpec, open_text_stream
+from torch.utils.data import DataLoader
+
+from lnstab.cli import main as cli_main
+from lnstab.tokenizer import EOT_TOKEN, gpt2_encoding
+
+SAMPLE = Path(
+    os.environ.get(
+        "LNSTAB_OWT_SAMPLE",
+        Path(__file__).resolve().parents[1] / ".." / "shared/data/openwebtext/owt-sample-900.jsonl.gz",
+    )
+)
+needs_sample = pytest.mark.skipif(not SAMPLE.is_file(), reason=f"OpenWebText sample {SAMPLE} is absent")
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture
+def docs_file(tmp_path) -> tuple[Path, list[str]]:
+    rng = random.Random(1)
+    words = "red green blue cyan magenta yellow black white orange purple".split()
+    docs = [f"Doc {i}. " + " ".join(rng.choice(words) for _ in range(rng.randint(5, 60))) for i in range(80)]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    return path, docs
+
+
+def tokens_of(docs: list[str]) -> list[int]:
+    enc = gpt2_encoding()
+    return [t for d in docs for t in [*enc.encode_ordinary(d), EOT_TOKEN]]
+
+
+def read_bin(path: Path) -> np.ndarray:
+    return np.fromfile(path, dtype=np.uint16)
+
+
+@needs_sample
+def test_prepare_on_the_sample_gives_the_same_tokens_as_files(tmp_path):
+    out = tmp_path / "owt"
+    cli_main(["prepare", "--source", "files", "--path", str(SAMPLE), "--out", str(out), "--split-method", "head",
+              "--val-tokens", "20000", "--no-progress"])  # fmt: skip
+    meta = json.loads((out / "meta.json").read_text())
+    dm = OpenWebTextDataModule(block_size=64, batch_size=4, source="files", path=str(SAMPLE), val_tokens=20000)
+    dm.setup("fit")
+    val = read_bin(out / "val.bin")
+    assert val.astype(np.int64).tolist() == dm.validation_tokens().tolist()
+    stream = dm.train_dataset(ShardPlan(), passes=1)
+    train = np.concatenate(list(stream.shard_tokens(0, 1)))
+    assert np.array_equal(read_bin(out / "train.bin"), train)
+    assert meta["tokenizer"] == "gpt2" and meta["dtype"] == "uint16" and meta["eot"] == EOT_TOKEN
+    s = meta["splits"]
+    assert s["train"]["tokens"] == len(train) and s["val"]["tokens"] == len(val)
+    assert s["train"]["documents"] + s["val"]["documents"] == 900 - meta["blank_documents"]
+    assert s["train"]["documents"] == int((train == EOT_TOKEN).sum())
+    assert s["train"]["sha256"] == sha256_file(out / "train.bin") and not (out / ".partial").exists()
+
+
+def test_nanogpt_split_is_train_test_split_with_seed_2357(docs_file, tmp_path):
+    path, docs = docs_file
+    meta = prepare(TextSpec("files", str(path)), tmp_path / "p", test_size=0.25, show=False, cache_dir=tmp_path / "c")
+    ds = open_text_stream(TextSpec("files", str(path)), streaming=False, cache_dir=str(tmp_path / "c2"))
+    parts = ds.train_test_split(test_size=0.25, seed=2357, shuffle=True)  # what nanoGPT's prepare.py calls
+    assert read_bin(tmp_path / "p" / "val.bin").tolist() == tokens_of(parts["test"]["text"])
+    assert read_bin(tmp_path / "p" / "train.bin").tolist() == tokens_of(parts["train"]["text"])
+    assert meta["splits"]["val"]["documents"] == 20 and meta["split"] == {"method": "nanogpt", "test_size": 0.25,
+                                                                          "seed": 2357}  # fmt: skip
+    assert parts["test"]["text"] != docs[:20]  # shuffled, not the head
+
+
+def test_interrupted_prepare_resumes_to_identical_files(docs_file, tmp_path, monkeypatch):
+    path, _ = docs_file
+    spec = TextSpec("files", str(path))
+    prepare(spec, tmp_path / "ref", split_method="head", val_tokens=50, batch_docs=8, show=False)
+    calls = {"n": 0}
+    real = DocTokenizer.encode_flat
+
+    def flaky(self, texts):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return real(self, texts)
+
+    monkeypatch.setattr(DocTokenizer, "encode_flat", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(spec, tmp_path / "out", split_method="head", val_tokens=50, batch_docs=8, show=False)
+    assert not (tmp_path / "out" / "meta.json").exists() and not (tmp_path / "out" / "train.bin").exists()
+    progress = json.loads((tmp_path / "out" / ".partial" / "progress.json").read_text())
+    assert progress["train"]["documents"] == 16 and not progress["train"]["done"]
+    prepare(spec, tmp_path / "out", split_method="head", val_tokens=50, batch_docs=8, show=False)
+    for name in ("train.bin", "val.bin"):
+        assert sha256_file(tmp_path / "out" / name) == sha256_file(tmp_path / "ref" / name)
+
+
+def test_prepare_never_overwrites(docs_file, tmp_path, capsys):
+    path, _ = docs_file
+    spec = TextSpec("files", str(path))
+    out = tmp_path / "out"
+    prepare(spec, out, split_method="head", val_tokens=50, show=False)
+    before = {p.name: sha256_file(p) for p in out.iterdir()}
+    prepare(spec, out, split_method="head", val_tokens=50, show=False)  # same options: a no-op
+    assert "nothing to do" in capsys.readouterr().out
+    with pytest.raises(DataError, match="already holds prepared data from other options"):
+        prepare(spec, out, split_method="head", val_tokens=99, show=False)
+    assert {p.name: sha256_file(p) for p in out.iterdir()} == before
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "train.bin").write_bytes(b"keep me")
+    with pytest.raises(DataError, match="refusing to overwrite"):
+        prepare(spec, other, split_method="head", val_tokens=50, show=False)
+    assert (other / "train.bin").read_bytes() == b"keep me"
+
+
+@pytest.fixture
+def prepared_dir(docs_file, tmp_path) -> Path:
+    path, _ = docs_file
+    prepare(TextSpec("files", str(path)), tmp_path / "prep", split_method="head", val_tokens=50, show=False)
+    return tmp_path / "prep"
+
+
+def prepared_module(path: Path, **kw) -> OpenWebTextDataModule:
+    args = {"block_size": 8, "batch_size": 2, "source": "prepared", "path": str(path), "num_workers": 2}
+    return OpenWebTextDataModule(**{**args, **kw})
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_corrupt_prepared_file_is_a_one_line_error(prepared_dir, damage):
+    train = prepared_dir / "train.bin"
+    data = bytearray(train.read_bytes())
+    if damage == "truncate":
+        data = data[:-2]
+    else:
+        data[10] ^= 0xFF
+    train.write_bytes(bytes(data))
+    with pytest.raises(DataError) as e:
+        prepared_module(prepared_dir).setup("fit")
+    msg = str(e.value)
+    assert "\n" not in msg and "train.bin" in msg
+    assert ("truncated" in msg) if damage == "truncate" else ("sha256" in msg)
+    assert train.read_bytes() == bytes(data)  # nothing rewritten
+
+
+def test_prepared_missing_meta_and_block_size_too_long(prepared_dir, tmp_path):
+    with pytest.raises(DataError, match="has no meta.json"):
+        prepared_module(tmp_path).setup("fit")
+    dm = prepared_module(prepared_dir, block_size=4096)
+    with pytest.raises(DataError, match="block_size 4096 is longer than the validation data"):
+        dm.setup("fit")
+    dm = prepared_module(prepared_dir, block_size=8, batch_size=4096, val_tokens=20)
+    with pytest.raises(DataError, match="block_size=8 x batch_size=4096 is longer than the data"):
+        dm.train_dataset()
+
+
+def test_prepared_windows_are_disjoint_over_ranks_and_workers_and_resume(prepared_dir):
+    dm = prepared_module(prepared_dir)
+    dm.setup("fit")
+    train = read_bin(prepared_dir / "train.bin").astype(np.int64)
+    aligned = {tuple(train[o : o + 8].tolist()): o for o in range(0, len(train) - 8, 8)}
+    starts = []
+    for rank in range(2):
+        ds = dm.train_dataset(ShardPlan(rank, 2, 2, 0), passes=1)
+        for x, y in DataLoader(ds, batch_size=None, num_workers=2):
+            for xi, yi in zip(x, y, strict=True):
+                s = (
+                    int(
+                        np.flatnonzero([np.array_equal(train[o : o + 8], xi.numpy()) for o in range(0, len(train), 8)])[
+                            0
+                        ]
+                    )
+                    * 8
+                )
+                assert yi.tolist() == train[s + 1 : s + 9].tolist()
+                starts.append(s)
+    n_windows = (len(train) - 1) // 8
+    assert len(starts) == len(set(starts)) == n_windows // 4 // 2 * 2 * 4  # each reader: whole batches of its share
+    assert dm.validation_tokens().tolist() == read_bin(prepared_dir / "val.bin").tolist()
+    full = iter(dm.train_dataloader())
+    batches = [next(full) for _ in range(9)]
+    dm2 = prepared_module(prepared_dir)
+    dm2.load_state_dict(dm.state_dict() | {"batches_consumed": 5})
+    resumed = iter(dm2.train_dataloader())
+    for a, _ in batches[5:]:
+        assert torch.equal(a, next(resumed)[0])
+
+
+def test_cli_prepare_bad_input_exits_2_with_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["prepare", "--source", "files", "--path", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "missing.jsonl" in err and err.startswith("lnstab: error:")
+    with pytest.raises(SystemExit) as e:
+        cli_main(["prepare", "--source", "hf", "--out", str(tmp_path / "x")])
+    assert e.value.code == 2 and "HF_HUB_OFFLINE" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
