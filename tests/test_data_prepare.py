@@ -179,14 +179,7 @@ def test_prepared_windows_are_disjoint_over_ranks_and_workers_and_resume(prepare
         ds = dm.train_dataset(ShardPlan(rank, 2, 2, 0), passes=1)
         for x, y in DataLoader(ds, batch_size=None, num_workers=2):
             for xi, yi in zip(x, y, strict=True):
-                s = (
-                    int(
-                        np.flatnonzero([np.array_equal(train[o : o + 8], xi.numpy()) for o in range(0, len(train), 8)])[
-                            0
-                        ]
-                    )
-                    * 8
-                )
+                s = aligned[tuple(xi.tolist())]
                 assert yi.tolist() == train[s + 1 : s + 9].tolist()
                 starts.append(s)
     n_windows = (len(train) - 1) // 8
