@@ -1,0 +1,147 @@
+"""The Lightning module: schedule, decay groups, a short fit per placement, checkpoint round-trip and resume."""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lnstab.datamodules.synthetic import SyntheticDataModule
+from lnstab.errors import ConfigError
+from lnstab.model import NORM_PLACEMENTS
+from lnstab.module import GPTModule, lr_at
+
+VOCAB = 64
+
+
+def small_module(**overrides) -> GPTModule:
+    kwargs = dict(preset="tiny", vocab_size=VOCAB, block_size=32, learning_rate=3e-3, min_lr=3e-4, warmup_steps=5)
+    kwargs.update(overrides)
+    return GPTModule(**kwargs)
+
+
+def small_data(seed: int = 0) -> SyntheticDataModule:
+    return SyntheticDataModule(
+        block_size=32, batch_size=8, synthetic_vocab_size=VOCAB, train_tokens=20_000, val_tokens=2_000, seed=seed
+    )
+
+
+def trainer(tmp_path, **overrides) -> pl.Trainer:
+    kwargs = dict(
+        accelerator="cpu",
+        max_steps=40,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        gradient_clip_val=1.0,
+        limit_val_batches=4,
+        num_sanity_val_steps=0,
+    )
+    kwargs.update(overrides)
+    return pl.Trainer(**kwargs)
+
+
+def test_schedule_warms_up_linearly_then_follows_cosine_to_min_lr() -> None:
+    kw = dict(max_lr=1.0, min_lr=0.1, warmup_steps=10, decay_steps=110)
+    assert lr_at(0, **kw) == pytest.approx(0.1)
+    assert lr_at(9, **kw) == pytest.approx(1.0)
+    assert lr_at(10, **kw) == pytest.approx(1.0)
+    assert lr_at(60, **kw) == pytest.approx(0.1 + 0.5 * 0.9)  # half way down the cosine
+    assert lr_at(110, **kw) == pytest.approx(0.1) and lr_at(10_000, **kw) == pytest.approx(0.1)
+    values = [lr_at(s, **kw) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(values, values[1:], strict=False))
+
+
+def test_only_matrices_decay() -> None:
+    module = small_module(weight_decay=0.1)
+    decay, no_decay = module.parameter_groups()
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
+    n = sum(p.numel() for g in (decay, no_decay) for p in g["params"])
+    assert n == module.model.num_params()  # every parameter exactly once (the tied head not twice)
+
+
+# Δt per placement: with Δt = 1, 'output' adds a unit-variance branch to a 0.02-scale embedding at every half-step
+# and needs ~200 steps to move (measured: 4.18 -> 4.09 after 60 steps, 3.62 after 200); Δt = 0.1 trains at once.
+STEP_SIZES = {"pre": 1.0, "peri": 1.0, "post": 1.0, "output": 0.1, "none": 0.5}
+
+
+@pytest.mark.parametrize("placement", NORM_PLACEMENTS)
+def test_short_cpu_fit_lowers_the_loss(placement: str, tmp_path) -> None:
+    pl.seed_everything(0)
+    module = small_module(norm_placement=placement, residual_scale=STEP_SIZES[placement])
+    data = small_data()
+    data.setup("fit")
+    x, y = next(iter(data.val_dataloader()))
+    with torch.no_grad():
+        before = module.loss(module(x), y).item()
+    trainer(tmp_path, max_steps=60).fit(module, data)
+    with torch.no_grad():
+        after = module.loss(module(x), y).item()
+    assert before == pytest.approx(math.log(VOCAB), abs=0.3)
+    assert after < before - 0.25, (before, after)
+
+
+def test_logged_metrics_and_ppl(tmp_path) -> None:
+    module, data = small_module(), small_data()
+    t = trainer(tmp_path, max_steps=6, val_check_interval=6)
+    t.fit(module, data)
+    metrics = t.callback_metrics
+    for key in ("train/loss", "train/lr", "train/tokens", "train/tokens_per_s", "val/loss", "val/ppl"):
+        assert key in metrics, key
+    assert metrics["val/ppl"].item() == pytest.approx(math.exp(metrics["val/loss"].item()), rel=1e-5)
+    assert metrics["train/tokens"].item() == 6 * 8 * 32
+
+
+def same_batch_loader() -> torch.utils.data.DataLoader:
+    """Every batch identical, so this test checks model, optimizer and schedule state, not the data's position
+    (the data modules' own tests check that)."""
+    window = torch.randint(0, VOCAB, (33,), generator=torch.Generator().manual_seed(0))
+    pairs = torch.utils.data.TensorDataset(window[:-1].repeat(64, 1), window[1:].repeat(64, 1))
+    return torch.utils.data.DataLoader(pairs, batch_size=8)
+
+
+def test_checkpoint_round_trip_and_exact_resume(tmp_path) -> None:
+    # The interrupted run has the uninterrupted run's schedule: the decay horizon is fixed, not max_steps of each leg.
+    pl.seed_everything(0)
+    full = small_module(lr_decay_steps=12)
+    trainer(tmp_path / "a", max_steps=12).fit(full, same_batch_loader())
+
+    pl.seed_everything(0)
+    first = small_module(lr_decay_steps=12)
+    t = trainer(tmp_path / "b", max_steps=6)
+    t.fit(first, same_batch_loader())
+    ckpt = tmp_path / "half.ckpt"
+    t.save_checkpoint(ckpt)
+
+    loaded = GPTModule.load_from_checkpoint(ckpt)
+    x = torch.randint(0, VOCAB, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), first(x), rtol=0, atol=0)
+    assert loaded.config == first.config
+
+    pl.seed_everything(0)
+    resumed = small_module(lr_decay_steps=12)
+    trainer(tmp_path / "c", max_steps=12).fit(resumed, same_batch_loader(), ckpt_path=ckpt)
+    assert resumed.tokens_seen == full.tokens_seen == 12 * 8 * 32
+    for (name, a), (_, b) in zip(full.state_dict().items(), resumed.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(learning_rate=-1.0), "learning_rate=-1.0"),
+        (dict(min_lr=1.0, learning_rate=0.1), "min_lr=1.0"),
+        (dict(betas=(0.9, 1.5)), "betas="),
+        (dict(warmup_steps=-3), "warmup_steps=-3"),
+        (dict(preset="gpt7"), "preset='gpt7'"),
+    ],
+)
+def test_bad_hyperparameters_are_refused(overrides: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        small_module(**overrides)
