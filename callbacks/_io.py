@@ -15,8 +15,17 @@ SUMMARY_FILE = "summary.json"
 
 
 def run_dir(trainer: pl.Trainer) -> Path:
-    """The run's directory: the logger's ``log_dir`` where there is one, else ``trainer.default_root_dir``."""
-    return Path(trainer.log_dir or trainer.default_root_dir)
+    """The run's directory: the logger's ``log_dir`` where there is one, else ``trainer.default_root_dir``.
+
+    Same rule as ``trainer.log_dir`` but without its ``strategy.broadcast``: this is called from rank-zero-only
+    code, where a collective would hang (or crash) the other ranks.
+    """
+    if trainer.loggers:
+        logger = trainer.loggers[0]
+        directory = getattr(logger, "log_dir", None) or logger.save_dir
+        if directory:
+            return Path(directory)
+    return Path(trainer.default_root_dir)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

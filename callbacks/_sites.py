@@ -8,7 +8,8 @@ module type. Tags sort in depth order: ``embed``, ``L00_attn``, ``L00_mlp``, ``L
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,6 +118,19 @@ def first_tensor(obj: Any) -> torch.Tensor | None:
     return None
 
 
+_PAUSED = [0]
+
+
+@contextmanager
+def paused_taps() -> Iterator[None]:
+    """Every :class:`Tap` ignores forwards inside this block (e.g. the Jacobian probe's extra passes)."""
+    _PAUSED[0] += 1
+    try:
+        yield
+    finally:
+        _PAUSED[0] -= 1
+
+
 class Tap:
     """Forward hooks on ``sites`` that call ``fn(index, tensor)`` only while :attr:`active`; no-ops otherwise."""
 
@@ -133,14 +147,14 @@ class Tap:
 
     def _hook(self, i: int) -> Callable:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if self.active and (x := first_tensor(output)) is not None:
+            if self.active and not _PAUSED[0] and (x := first_tensor(output)) is not None:
                 self.fn(i, x.detach())
 
         return hook
 
     def _pre_hook(self, i: int) -> Callable:
         def hook(module: nn.Module, args: Any) -> None:
-            if self.active and (x := first_tensor(args)) is not None:
+            if self.active and not _PAUSED[0] and (x := first_tensor(args)) is not None:
                 self.fn(i, x.detach())
 
         return hook

@@ -21,6 +21,7 @@ from ._sites import (
     find_sites,
     first_tensor,
     log_metrics,
+    paused_taps,
     probe_input,
 )
 
@@ -140,7 +141,11 @@ class JacobianSensitivity(Callback):
             log_metrics(trainer, self.last, step)
 
     def measure(self, pl_module: nn.Module) -> dict[str, float]:
-        """All three metrics of every block on the probe (one host sync)."""
+        """All three metrics of every block on the probe (one host sync); other instruments' hooks are paused."""
+        with paused_taps():
+            return self._measure(pl_module)
+
+    def _measure(self, pl_module: nn.Module) -> dict[str, float]:
         inputs: dict[int, tuple[tuple, dict]] = {}
 
         def keep(i: int) -> Callable:

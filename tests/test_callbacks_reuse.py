@@ -1,0 +1,124 @@
+"""Every callback runs unchanged on lnstab's GPT, Hugging Face GPT-2 and nn.TransformerEncoder, and under DDP."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from lnstab.callbacks import (
+    DivergenceMonitor,
+    GradientStatistics,
+    GrowthBoundMonitor,
+    HiddenStateStatistics,
+    JacobianSensitivity,
+    StabilityLayout,
+    stability_layout,
+)
+from lnstab.callbacks._io import read_summary
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from test_callbacks_helpers import LitLM, gpt, lit, loader, tokens, trainer
+from torch.utils.data import DataLoader, DistributedSampler
+
+EXPECTED_HIDDEN = {
+    "gpt": ["embed", "L00_attn", "L00_mlp", "L01_attn", "L01_mlp", "final"],
+    "hf": ["embed", "L00", "L01", "final"],
+    "encoder": ["L00", "L01"],
+}
+
+
+def all_callbacks(every: int = 1) -> list:
+    return [
+        StabilityLayout(),
+        HiddenStateStatistics(every_n_steps=every),
+        GrowthBoundMonitor(every_n_steps=every),
+        GradientStatistics(every_n_steps=every),
+        JacobianSensitivity(every_n_steps=2, n_iter=3),
+        DivergenceMonitor(),
+    ]
+
+
+@pytest.mark.parametrize("kind", ["gpt", "hf", "encoder"])
+def test_every_callback_runs_unchanged(tmp_path, kind):
+    callbacks = all_callbacks()
+    t = trainer(tmp_path, callbacks, max_steps=3, tensorboard=True)
+    t.fit(lit(kind), loader())
+    log_dir = tmp_path / "tb" / "version_0"
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    hidden = callbacks[1]
+    assert hidden.tags == EXPECTED_HIDDEN[kind]
+    assert {f"hidden/{s}/{tag}" for s in ("mean_abs", "var_entry", "var_data", "max_abs") for tag in hidden.tags} <= (
+        scalars
+    )
+    assert {"grad/norm/L00", "grad/norm/L01", "weight/norm/L01", "grad/norm/total"} <= scalars
+    assert {f"jacobian/{k}/L01" for k in ("residual", "sensitivity", "act_scale")} <= scalars
+    assert [e.step for e in events.Scalars("jacobian/residual/L00")] == [0, 2]
+    assert {"growth/linear_slope", "growth/linear_r2", "growth/exp_rate", "growth/exp_r2"} <= scalars
+    assert ("bound/violations" in scalars) == (kind == "gpt")  # only lnstab's Peri-LN has the output norms
+    assert all(math.isfinite(v) for v in callbacks[2].last.values())
+    for key, value in callbacks[4].last.items():  # ‖I + J_f‖ ≥ ‖J_f‖ − 1 and both are positive
+        assert value > 0, key
+    assert callbacks[5].events == []
+    assert read_summary(log_dir)["status"] == "completed"
+    assert events.PluginTagToContent("custom_scalars")
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in t.lightning_module.modules())
+
+
+def test_layout_charts_each_statistic_per_layer():
+    layout = stability_layout()
+    chart = layout["hidden"]["hidden/mean_abs"]
+    assert chart[0] == "Multiline"
+    assert re.match(chart[1][0], "hidden/mean_abs/L07_attn") and not re.match(chart[1][0], "hidden/max_abs/L07")
+    assert re.match(layout["bound"]["bound/ma"][1][0], "bound/ma_bound")
+
+
+class ShardedLM(LitLM):
+    """Global batch 8 of a fixed sequence: one process takes all 8, each of 2 ranks takes every other sequence."""
+
+    def train_dataloader(self) -> DataLoader:
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        sampler = DistributedSampler(tokens(16), num_replicas=world, rank=rank, shuffle=False)
+        return DataLoader(tokens(16), batch_size=8 // world, sampler=sampler)
+
+
+def fit_hidden(tmp_path, name: str, **kwargs) -> dict:
+    """Train 3 steps on 16 sequences; return the HiddenStateStatistics series the run wrote."""
+    from lightning.pytorch import Trainer
+
+    callbacks = [
+        HiddenStateStatistics(every_n_steps=1),
+        GrowthBoundMonitor(every_n_steps=1),
+        GradientStatistics(every_n_steps=1),
+        DivergenceMonitor(),
+    ]
+    t = Trainer(
+        accelerator="cpu",
+        logger=CSVLogger(tmp_path, name=name, version=0),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        max_steps=3,
+        callbacks=callbacks,
+        use_distributed_sampler=False,
+        **kwargs,
+    )
+    torch.manual_seed(0)
+    t.fit(ShardedLM(gpt()))
+    return json.loads((tmp_path / name / "version_0" / "hidden_stats.json").read_text())
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_equal_one_process_on_the_full_batch(tmp_path):
+    torch.set_num_threads(1)
+    single = fit_hidden(tmp_path, "single", devices=1)
+    ddp = fit_hidden(tmp_path, "ddp", devices=2, strategy="ddp_spawn")  # each rank: half of the same batch
+    assert ddp["tags"] == single["tags"] and ddp["steps"] == single["steps"] == [0, 1, 2]
+    for stat, by_tag in single["stats"].items():
+        for tag, values in by_tag.items():
+            assert ddp["stats"][stat][tag] == pytest.approx(values, rel=1e-5, abs=1e-7), (stat, tag)
+    assert read_summary(tmp_path / "ddp" / "version_0")["status"] == "completed"
