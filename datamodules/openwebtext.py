@@ -103,6 +103,7 @@ class OpenWebTextDataModule(pl.LightningDataModule):
         synthetic_vocab_size: int = 50257,
         verify_checksums: bool = True,
     ) -> None:
+        args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__()
         if source not in SOURCES:
             raise DataError(f"--data.source {source!r} is not allowed; allowed: {', '.join(SOURCES)}")
@@ -120,31 +121,33 @@ class OpenWebTextDataModule(pl.LightningDataModule):
             raise DataError(f"--data.val_tokens {val_tokens!r} is not allowed; it must be >= 1 or null")
         if source in ("files", "prepared") and not path:
             raise DataError(f"--data.path is required with --data.source {source}")
-        self.save_hyperparameters()
-        self.hparams["resolved_source"] = None if source == "auto" else source
+        args["resolved_source"] = source
+        if source == "auto":  # decided here so the logged hyperparameters name the source actually used
+            args.update(self.resolve_auto(path))
+        self.save_hyperparameters(args)
         self.batches_consumed = 0  # training batches this rank took (the checkpointed position)
         self._val: torch.Tensor | None = None
         self._val_docs = 0
         self._train: IterableDataset | None = None
 
     # ------------------------------------------------------------------ source resolution and setup
+    @staticmethod
+    def resolve_auto(path: str | None) -> dict[str, Any]:
+        """Hyperparameters for ``source: auto``: path -> ``files``; hub -> ``stas/openwebtext-10k``; else synthetic."""
+        if path:
+            return {"resolved_source": "files"}
+        if hub_reachable(QUICKSTART_DATASET, DEFAULT_HF_REVISION):
+            return {"resolved_source": "hf", "dataset": QUICKSTART_DATASET, "dataset_config": DEFAULT_HF_CONFIG,
+                    "revision": DEFAULT_HF_REVISION}  # fmt: skip
+        logging.getLogger("lightning.pytorch").warning(
+            "lnstab data: no --data.path and the Hugging Face hub is unreachable; training on the SYNTHETIC "
+            "token stream (recorded as resolved_source=synthetic), not on text"
+        )
+        return {"resolved_source": "synthetic"}
+
     def resolve_source(self) -> str:
-        """The source to use (``auto`` decided once: path -> files, hub -> stas/openwebtext-10k, else synthetic)."""
-        hp = self.hparams
-        if hp.resolved_source is None:
-            if hp.path:
-                resolved = "files"
-            elif hub_reachable(QUICKSTART_DATASET, DEFAULT_HF_REVISION):
-                resolved = "hf"
-                hp.dataset, hp.dataset_config, hp.revision = QUICKSTART_DATASET, DEFAULT_HF_CONFIG, DEFAULT_HF_REVISION
-            else:
-                resolved = "synthetic"
-                logging.getLogger("lightning.pytorch").warning(
-                    "lnstab data: no --data.path and the Hugging Face hub is unreachable; training on the SYNTHETIC "
-                    "token stream (recorded as resolved_source=synthetic), not on text"
-                )
-            hp.resolved_source = resolved
-        return hp.resolved_source
+        """The source in use (``auto`` resolved in ``__init__``)."""
+        return self.hparams.resolved_source
 
     def text_spec(self) -> TextSpec:
         """The :class:`TextSpec` of the ``hf``/``files`` source."""

@@ -52,9 +52,9 @@ class SyntheticDataModule(pl.LightningDataModule):
         val_tokens: int = 20_000,
         seed: int = 1234,
     ) -> None:
+        args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__()
-        self.save_hyperparameters()
-        self.hparams["source"] = "synthetic"
+        self.save_hyperparameters({**args, "source": "synthetic"})  # in hparams_initial, so the logger records it
 
     @staticmethod
     def markov_stream(n: int, vocab_size: int, seed: int, chain_seed: int, branching: int = 4) -> torch.Tensor:

@@ -227,10 +227,10 @@ def test_hf_offline_fails_fast_in_one_line():
 def test_auto_without_path_or_hub_falls_back_to_labelled_synthetic(tmp_path):
     dm = OpenWebTextDataModule(source="auto", block_size=16, batch_size=2, synthetic_tokens=5000, num_workers=0)
     dm.setup("fit")
-    assert dm.hparams.source == "auto" and dm.hparams.resolved_source == "synthetic"
+    assert dm.hparams.source == "auto" and dm.hparams_initial["resolved_source"] == "synthetic"  # what loggers save
     x, y = next(iter(dm.train_dataloader()))
     assert x.shape == (2, 16) and torch.equal(x[:, 1:], y[:, :-1])
     f = write_jsonl(tmp_path / "d.jsonl", DOCS)
     dm = OpenWebTextDataModule(source="auto", path=str(f), block_size=16, val_tokens=1, num_workers=0)
     dm.setup("fit")
-    assert dm.hparams.resolved_source == "files"
+    assert dm.hparams_initial["resolved_source"] == "files"
