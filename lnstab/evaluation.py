@@ -185,6 +185,7 @@ def evaluate_model(
     greedy: bool = True,
     temperature: float = 1.0,
     top_k: int | None = None,
+    eot_token: int | None = EOT_TOKEN,
     bertscore_model: str | None = None,
     bertscore_layers: int = text_metrics.DEFAULT_BERTSCORE_LAYERS,
     bertscore_batch_size: int = 64,
@@ -206,6 +207,7 @@ def evaluate_model(
         block_size: ``teacher_forced`` window length (``None``: the model's ``config.block_size``).
         prompt_tokens, new_tokens: ``generation`` prompt and continuation lengths (sum ≤ block_size).
         greedy, temperature, top_k: ``generation`` decoding (greedy argmax, or sampling).
+        eot_token: Document separator that ``generation`` windows avoid (``None``: the stream is one document).
         bertscore_model: Model directory or hub name (``None``: the shipped all-MiniLM-L6-v2 directory).
         bertscore_layers: Layer whose embeddings BERTScore uses (6 for MiniLM; 17 for ``roberta-large``).
         bertscore_batch_size, bertscore_device: BERTScore batching and device (``None``: cuda if available).
@@ -236,7 +238,7 @@ def evaluate_model(
         if not greedy and not temperature > 0:
             raise LNStabError(f"temperature={temperature!r} is not allowed; it must be > 0 (or greedy=True)")
     bs_model = text_metrics.resolve_bertscore_model(bertscore_model)  # a missing directory fails on every rank
-    starts = select_windows(val_tokens, protocol, n_samples, seed, window)
+    starts = select_windows(val_tokens, protocol, n_samples, seed, window, eot_token)
     # Load the BERTScore model before the model runs, so a bad model fails fast; rank 0 decides for all.
     error = None
     if rank == 0:
