@@ -172,6 +172,19 @@ def bench_loader(sample: Path, tokens: np.ndarray, tmp: Path, threads: int) -> f
     for name, r in rates.items():
         print(f"[3] loader {name:28s} {r / 1e3:9.1f} k tok/s  vs training step {need / 1e3:7.1f} k tok/s "
               f"-> ratio {r / need:8.1f} (goal >= 1.0)")  # fmt: skip
+    # paper shapes (block 1024 x batch 32 per rank): rates to compare with a GPU's measured step rate
+    paper = {}
+    dm = OpenWebTextDataModule(block_size=1024, batch_size=32, source="prepared", path=str(prep), num_workers=2)
+    dm.setup("fit")
+    paper["prepared"] = loader_rate(dm, 200)
+    if sample.is_file():
+        dm = OpenWebTextDataModule(block_size=1024, batch_size=32, source="files", path=str(sample),
+                                   val_tokens=65536, num_workers=2, tokenizer_threads=threads)  # fmt: skip
+        dm.setup("fit")
+        paper["files (streamed)"] = loader_rate(dm, 120)
+    for name, r in paper.items():
+        print(f"[3] paper shapes, loader {name:17s} {r / 1e6:6.2f} M tok/s per rank (2 workers on this machine); "
+              f"compare with the GPU's tokens/s per rank")  # fmt: skip
     return worst
 
 
