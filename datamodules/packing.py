@@ -163,6 +163,8 @@ class DocumentStream(IterableDataset):
                     done -= 1
                     continue
                 yield to_batch(wins)
+            if done >= served > 0:  # passes repeat exactly: skip whole passes without tokenizing them again
+                done %= served
             if served == 0:
                 raise DataError(
                     f"block_size={self.block_size} x batch_size={self.batch_size} is longer than the data: reader "

@@ -75,12 +75,13 @@ def test_two_ranks_two_workers_cover_the_stream_without_duplicates_or_gaps(docs_
 
 
 @pytest.mark.parametrize("source", ["files", "synthetic"])
-@pytest.mark.parametrize("consumed", [3, 4])
+@pytest.mark.parametrize("consumed", [3, 4, 61])
 def test_resume_mid_pass_continues_with_identical_batches(docs_file, source, consumed):
     path, _ = docs_file
-    kw = {"synthetic_tokens": 400} if source == "synthetic" else {}
+    # readers get ~12 (synthetic) / ~25 (files) batches per pass, so consumed=61 skips whole passes
+    kw = {"synthetic_tokens": 400} if source == "synthetic" else {"batch_size": 8}
     dm = files_module(path, num_workers=2, source=source, **kw)
-    n_more = 25  # crosses the end of a pass (~14 batches per reader): passes repeat deterministically
+    n_more = 25  # crosses the end of a pass: passes repeat deterministically
 
     def take(module, start, n):
         module.batches_consumed = start
