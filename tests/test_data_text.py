@@ -234,3 +234,20 @@ def test_auto_without_path_or_hub_falls_back_to_labelled_synthetic(tmp_path):
     dm = OpenWebTextDataModule(source="auto", path=str(f), block_size=16, val_tokens=1, num_workers=0)
     dm.setup("fit")
     assert dm.hparams_initial["resolved_source"] == "files"
+
+
+def test_hf_source_of_the_datamodule_reads_a_local_dataset_repository_with_data_files(tmp_path):
+    pdir = tmp_path / "repo" / "plain_text"
+    pdir.mkdir(parents=True)
+    pq.write_table(pa.table({"text": DOCS, "id": list(range(len(DOCS)))}), pdir / "train-00000-of-00001.parquet")
+    (tmp_path / "repo" / "other.parquet").write_bytes(b"not parquet: must not be read")
+    dm = OpenWebTextDataModule(
+        source="hf", dataset=str(tmp_path / "repo"), data_files="plain_text/*.parquet", block_size=4, batch_size=2,
+        val_tokens=1, num_workers=0,
+    )  # fmt: skip
+    dm.setup("fit")
+    ref = reference_tokens(DOCS)
+    n0 = dm.validation_tokens().numel()
+    assert dm.validation_tokens().tolist() == ref[:n0].tolist()
+    x, y = next(iter(dm.train_dataset(ShardPlan(), passes=1)))
+    assert x[0].tolist() == ref[n0 : n0 + 4].tolist() and y[1].tolist() == ref[n0 + 5 : n0 + 9].tolist()
