@@ -18,6 +18,8 @@ from lnstab.evaluation import PROTOCOLS, eval_scalars, evaluate_model, write_eva
 class FinalEvaluation(Callback):
     """Evaluates the trained model once at the end of ``fit`` and of ``test`` (see :mod:`lnstab.evaluation`).
 
+    "End of fit" is ``on_train_end``, while the model is still on its device; BERTScore runs on rank zero's device.
+
     The validation stream comes from ``trainer.datamodule.validation_tokens()`` (the lnstab datamodule contract).
     Every rank runs its shard of the samples; results are gathered, so the scores equal a single-process run. Rank
     zero writes ``eval.json`` in the run directory (``eval-1.json``, … if one exists: nothing is overwritten), logs
@@ -107,7 +109,8 @@ class FinalEvaluation(Callback):
             )
 
     @override
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The last hook of fit before the strategy tears down (``on_fit_end`` runs after the model went to the CPU).
         if self.run_on["fit"]:
             self.evaluate(trainer, pl_module, "fit")
 
@@ -123,8 +126,9 @@ class FinalEvaluation(Callback):
         tokens = trainer.datamodule.validation_tokens()
         model = getattr(pl_module, "model", pl_module)
         distributed = trainer.world_size > 1
+        device = trainer.strategy.root_device
         result = evaluate_model(
-            model, tokens, **self.kwargs,
+            model, tokens, **self.kwargs, bertscore_device=str(device) if device.type == "cuda" else "cpu",
             rank=trainer.global_rank if distributed else 0, world_size=trainer.world_size if distributed else 1,
             forward_context=trainer.precision_plugin.forward_context,
         )

@@ -135,3 +135,23 @@ def test_cli_rejects_a_file_that_is_not_a_checkpoint(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
         cli(["evaluate", "--config", str(cfg), "--ckpt", str(bogus)])
     assert "is not a readable checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_callback_under_two_process_ddp_equals_single_process(tmp_path) -> None:
+    from lnstab.evaluation import evaluate_model
+
+    module, data = GPTModule(**MODEL), SyntheticDataModule(**DATA)
+    callback = FinalEvaluation(n_samples=5, batch_size=2, on_fit_end=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_spawn", logger=False, callbacks=[callback],
+        default_root_dir=tmp_path, enable_progress_bar=False, enable_model_summary=False, limit_test_batches=1,
+    )
+    trainer.test(module, data)
+    ddp = json.loads((tmp_path / "eval.json").read_text())
+    assert ddp["stage"] == "test" and ddp["settings"]["world_size"] == 2
+    assert sorted(p.name for p in tmp_path.glob("eval*.json")) == ["eval.json"]  # rank zero alone wrote
+    data.setup("test")
+    single = evaluate_model(module.model, data.validation_tokens(), n_samples=5, batch_size=2, rank=0, world_size=1)
+    single = json.loads(json.dumps(single))
+    assert ddp["samples"] == single["samples"] and ddp["metrics"] == single["metrics"]
