@@ -23,6 +23,21 @@ and batch ``b`` runs on rank ``b % world_size``, so each sample is computed in t
 sampling seed) whatever the world size. Ranks run the same number of batches (the short ones repeat one, result
 dropped) so sharded models stay in lockstep. Per-sample results are gathered (``all_gather_object``) and rank 0
 scores the texts in sample order, then broadcasts the result: a DDP run returns what one process returns.
+
+``eval.json`` (schema 1; :func:`write_eval_json`, never overwritten: ``eval-1.json``, … when taken)::
+
+    schema: 1                      protocol: "teacher_forced" | "generation"      n_samples: int
+    metrics:   {loss, ppl_exp_mean_loss, ppl_mean_seq, rouge1, rouge2, rougeL,
+                bertscore_precision, bertscore_recall, bertscore_f1}            (means over samples)
+    bertscore: {model: directory or hub name, name: short name, num_layers}
+    rouge:     {types: [rouge1, rouge2, rougeL], measure: fmeasure, use_stemmer: true}
+    tokenizer: "gpt2"
+    settings:  {n_samples, seed, batch_size, world_size, window_tokens, block_size, prompt_tokens,
+                new_tokens, greedy, temperature, top_k}                          (null where not used)
+    samples:   [{index, start, loss, prompt (generation only), prediction, reference,
+                 rouge1, rouge2, rougeL, bertscore_precision, bertscore_recall, bertscore_f1}, …]
+    + from FinalEvaluation: stage ("fit" | "test"), global_step
+    + from ``lnstab evaluate``: stage "evaluate", checkpoint, config (list), global_step
 """
 
 from __future__ import annotations
@@ -284,6 +299,7 @@ def evaluate_model(
             "temperature": temperature if protocol == "generation" and not greedy else None,
             "top_k": top_k if protocol == "generation" and not greedy else None,
         }
+        result["samples"] = result.pop("samples")  # last in the file, after the settings
     return _broadcast(result, world_size)
 
 
@@ -317,6 +333,8 @@ def _score(
         "n_samples": len(samples),
         "metrics": {k: metrics[k] for k in METRICS},
         "bertscore": text_metrics.bertscore_model_id(bs_model, layers),
+        "rouge": {"types": list(text_metrics.ROUGE_TYPES), "measure": "fmeasure", "use_stemmer": True},
+        "tokenizer": "gpt2",
         "samples": records,
     }
 

@@ -51,6 +51,9 @@ def test_callback_writes_eval_json_after_fit_and_test(run) -> None:
     assert rec["stage"] == "fit" and rec["global_step"] == 3 and rec["protocol"] == "teacher_forced"
     assert rec["n_samples"] == 4 and len(rec["samples"]) == 4
     assert set(rec["metrics"]) == set(METRICS)
+    assert list(rec) == ["schema", "protocol", "n_samples", "metrics", "bertscore", "rouge", "tokenizer", "settings",
+                         "samples", "stage", "global_step"]
+    assert rec["rouge"]["use_stemmer"] is True and rec["settings"]["seed"] == 1337
     assert rec["bertscore"]["num_layers"] == 6 and "minilm" in rec["bertscore"]["name"]
     assert {"prediction", "reference", "loss", "start", "rouge1", "bertscore_f1"} <= set(rec["samples"][0])
     test = json.loads((run["dir"] / "eval-1.json").read_text())  # the test stage did not overwrite eval.json
