@@ -254,6 +254,12 @@ def evaluate_model(
             raise LNStabError(f"temperature={temperature!r} is not allowed; it must be > 0 (or greedy=True)")
     bs_model = text_metrics.resolve_bertscore_model(bertscore_model)  # a missing directory fails on every rank
     starts = select_windows(val_tokens, protocol, n_samples, seed, window, eot_token)
+    val = val_tokens.cpu().long()
+    if int(val.max()) >= cfg.vocab_size or int(val.min()) < 0:
+        bad = int(val.max()) if int(val.max()) >= cfg.vocab_size else int(val.min())
+        raise LNStabError(
+            f"validation tokens hold id {bad}, which is not allowed; ids must be in [0, vocab_size={cfg.vocab_size})"
+        )
     # Load the BERTScore model before the model runs, so a bad model fails fast; rank 0 decides for all.
     error = None
     if rank == 0:
@@ -265,7 +271,6 @@ def evaluate_model(
     if error is not None:
         raise LNStabError(error)
 
-    val = val_tokens.cpu().long()
     windows = torch.stack([val[s : s + window] for s in starts.tolist()])  # (n, L)
     n_batches = math.ceil(n_samples / batch_size)
     mine = list(range(rank, n_batches, world_size))

@@ -141,6 +141,12 @@ def test_bad_input_is_one_line_error(kwargs, match) -> None:
     assert "\n" not in str(info.value)
 
 
+def test_token_ids_beyond_the_model_vocabulary_are_an_error() -> None:
+    model = GPT(GPTConfig.preset("tiny", vocab_size=100, block_size=16))
+    with pytest.raises(LNStabError, match=r"validation tokens hold id 150, .* \[0, vocab_size=100\)"):
+        evaluate_model(model, torch.tensor([1, 2, 150] * 20), n_samples=2)
+
+
 def test_too_few_tokens_is_zero_samples_error() -> None:
     with pytest.raises(LNStabError, match="zero samples") as info:
         evaluate_model(tiny_model(), torch.arange(10), n_samples=3)
