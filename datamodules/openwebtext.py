@@ -3,6 +3,7 @@ synthetic stream, packed into ``block_size + 1`` windows, sharded over ranks x w
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from typing import Any
@@ -24,6 +25,8 @@ from lnstab.datamodules.text import (
     DocTokenizer,
     TextSpec,
     hub_reachable,
+    iter_documents,
+    open_text_stream,
 )
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -225,7 +228,21 @@ class OpenWebTextDataModule(pl.LightningDataModule):
             hp.tokenizer,
             hp.tokenizer_threads,
             passes,
+            file_sharding=self.file_sharding_possible(plan.num_shards),
         )
+
+    def file_sharding_possible(self, num_shards: int) -> bool:
+        """Whether readers can take whole files: ``>= num_shards`` files, validation documents all in file 0."""
+        if num_shards < 2:
+            return False
+        if getattr(self, "_n_files", None) is None:
+            spec = self.text_spec()
+            stream = open_text_stream(spec)
+            self._n_files = stream.num_shards
+            first = stream.shard(self._n_files, 0, contiguous=True) if self._n_files > 1 else stream
+            docs = itertools.chain.from_iterable(iter_documents(first, spec, batch_docs=64))
+            self._file0_docs = sum(1 for _ in itertools.islice(docs, self._val_docs))
+        return self._n_files >= num_shards and self._n_files > 1 and self._file0_docs >= self._val_docs
 
     def train_dataloader(self) -> DataLoader:
         """Batches from :meth:`train_dataset`, continuing at the checkpointed position."""

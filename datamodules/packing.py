@@ -105,7 +105,7 @@ def pack_batches(token_chunks: Iterator[np.ndarray], block_size: int, batch_size
 
 
 class DocumentStream(IterableDataset):
-    """Training batches packed from a text stream (``hf`` or ``files``), sharded by document.
+    """Training batches packed from a text stream (``hf`` or ``files``), sharded by file or by document.
 
     Args:
         spec: The text source.
@@ -117,6 +117,10 @@ class DocumentStream(IterableDataset):
         tokenizer_threads: Threads per reader for ``encode_ordinary_batch``.
         passes: Passes over the data; ``None`` repeats forever (training ends at ``max_steps``).
         batch_docs: Documents tokenized together.
+        file_sharding: Give each reader whole files (``datasets``' ``IterableDataset.shard``, contiguous blocks) so
+            no reader downloads or parses another's data; needs at least ``num_shards`` files and all validation
+            documents in the first file. Otherwise every reader parses the stream and keeps document ``i`` when
+            ``i % num_shards`` is its shard.
     """
 
     def __init__(
@@ -130,20 +134,26 @@ class DocumentStream(IterableDataset):
         tokenizer_threads: int = 4,
         passes: int | None = None,
         batch_docs: int = 256,
+        file_sharding: bool = False,
     ) -> None:
         self.spec, self.block_size, self.batch_size, self.plan = spec, block_size, batch_size, plan
         self.skip_docs, self.tokenizer, self.tokenizer_threads = skip_docs, tokenizer, tokenizer_threads
-        self.passes, self.batch_docs = passes, batch_docs
+        self.passes, self.batch_docs, self.file_sharding = passes, batch_docs, file_sharding
 
     def shard_tokens(self, shard: int, num_shards: int) -> Iterator[np.ndarray]:
         """Token chunks of one shard's documents for one pass, in stream order."""
         tok = DocTokenizer(self.tokenizer, self.tokenizer_threads)
         index = 0
         mine: list[str] = []
-        for texts in iter_documents(open_text_stream(self.spec), self.spec, batch_docs=self.batch_docs):
+        stream = open_text_stream(self.spec)
+        by_file = self.file_sharding and num_shards > 1
+        if by_file:  # reader `shard` gets a contiguous block of files; block 0 starts with the validation documents
+            stream = stream.shard(num_shards, shard, contiguous=True)
+        skip = self.skip_docs if shard == 0 or not by_file else 0
+        for texts in iter_documents(stream, self.spec, batch_docs=self.batch_docs):
             for text in texts:
-                j = index - self.skip_docs
-                if j >= 0 and j % num_shards == shard:
+                j = index - skip
+                if j >= 0 and (by_file or j % num_shards == shard):
                     mine.append(text)
                 index += 1
             if len(mine) >= self.batch_docs:

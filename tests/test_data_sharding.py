@@ -147,3 +147,28 @@ def test_lightning_checkpoint_resume_reads_the_next_batches(docs_file, tmp_path)
     assert len(full.seen) == 7 and len(resumed.seen) == 4
     for a, b in zip(full.seen[3:], resumed.seen, strict=True):
         assert torch.equal(a, b)
+
+
+def test_many_files_are_sharded_by_file_and_still_cover_the_stream(tmp_path, docs_file):
+    _, docs = docs_file
+    files = []
+    for k in range(8):  # 10 documents per file, sorted names = stream order
+        files.append(tmp_path / f"part-{k:02d}.jsonl")
+        files[-1].write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[10 * k : 10 * k + 10]))
+    dm = files_module(tmp_path / "part-*.jsonl", num_workers=2)
+    n_val = dm._val_docs
+    assert 0 < n_val < 10  # the validation documents all lie in the first file
+    enc = gpt2_encoding()
+    tokens = [[*enc.encode_ordinary(d), EOT_TOKEN] for d in docs]
+    got, expected = [], []
+    for rank in range(2):
+        ds = dm.train_dataset(ShardPlan(rank, 2, 2, 0), passes=1)
+        assert ds.file_sharding
+        got += windows_from(DataLoader(ds, batch_size=None, num_workers=2))
+    for shard in range(4):  # reader s: files 2s and 2s+1 (contiguous blocks), minus the validation head
+        first = 20 * shard + (n_val if shard == 0 else 0)
+        stream = np.array([t for d in tokens[first : 20 * shard + 20] for t in d])
+        wins, _ = windows_of(stream, T)
+        expected += [tuple(w) for w in wins[: len(wins) // B * B].tolist()]
+    assert sorted(got) == sorted(expected)  # as multisets: a window read twice would break the equality
+    assert not dm.train_dataset(ShardPlan(0, 8, 2, 0)).file_sharding  # 16 readers > 8 files: by document
