@@ -22,6 +22,7 @@ from lnstab.datamodules.text import (
     DEFAULT_HF_REVISION,
     SOURCES,
     DataError,
+    DocStats,
     DocTokenizer,
     TextSpec,
     hub_reachable,
@@ -171,7 +172,7 @@ class OpenWebTextDataModule(pl.LightningDataModule):
         if self._val is not None:
             return
         hp, source = self.hparams, self.resolve_source()
-        window = hp.block_size + 1
+        window, note = hp.block_size + 1, ""
         if source == "synthetic":
             n = hp.synthetic_tokens
             val_n = hp.val_tokens or max(window, n // 10)
@@ -186,14 +187,16 @@ class OpenWebTextDataModule(pl.LightningDataModule):
             self._val = torch.from_numpy(np.asarray(val[: hp.val_tokens] if hp.val_tokens else val, dtype=np.int64))
         else:
             tok = DocTokenizer(hp.tokenizer, hp.tokenizer_threads)
-            self._val_docs, arrays = head_documents(self.text_spec(), tok, hp.val_tokens or 1 << 20)
+            stats = DocStats()
+            self._val_docs, arrays = head_documents(self.text_spec(), tok, hp.val_tokens or 1 << 20, stats)
+            note = f", {self._val_docs} documents ({stats.invalid_utf8} invalid UTF-8 replaced, {stats.blank} blank)"
             self._val = torch.from_numpy(np.concatenate(arrays).astype(np.int64))
         if self._val.numel() < window:
             raise DataError(
                 f"--data.block_size {hp.block_size} is longer than the validation data ({self._val.numel()} tokens "
                 f"from source {source}); it must be <= {self._val.numel() - 1}"
             )
-        rank_zero_info(f"lnstab data: source={source}, validation {self._val.numel()} tokens")
+        rank_zero_info(f"lnstab data: source={source}, validation {self._val.numel()} tokens{note}")
 
     def validation_tokens(self) -> torch.Tensor:
         """The validation stream, 1-D int64, documents separated by EOT 50256 (after ``setup``)."""

@@ -202,14 +202,16 @@ def _drop(it: Iterator[str], n: int) -> Iterator[str]:
             yield x
 
 
-def head_documents(spec: TextSpec, tok: DocTokenizer, val_tokens: int) -> tuple[int, list]:
+def head_documents(
+    spec: TextSpec, tok: DocTokenizer, val_tokens: int, stats: DocStats | None = None
+) -> tuple[int, list]:
     """``(n, token arrays)`` of the first documents of the stream holding at least ``val_tokens`` tokens.
 
     Raises:
         DataError: If the whole stream holds fewer than ``val_tokens`` tokens plus one training document.
     """
     arrays, total = [], 0
-    for texts in iter_documents(open_text_stream(spec), spec, batch_docs=64):
+    for texts in iter_documents(open_text_stream(spec), spec, stats, batch_docs=64):
         for arr in tok.encode(texts):
             if total >= val_tokens:
                 return len(arrays), arrays
