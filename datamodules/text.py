@@ -199,6 +199,20 @@ def _decode(values: list[bytes | None], stats: DocStats) -> list[str]:
     return out
 
 
+def _tables(stream, spec: TextSpec, batch_docs: int) -> Iterator:  # noqa: ANN001
+    """Arrow tables from ``stream``; a read or parse failure becomes one :class:`DataError` line."""
+    it = iter(stream.with_format("arrow").iter(batch_size=batch_docs))
+    while True:
+        try:
+            table = next(it)
+        except StopIteration:
+            return
+        except Exception as exc:  # noqa: BLE001 - malformed JSON, bad parquet, gzip errors, ...
+            msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise DataError(f"{spec.describe()} could not be read: {type(exc).__name__}: {msg[:300]}") from None
+        yield table
+
+
 def iter_documents(stream, spec: TextSpec, stats: DocStats | None = None, batch_docs: int = 256) -> Iterator[list[str]]:  # noqa: ANN001
     """Batches of non-blank document texts from a ``datasets`` (Iterable)Dataset, in stream order.
 
@@ -209,8 +223,8 @@ def iter_documents(stream, spec: TextSpec, stats: DocStats | None = None, batch_
 
     stats = stats if stats is not None else DocStats()
     text_builder = spec.source == "files" and _builder_of(resolve_files(spec.path)[1][0]) == "text"
-    seen = 0
-    for table in stream.with_format("arrow").iter(batch_size=batch_docs):
+    seen = kept_total = 0
+    for table in _tables(stream, spec, batch_docs):
         if spec.text_field not in table.column_names:
             raise DataError(
                 f"--data.text_field {spec.text_field!r} is not a field of {spec.describe()}; "
@@ -227,9 +241,10 @@ def iter_documents(stream, spec: TextSpec, stats: DocStats | None = None, batch_
         kept = [t for t in texts if t.strip()]
         stats.blank += len(texts) - len(kept)
         stats.documents += len(kept)
+        kept_total += len(kept)
         if kept:
             yield kept
-    if seen and stats.documents == 0:
+    if seen and kept_total == 0:
         raise DataError(f"{spec.describe()} holds only empty or whitespace-only documents ({seen} read)")
     if not seen:
         raise DataError(f"{spec.describe()} holds no documents")

@@ -251,3 +251,12 @@ def test_hf_source_of_the_datamodule_reads_a_local_dataset_repository_with_data_
     assert dm.validation_tokens().tolist() == ref[:n0].tolist()
     x, y = next(iter(dm.train_dataset(ShardPlan(), passes=1)))
     assert x[0].tolist() == ref[n0 : n0 + 4].tolist() and y[1].tolist() == ref[n0 + 5 : n0 + 9].tolist()
+
+
+@pytest.mark.parametrize("content", [b'{"text": "ok"}\n{"text": "broken\n', b"\x1f\x8b\x08not really gzip"])
+def test_malformed_json_or_gzip_is_a_one_line_error(tmp_path, content):
+    f = tmp_path / ("bad.jsonl.gz" if content.startswith(b"\x1f\x8b") else "bad.jsonl")
+    f.write_bytes(content)
+    with pytest.raises(DataError) as e:
+        module(f, val_tokens=1).setup("fit")
+    assert f.name in one_line(e) and "could not be" in str(e.value)
