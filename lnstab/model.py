@@ -3,9 +3,8 @@
 One ``Block`` serves every variant; the choice of placement only decides which norms are real modules and which are
 ``nn.Identity()``, so every variant has the same state-dict keys and the same hook names::
 
-    x ──┬──────────────────────────────────────────────┐
-        └─ ln_1 ─ attn ─ ln_1_out ──(× Δt)── resid_attn ⊕ ─ ln_1_post ─┬────────────────────────────────┐
-                                                                      └─ ln_2 ─ mlp ─ ln_2_out ── resid_mlp ⊕ ─ ln_2_post ─> x'
+    a  = ln_1_out(attn(ln_1(x)))         h  = ln_1_post(resid_attn(x, a))     resid_attn(x, a) = x + Δt·a
+    m  = ln_2_out(mlp(ln_2(h)))          x' = ln_2_post(resid_mlp(h, m))      resid_mlp(h, m)  = h + Δt·m
 
     placement  ln_1/ln_2   ln_*_out   ln_*_post   ln_f      update of one half-step
     pre        norm        Identity   Identity    norm      x + Δt·f(LN(x))
