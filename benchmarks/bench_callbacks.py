@@ -25,6 +25,8 @@ from collections.abc import Callable
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
 from lnstab.callbacks import (
     DivergenceMonitor,
     GradientStatistics,
@@ -32,8 +34,6 @@ from lnstab.callbacks import (
     HiddenStateStatistics,
     JacobianSensitivity,
 )
-from torch.utils.data import DataLoader, TensorDataset
-
 from lnstab.model import GPT, GPTConfig
 
 

@@ -109,6 +109,8 @@ class DivergenceMonitor(Callback):
             raise ValueError(f"grad_norm_threshold={grad_norm_threshold!r} is not allowed; it must be > 0 or None")
         if not (isinstance(overflow_fraction, int | float) and 0 < overflow_fraction <= 1):
             raise ValueError(f"overflow_fraction={overflow_fraction!r} is not allowed; it must be in (0, 1]")
+        if isinstance(fatal_kinds, str):
+            fatal_kinds = [fatal_kinds]
         for kind in fatal_kinds:
             check_choice("fatal_kinds", kind, KINDS)
         self.spike_k, self.grad_norm_threshold = float(spike_k), grad_norm_threshold

@@ -6,9 +6,10 @@ import math
 
 import pytest
 import torch
+from test_callbacks_helpers import StepClock, lit, loader, record_outputs, trainer
+
 from lnstab.callbacks import GrowthBoundMonitor
 from lnstab.callbacks.growth_bound import fit_line
-from test_callbacks_helpers import StepClock, lit, loader, record_outputs, trainer
 
 
 def manual_bound(module, x0: torch.Tensor, dt: float) -> torch.Tensor:

@@ -8,9 +8,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from test_callbacks_helpers import StepClock, lit, loader, trainer
+
 from lnstab.callbacks import DivergenceMonitor, NonFiniteCheckpointError
 from lnstab.callbacks._io import read_summary
-from test_callbacks_helpers import StepClock, lit, loader, trainer
 
 NAN_STEP = 3
 

@@ -7,9 +7,10 @@ import re
 import lightning.pytorch as pl
 import pytest
 import torch
-from lnstab.callbacks import GradientStatistics, JacobianSensitivity, spectral_norm
 from test_callbacks_helpers import gpt, lit, loader, trainer
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from lnstab.callbacks import GradientStatistics, JacobianSensitivity, spectral_norm
 
 
 class DirectNorms(pl.Callback):

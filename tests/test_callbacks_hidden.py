@@ -6,10 +6,11 @@ import json
 
 import pytest
 import torch
-from lnstab.callbacks import HiddenStateStatistics, StabilityLayout
-from lnstab.callbacks.hidden_stats import STATS
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_callbacks_helpers import StepClock, direct_stats, lit, loader, record_outputs, trainer
+
+from lnstab.callbacks import HiddenStateStatistics, StabilityLayout
+from lnstab.callbacks.hidden_stats import STATS
 
 GPT_TAGS = ["embed", "L00_attn", "L00_mlp", "L01_attn", "L01_mlp", "final"]
 

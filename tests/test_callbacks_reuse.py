@@ -9,6 +9,10 @@ import re
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from test_callbacks_helpers import LitLM, gpt, lit, loader, tokens, trainer
+from torch.utils.data import DataLoader, DistributedSampler
+
 from lnstab.callbacks import (
     DivergenceMonitor,
     GradientStatistics,
@@ -19,9 +23,6 @@ from lnstab.callbacks import (
     stability_layout,
 )
 from lnstab.callbacks._io import read_summary
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from test_callbacks_helpers import LitLM, gpt, lit, loader, tokens, trainer
-from torch.utils.data import DataLoader, DistributedSampler
 
 EXPECTED_HIDDEN = {
     "gpt": ["embed", "L00_attn", "L00_mlp", "L01_attn", "L01_mlp", "final"],
