@@ -25,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from lnstab.datamodules import OpenWebTextDataModule
 from lnstab.datamodules.packing import ArrayWindows, ShardPlan, pack_batches, to_batch
 from lnstab.datamodules.text import DocTokenizer
-
 from lnstab.tokenizer import gpt2_encoding
 
 DEFAULT_SAMPLE = Path(__file__).resolve().parents[1] / ".." / "shared/data/openwebtext/owt-sample-900.jsonl.gz"

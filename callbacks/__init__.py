@@ -13,6 +13,7 @@ from .layout import StabilityLayout, stability_layout
 
 __all__ = [
     "DivergenceMonitor",
+    "FinalEvaluation",
     "GradientStatistics",
     "GrowthBoundMonitor",
     "HiddenStateStatistics",
@@ -22,3 +23,13 @@ __all__ = [
     "spectral_norm",
     "stability_layout",
 ]
+
+
+def __getattr__(name: str):
+    # FinalEvaluation scores lnstab's own GPT (it imports the model and the metric packages), so it is loaded only
+    # when asked for: the instruments above stay free of lnstab's model.
+    if name == "FinalEvaluation":
+        from lnstab.eval_callback import FinalEvaluation
+
+        return FinalEvaluation
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,6 +12,8 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import DataLoader, IterableDataset
+
 from lnstab.datamodules.packing import ArrayWindows, DocumentStream, ShardPlan
 from lnstab.datamodules.prepare import head_documents
 from lnstab.datamodules.prepared import read_meta, verify_split
@@ -29,7 +31,6 @@ from lnstab.datamodules.text import (
     iter_documents,
     open_text_stream,
 )
-from torch.utils.data import DataLoader, IterableDataset
 
 log = logging.getLogger(__name__)
 STATE_VERSION = 1

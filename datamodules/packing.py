@@ -24,8 +24,9 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
-from lnstab.datamodules.text import DataError, DocTokenizer, TextSpec, iter_documents, open_text_stream
 from torch.utils.data import IterableDataset, get_worker_info
+
+from lnstab.datamodules.text import DataError, DocTokenizer, TextSpec, iter_documents, open_text_stream
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+
 from lnstab.datamodules.text import DataError
 
 META_FORMAT = "lnstab-prepared/1"

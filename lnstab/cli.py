@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lnstab.errors import LNStabError
 from lnstab.module import GPTModule
@@ -25,6 +25,18 @@ EXTRA_COMMANDS: dict[str, str] = {
     "prepare": "lnstab.datamodules.prepare:main",
     "evaluate": "lnstab.evaluate:main",
 }
+
+
+class LNStabArgumentParser(LightningArgumentParser):
+    """Parse errors as one line naming the key and the problem (instead of a page of usage), exit status 2."""
+
+    def error(self, message: str, ex: Exception | None = None):  # noqa: ANN201 - NoReturn in the parent
+        if not self.exit_on_error or os.environ.get("LNSTAB_DEBUG"):
+            return super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        folded = " ".join(part.strip() for part in message.splitlines() if part.strip())
+        sys.stderr.write(f"lnstab: error: {folded} (see: {parser.prog.replace(' [options]', '')} --help)\n")
+        self.exit(2)
 
 
 class LNStabCLI(LightningCLI):
@@ -82,6 +94,7 @@ def cli_main(args: list[str] | None = None, run: bool = True) -> LNStabCLI:
             args=args,
             run=run,
             save_config_kwargs={"overwrite": False},
+            parser_class=LNStabArgumentParser,
         )
     finally:
         sys.argv = argv
@@ -96,11 +109,27 @@ def main(argv: list[str] | None = None) -> None:
             getattr(importlib.import_module(module), func)(argv[1:])
         else:
             cli_main(argv)
-    except LNStabError as exc:
-        if os.environ.get("LNSTAB_DEBUG"):
+    except Exception as exc:
+        user_error = find_user_error(exc)
+        if user_error is None or os.environ.get("LNSTAB_DEBUG"):
             raise
-        print(f"lnstab: error: {exc}", file=sys.stderr)
+        print(f"lnstab: error: {user_error}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def find_user_error(exc: BaseException) -> LNStabError | None:
+    """The :class:`LNStabError` behind ``exc``: itself, or one that jsonargparse wrapped while instantiating."""
+    seen: set[int] = set()
+    stack = [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, LNStabError):
+            return e
+        stack += [e.__cause__, e.__context__]
+    return None
 
 
 if __name__ == "__main__":

@@ -121,7 +121,7 @@ class FinalEvaluation(Callback):
 
     def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> dict[str, Any]:
         """Run the evaluation now (every rank), write and log on rank zero; returns the result."""
-        from lnstab.callbacks._io import run_dir
+        from lnstab.callbacks._io import run_dir, update_summary
 
         tokens = trainer.datamodule.validation_tokens()
         model = getattr(pl_module, "model", pl_module)
@@ -135,6 +135,7 @@ class FinalEvaluation(Callback):
         self.result = result
         if trainer.is_global_zero:
             self.path = write_eval_json(run_dir(trainer), result, stage=stage, global_step=trainer.global_step)
+            update_summary(trainer, eval={**result["metrics"], "protocol": result["protocol"], "file": self.path.name})
             self._log(trainer, result)
             rank_zero_info(f"FinalEvaluation: {json.dumps(result['metrics'])} -> {self.path}")
         return result

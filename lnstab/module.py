@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
+from lnstab.callbacks._io import update_summary
 from lnstab.errors import ConfigError
 from lnstab.model import GPT, GPTConfig
 
@@ -153,15 +154,19 @@ class GPTModule(pl.LightningModule):
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self._eval_step(batch, self.test_loss)
 
-    def _log_eval(self, prefix: str, metric: MeanMetric) -> None:
+    def _log_eval(self, prefix: str, metric: MeanMetric) -> float:
         loss = metric.compute()  # token-weighted mean over every batch of every rank
         metric.reset()
         self.log(f"{prefix}/loss", loss, prog_bar=True)
         self.log(f"{prefix}/ppl", torch.exp(loss))
+        return loss.item()
 
     @override
     def on_validation_epoch_end(self) -> None:
-        self._log_eval("val", self.val_loss)
+        loss = self._log_eval("val", self.val_loss)
+        if not self.trainer.sanity_checking:  # the run's summary.json keeps the latest validation result
+            step = self.trainer.global_step
+            update_summary(self.trainer, val={"loss": loss, "ppl": math.exp(min(loss, 700.0)), "step": step})
 
     @override
     def on_test_epoch_end(self) -> None:

@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import DataLoader
+
+from lnstab.cli import main as cli_main
 from lnstab.datamodules import DataError, OpenWebTextDataModule
 from lnstab.datamodules.packing import ShardPlan
 from lnstab.datamodules.prepare import prepare
 from lnstab.datamodules.prepared import sha256_file
 from lnstab.datamodules.text import DocTokenizer, TextSpec, open_text_stream
-from torch.utils.data import DataLoader
-
-from lnstab.cli import main as cli_main
 from lnstab.tokenizer import EOT_TOKEN, gpt2_encoding
 
 SAMPLE = Path(

@@ -10,10 +10,10 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from lnstab.datamodules import DataError, OpenWebTextDataModule
-from lnstab.datamodules.packing import ShardPlan, windows_of
 from torch.utils.data import DataLoader
 
+from lnstab.datamodules import DataError, OpenWebTextDataModule
+from lnstab.datamodules.packing import ShardPlan, windows_of
 from lnstab.tokenizer import EOT_TOKEN, gpt2_encoding
 
 T, B = 8, 2

@@ -13,10 +13,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+
 from lnstab.datamodules import DataError, OpenWebTextDataModule
 from lnstab.datamodules.packing import ShardPlan, pack_batches, windows_of
 from lnstab.datamodules.text import DocStats, TextSpec, iter_documents, open_text_stream
-
 from lnstab.tokenizer import EOT_TOKEN, gpt2_encoding
 
 SAMPLE = Path(

@@ -12,9 +12,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import lightning.pytorch as pl  # noqa: E402
 import pytest  # noqa: E402
 import yaml  # noqa: E402
-from lnstab.datamodules.synthetic import SyntheticDataModule  # noqa: E402
 
 from lnstab.cli import main as cli  # noqa: E402
+from lnstab.datamodules.synthetic import SyntheticDataModule  # noqa: E402
 from lnstab.errors import LNStabError  # noqa: E402
 from lnstab.eval_callback import FinalEvaluation  # noqa: E402
 from lnstab.evaluation import METRICS  # noqa: E402

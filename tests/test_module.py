@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from lnstab.callbacks._io import read_summary
 from lnstab.datamodules.synthetic import SyntheticDataModule
 from lnstab.errors import ConfigError
 from lnstab.model import NORM_PLACEMENTS
@@ -95,6 +96,9 @@ def test_logged_metrics_and_ppl(tmp_path) -> None:
         assert key in metrics, key
     assert metrics["val/ppl"].item() == pytest.approx(math.exp(metrics["val/loss"].item()), rel=1e-5)
     assert metrics["train/tokens"].item() == 6 * 8 * 32
+    summary = read_summary(tmp_path)  # the run directory's summary.json keeps the latest validation
+    assert summary["val"]["step"] == 6
+    assert summary["val"]["loss"] == pytest.approx(metrics["val/loss"].item(), rel=1e-6)
 
 
 def same_batch_loader() -> torch.utils.data.DataLoader:
