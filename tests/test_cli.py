@@ -135,3 +135,19 @@ def test_console_script_fit_writes_a_run_directory(tmp_path) -> None:
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "runs" / "quickstart" / "version_1" / "config.yaml").is_file()
+
+
+def test_fsdp_configs_wrap_each_block(capsys) -> None:
+    """The 774M / 1.5B strategy block instantiates to FSDP with one unit per Block (no GPU needed to build it)."""
+    from jsonargparse import ArgumentParser
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from lnstab.model import Block
+
+    strategy = resolved_config(ROOT / "experiments" / "gpt2-xl_pre_dt1.yaml", capsys)["trainer"]["strategy"]
+    parser = ArgumentParser()
+    parser.add_class_arguments(FSDPStrategy, "strategy")
+    cfg = parser.parse_object({"strategy": strategy["init_args"]})
+    fsdp = parser.instantiate(cfg).strategy
+    assert isinstance(fsdp, FSDPStrategy)
+    assert fsdp.kwargs["auto_wrap_policy"]._module_classes == {Block}
