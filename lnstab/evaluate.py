@@ -27,6 +27,7 @@ from lnstab.cli import expand_extends
 from lnstab.errors import LNStabError
 from lnstab.evaluation import PROTOCOLS, evaluate_model, write_eval_json
 from lnstab.model import GPT, GPTConfig
+from lnstab.module import gpt_config
 
 ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name != "dropout")
 
@@ -74,17 +75,6 @@ def _merge(base: Any, new: Any) -> Any:
     for key, value in new.items():
         out[key] = _merge(out.get(key), value)
     return out
-
-
-def gpt_config(hparams: dict[str, Any]) -> GPTConfig:
-    """The :class:`GPTConfig` that ``GPTModule(**hparams)`` builds (its signature's defaults fill the gaps)."""
-    from lnstab.module import GPTModule
-
-    sig = inspect.signature(GPTModule.__init__).parameters
-    get = {k: hparams.get(k, sig[k].default) for k in sig if k != "self"}
-    fields = ("norm_placement", "norm_type", "residual_scale", "block_size", "n_layer", "n_head", "n_embd",
-              "vocab_size", "pad_vocab_multiple", "bias", "dropout")
-    return GPTConfig.preset(get["preset"], **{k: get[k] for k in fields})
 
 
 def load_checked_model(ckpt_path: str, config: GPTConfig) -> tuple[GPT, dict[str, Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from typing import Any
@@ -15,6 +16,17 @@ from typing_extensions import override
 from lnstab.callbacks._io import update_summary
 from lnstab.errors import ConfigError
 from lnstab.model import GPT, GPTConfig
+
+# GPTModule arguments that are GPTConfig fields (the rest are optimisation settings).
+MODEL_ARGS = ("norm_placement", "norm_type", "residual_scale", "block_size", "n_layer", "n_head", "n_embd",
+              "vocab_size", "pad_vocab_multiple", "bias", "dropout")
+
+
+def gpt_config(hparams: dict[str, Any]) -> GPTConfig:
+    """The :class:`GPTConfig` that ``GPTModule(**hparams)`` builds; missing arguments take the signature's defaults."""
+    defaults = inspect.signature(GPTModule.__init__).parameters
+    get = {k: hparams.get(k, defaults[k].default) for k in ("preset", *MODEL_ARGS)}
+    return GPTConfig.preset(get["preset"], **{k: get[k] for k in MODEL_ARGS})
 
 
 def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int) -> float:
@@ -85,20 +97,7 @@ class GPTModule(pl.LightningModule):
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ConfigError(f"betas={tuple(betas)!r} is not allowed; each must be in [0, 1)")
         self.save_hyperparameters()
-        self.config = GPTConfig.preset(
-            preset,
-            norm_placement=norm_placement,
-            norm_type=norm_type,
-            residual_scale=residual_scale,
-            block_size=block_size,
-            n_layer=n_layer,
-            n_head=n_head,
-            n_embd=n_embd,
-            vocab_size=vocab_size,
-            pad_vocab_multiple=pad_vocab_multiple,
-            bias=bias,
-            dropout=dropout,
-        )
+        self.config = gpt_config(self.hparams)
         self.model = GPT(self.config)
         self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()

@@ -12,12 +12,10 @@ import yaml
 
 from lnstab.cli import cli_main, expand_extends, main
 from lnstab.errors import LNStabError
-from lnstab.model import GPTConfig
+from lnstab.module import gpt_config
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = sorted((ROOT / "experiments").glob("*.yaml"))
-GPT_FIELDS = ("norm_placement", "norm_type", "residual_scale", "block_size", "n_layer", "n_head", "n_embd")
-GPT_FIELDS += ("vocab_size", "pad_vocab_multiple", "bias", "dropout")
 
 
 def resolved_config(path: Path, capsys, *extra: str) -> dict:
@@ -45,7 +43,7 @@ def test_every_yaml_parses_through_the_cli(path: Path, capsys) -> None:
     config = resolved_config(path, capsys)
     model = config["model"]
     # The architecture the file describes is a valid GPTConfig (built without allocating the weights).
-    GPTConfig.preset(model["preset"], **{k: model[k] for k in GPT_FIELDS})
+    gpt_config(model)
     assert "block_size" not in config["data"].get("init_args", {})  # linked from the model, never set twice
     if path.stem not in ("base", "fsdp", "quickstart"):
         name = config["trainer"]["logger"]["init_args"]["name"]
