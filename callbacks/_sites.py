@@ -118,24 +118,27 @@ def first_tensor(obj: Any) -> torch.Tensor | None:
     return None
 
 
-_PAUSED = [0]
+PAUSE_ATTR = "_lnstab_taps_paused"
 
 
 @contextmanager
-def paused_taps() -> Iterator[None]:
-    """Every :class:`Tap` ignores forwards inside this block (e.g. the Jacobian probe's extra passes)."""
-    _PAUSED[0] += 1
+def paused_taps(root: nn.Module) -> Iterator[None]:
+    """Every :class:`Tap` attached under ``root`` ignores forwards inside this block (e.g. the Jacobian probe's
+    extra passes). The flag lives on ``root`` itself, so taps on other models are unaffected."""
+    count = root.__dict__.get(PAUSE_ATTR, 0)
+    object.__setattr__(root, PAUSE_ATTR, count + 1)
     try:
         yield
     finally:
-        _PAUSED[0] -= 1
+        object.__setattr__(root, PAUSE_ATTR, count)
 
 
 class Tap:
-    """Forward hooks on ``sites`` that call ``fn(index, tensor)`` only while :attr:`active`; no-ops otherwise."""
+    """Forward hooks on ``sites`` (modules inside ``root``) that call ``fn(index, tensor)`` only while
+    :attr:`active` and not :func:`paused_taps`; no-ops otherwise."""
 
-    def __init__(self, sites: list[Site], fn: Callable[[int, torch.Tensor], None]) -> None:
-        self.sites, self.fn, self.active = sites, fn, False
+    def __init__(self, sites: list[Site], fn: Callable[[int, torch.Tensor], None], root: nn.Module) -> None:
+        self.sites, self.fn, self.root, self.active = sites, fn, root, False
         self.handles: list[Any] = []
 
     def attach(self) -> None:
@@ -147,14 +150,14 @@ class Tap:
 
     def _hook(self, i: int) -> Callable:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if self.active and not _PAUSED[0] and (x := first_tensor(output)) is not None:
+            if self.active and not self.root.__dict__.get(PAUSE_ATTR) and (x := first_tensor(output)) is not None:
                 self.fn(i, x.detach())
 
         return hook
 
     def _pre_hook(self, i: int) -> Callable:
         def hook(module: nn.Module, args: Any) -> None:
-            if self.active and not _PAUSED[0] and (x := first_tensor(args)) is not None:
+            if self.active and not self.root.__dict__.get(PAUSE_ATTR) and (x := first_tensor(args)) is not None:
                 self.fn(i, x.detach())
 
         return hook

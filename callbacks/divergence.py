@@ -136,7 +136,7 @@ class DivergenceMonitor(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.track_activations:
             self.sites = [s for s in auto_sites(pl_module, self.layer_pattern, (), None, None)]
-            self.tap = Tap(self.sites, self._capture)
+            self.tap = Tap(self.sites, self._capture, pl_module)
             self.tap.attach()
 
     @override

@@ -142,7 +142,7 @@ class GrowthBoundMonitor(Callback):
         if self.norms and len(self.norms) != len(layers):
             rank_zero_warn(f"{len(self.norms)} output norms for {len(layers)} residual updates; bound not checked")
             self.norms = []
-        self.tap = Tap(self.sites, self._capture)
+        self.tap = Tap(self.sites, self._capture, pl_module)
         self.tap.attach()
 
     @override

@@ -151,7 +151,7 @@ class HiddenStateStatistics(Callback):
         )
         if not self.sites:
             rank_zero_warn(f"{type(self).__name__}: no module matched; nothing will be logged")
-        self.tap = Tap(self.sites, self._capture)
+        self.tap = Tap(self.sites, self._capture, pl_module)
         self.tap.attach()
 
     @override

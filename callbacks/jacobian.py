@@ -142,7 +142,7 @@ class JacobianSensitivity(Callback):
 
     def measure(self, pl_module: nn.Module) -> dict[str, float]:
         """All three metrics of every block on the probe (one host sync); other instruments' hooks are paused."""
-        with paused_taps():
+        with paused_taps(pl_module):
             return self._measure(pl_module)
 
     def _measure(self, pl_module: nn.Module) -> dict[str, float]:
