@@ -142,6 +142,8 @@ def test_cli_rejects_a_file_that_is_not_a_checkpoint(tmp_path, capsys) -> None:
 
 @pytest.mark.slow
 def test_callback_under_two_process_ddp_equals_single_process(tmp_path) -> None:
+    from test_eval_model import assert_same_evaluation
+
     from lnstab.evaluation import evaluate_model
 
     module, data = GPTModule(**MODEL), SyntheticDataModule(**DATA)
@@ -157,4 +159,4 @@ def test_callback_under_two_process_ddp_equals_single_process(tmp_path) -> None:
     data.setup("test")
     single = evaluate_model(module.model, data.validation_tokens(), n_samples=5, batch_size=2, rank=0, world_size=1)
     single = json.loads(json.dumps(single))
-    assert ddp["samples"] == single["samples"] and ddp["metrics"] == single["metrics"]
+    assert_same_evaluation(ddp, single)

@@ -101,6 +101,20 @@ def _ddp_worker(rank: int, world: int, port: int, state_path: str, out_dir: str)
         dist.destroy_process_group()
 
 
+def assert_same_evaluation(a: dict, b: dict) -> None:
+    """Same windows, texts and order exactly; scores equal up to float rounding (1e-6 relative), since ranks run with
+    fewer threads than one process and CPU kernels reduce in thread-count-dependent order."""
+    assert len(a["samples"]) == len(b["samples"])
+    for x, y in zip(a["samples"], b["samples"], strict=True):
+        assert {k: v for k, v in x.items() if isinstance(v, str | int)} == {
+            k: v for k, v in y.items() if isinstance(v, str | int)
+        }
+        for k, v in x.items():
+            if isinstance(v, float):
+                assert v == pytest.approx(y[k], rel=1e-6, abs=1e-9), k
+    assert a["metrics"] == pytest.approx(b["metrics"], rel=1e-6, abs=1e-9)
+
+
 def ddp_cases() -> list[dict]:
     return [
         dict(n_samples=5, seed=3, batch_size=2),  # 3 batches on 2 ranks: uneven, one padding batch
@@ -127,7 +141,6 @@ def test_ddp_two_processes_equal_one_process(memorised, tmp_path) -> None:
     for rank in (0, 1):
         ddp = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for a, b in zip(ddp, single, strict=True):
-            assert a["samples"] == b["samples"]  # same windows, same texts, same per-sample scores, same order
-            assert a["metrics"] == b["metrics"]
+            assert_same_evaluation(a, b)
             assert a["settings"]["world_size"] == 2 and b["settings"]["world_size"] == 1
     assert single[1]["samples"][0]["prediction"] != ""  # sampling ran
