@@ -16,7 +16,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
 from torch import nn
+from typing_extensions import override
 
 # lnstab's GPT: the parameter-free Residual modules after every attention / MLP half-step.
 LNSTAB_RESIDUALS = r"(?:^|\.)h\.(\d+)\.resid_(attn|mlp)$"
@@ -208,3 +210,26 @@ def probe_input(batch: Any, size: int) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"batch of type {type(batch).__name__} is not allowed; pass probe= a tensor explicitly")
     return x[:size].detach().clone()
+
+
+class TapCallback(Callback):
+    """A callback that reads activations through one :class:`Tap`: attached in ``setup``, removed in ``teardown``.
+
+    Subclasses implement ``_capture(index, tensor)`` and call :meth:`attach_tap` from their ``setup``.
+    """
+
+    tap: Tap | None = None
+
+    def attach_tap(self, sites: list[Site], pl_module: nn.Module) -> None:
+        """Hook ``_capture`` onto ``sites`` (inactive until a subclass sets ``tap.active``)."""
+        self.tap = Tap(sites, self._capture, pl_module)
+        self.tap.attach()
+
+    def _capture(self, i: int, x: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.tap is not None:
+            self.tap.detach()
+            self.tap = None

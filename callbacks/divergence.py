@@ -10,13 +10,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_only
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from ._io import atomic_write_text, run_dir, update_summary
-from ._sites import Site, Tap, check_choice, check_positive_int, check_regex, log_metrics
+from ._sites import Site, TapCallback, check_choice, check_positive_int, check_regex, log_metrics
 from .hidden_stats import auto_sites
 
 POLICIES = ("stop", "skip", "continue")
@@ -37,7 +36,7 @@ class NonFiniteCheckpointError(RuntimeError):
     """Raised instead of saving a checkpoint whose weights are not finite."""
 
 
-class DivergenceMonitor(Callback):
+class DivergenceMonitor(TapCallback):
     """Records divergence events on the step they happen and stops, skips the update, or continues.
 
     Each step (every ``every_n_steps``) the monitor keeps on the device the loss (``on_before_backward``), the
@@ -121,7 +120,6 @@ class DivergenceMonitor(Callback):
         self.losses: deque[float] = deque(maxlen=window)
         self.diverged_step: int | None = None
         self.sites: list[Site] = []
-        self.tap: Tap | None = None
         self._maxes: list[torch.Tensor | None] = []
         self._dtype_max = math.inf
         self._loss: torch.Tensor | None = None
@@ -136,14 +134,7 @@ class DivergenceMonitor(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.track_activations:
             self.sites = [s for s in auto_sites(pl_module, self.layer_pattern, (), None, None)]
-            self.tap = Tap(self.sites, self._capture, pl_module)
-            self.tap.attach()
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self.tap is not None:
-            self.tap.detach()
-            self.tap = None
+            self.attach_tap(self.sites, pl_module)
 
     def _capture(self, i: int, x: torch.Tensor) -> None:
         value = torch.linalg.vector_norm(x, ord=math.inf).float()  # NaN/inf propagate

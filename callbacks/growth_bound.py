@@ -7,12 +7,20 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from ._sites import EMBED_PATTERN, FINAL_PATTERN, Site, Tap, all_reduce_, check_positive_int, check_regex, log_metrics
+from ._sites import (
+    EMBED_PATTERN,
+    FINAL_PATTERN,
+    Site,
+    TapCallback,
+    all_reduce_,
+    check_positive_int,
+    check_regex,
+    log_metrics,
+)
 from .hidden_stats import auto_sites, resolve_types
 
 OUTPUT_NORMS = r"(?:^|\.)h\.(\d+)\.ln_([12])_out$"
@@ -33,7 +41,7 @@ def fit_line(x: list[float], y: list[float]) -> tuple[float, float]:
     return slope, r2
 
 
-class GrowthBoundMonitor(Callback):
+class GrowthBoundMonitor(TapCallback):
     """Checks Theorem 4's bound on the final mean |x| of Peri-LN models; fits the growth law of MA over depth.
 
     **Bound.** When every residual update is ``x ← x + Δt·N(y)`` with an output norm ``N`` (LayerNorm or RMSNorm,
@@ -102,7 +110,6 @@ class GrowthBoundMonitor(Callback):
         self.sites: list[Site] = []
         self.norms: list[tuple[nn.Module, float]] = []
         self.depths: list[float] = []
-        self.tap: Tap | None = None
         self._captured: dict[int, torch.Tensor] = {}
         self._step: int | None = None
         self._gsum: torch.Tensor | float | None = None
@@ -142,14 +149,7 @@ class GrowthBoundMonitor(Callback):
         if self.norms and len(self.norms) != len(layers):
             rank_zero_warn(f"{len(self.norms)} output norms for {len(layers)} residual updates; bound not checked")
             self.norms = []
-        self.tap = Tap(self.sites, self._capture, pl_module)
-        self.tap.attach()
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self.tap is not None:
-            self.tap.detach()
-            self.tap = None
+        self.attach_tap(self.sites, pl_module)
 
     def _capture(self, i: int, x: torch.Tensor) -> None:
         flat = x.reshape(x.shape[0], -1).float()  # (B, N)

@@ -9,7 +9,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
@@ -20,7 +19,7 @@ from ._sites import (
     FINAL_PATTERN,
     LNSTAB_RESIDUALS,
     Site,
-    Tap,
+    TapCallback,
     all_reduce_,
     check_positive_int,
     check_regex,
@@ -67,7 +66,7 @@ def auto_sites(
     return sites
 
 
-class HiddenStateStatistics(Callback):
+class HiddenStateStatistics(TapCallback):
     """Residual-stream statistics at X_0, after every attention and MLP update, and at the final-norm input.
 
     For a site's tensor ``x`` of shape ``(B, n, d)`` (any ``(B, ...)``; flattened to ``(B, N)``, ``N = n·d``):
@@ -127,7 +126,6 @@ class HiddenStateStatistics(Callback):
             raise ValueError(f"series_file={series_file!r} is not allowed; give a plain file name or None")
         self.series_file = series_file
         self.sites: list[Site] = []
-        self.tap: Tap | None = None
         self.steps: list[int] = []
         self.values: dict[str, dict[str, list[float]]] = {s: {} for s in STATS}
         self.last: dict[str, float] = {}
@@ -151,14 +149,7 @@ class HiddenStateStatistics(Callback):
         )
         if not self.sites:
             rank_zero_warn(f"{type(self).__name__}: no module matched; nothing will be logged")
-        self.tap = Tap(self.sites, self._capture, pl_module)
-        self.tap.attach()
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self.tap is not None:
-            self.tap.detach()
-            self.tap = None
+        self.attach_tap(self.sites, pl_module)
 
     def _capture(self, i: int, x: torch.Tensor) -> None:
         flat = x.reshape(x.shape[0], -1).to(torch.float64)  # (B, N)
