@@ -29,6 +29,8 @@ from lnstab.evaluation import PROTOCOLS, evaluate_model, write_eval_json
 from lnstab.model import GPT, GPTConfig
 from lnstab.module import gpt_config
 
+SETTINGS = ("protocol", "n_samples", "seed", "batch_size", "block_size", "prompt_tokens", "new_tokens", "greedy",
+            "temperature", "top_k", "bertscore_model", "bertscore_layers", "bertscore_batch_size")
 ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name != "dropout")
 
 
@@ -155,11 +157,9 @@ def main(argv: list[str]) -> dict[str, Any]:
     cfg = load_config(args.config)
     config = gpt_config(cfg.get("model") or {})
     model, ckpt = load_checked_model(args.ckpt, config)
-    settings = {
-        "protocol": "teacher_forced", "n_samples": 200, "seed": 1337, "batch_size": 8, "block_size": None,
-        "prompt_tokens": 64, "new_tokens": 64, "greedy": True, "temperature": 1.0, "top_k": None,
-        "bertscore_model": None, "bertscore_layers": 6, "bertscore_batch_size": 64,
-    }
+    # Defaults are evaluate_model's own, for the settings a user may choose (flags, or FinalEvaluation's init_args).
+    defaults_of = inspect.signature(evaluate_model).parameters
+    settings = {k: defaults_of[k].default for k in SETTINGS}
     defaults = _callback_defaults(cfg)
     settings.update({k: v for k, v in defaults.items() if k in settings})
     settings.update({k: v for k, v in vars(args).items() if k in settings and v is not None})
