@@ -14,7 +14,8 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ._io import atomic_write_text, run_dir, update_summary
+from lnstab.rundir import EVENTS_FILE, atomic_write_text, run_dir, update_summary
+
 from ._sites import Site, TapCallback, check_choice, check_positive_int, check_regex, log_metrics
 from .hidden_stats import auto_sites
 
@@ -253,7 +254,7 @@ class DivergenceMonitor(TapCallback):
     @rank_zero_only
     def _write_events(self, trainer: pl.Trainer) -> None:
         lines = "".join(json.dumps(e) + "\n" for e in self.events)
-        atomic_write_text(run_dir(trainer) / "divergence_events.jsonl", lines)
+        atomic_write_text(run_dir(trainer) / EVENTS_FILE, lines)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

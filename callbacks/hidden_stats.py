@@ -12,7 +12,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
-from ._io import atomic_write_text, run_dir
+from lnstab.rundir import HIDDEN_SERIES_FILE, atomic_write_text, run_dir
+
 from ._sites import (
     BLOCK_PATTERN,
     EMBED_PATTERN,
@@ -114,7 +115,7 @@ class HiddenStateStatistics(TapCallback):
         embed_pattern: str | None = EMBED_PATTERN,
         final_pattern: str | None = FINAL_PATTERN,
         log_heatmap: bool = True,
-        series_file: str | None = "hidden_stats.json",
+        series_file: str | None = HIDDEN_SERIES_FILE,
     ) -> None:
         self.every_n_steps = check_positive_int("every_n_steps", every_n_steps)
         self.layer_pattern = check_regex("layer_pattern", layer_pattern)

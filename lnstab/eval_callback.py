@@ -121,7 +121,7 @@ class FinalEvaluation(Callback):
 
     def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> dict[str, Any]:
         """Run the evaluation now (every rank), write and log on rank zero; returns the result."""
-        from lnstab.callbacks._io import run_dir, update_summary
+        from lnstab.rundir import run_dir, update_summary
 
         tokens = trainer.datamodule.validation_tokens()
         model = getattr(pl_module, "model", pl_module)

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
-from lnstab.callbacks._io import update_summary
 from lnstab.errors import ConfigError
 from lnstab.model import GPT, GPTConfig
+from lnstab.rundir import update_summary
 
 # GPTModule arguments that are GPTConfig fields (the rest are optimisation settings).
 MODEL_ARGS = ("norm_placement", "norm_type", "residual_scale", "block_size", "n_layer", "n_head", "n_embd",

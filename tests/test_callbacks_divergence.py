@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from test_callbacks_helpers import StepClock, lit, loader, trainer
 
 from lnstab.callbacks import DivergenceMonitor, NonFiniteCheckpointError
-from lnstab.callbacks._io import read_summary
+from lnstab.rundir import read_summary
 
 NAN_STEP = 3
 

@@ -22,7 +22,7 @@ from lnstab.callbacks import (
     StabilityLayout,
     stability_layout,
 )
-from lnstab.callbacks._io import read_summary
+from lnstab.rundir import read_summary
 
 EXPECTED_HIDDEN = {
     "gpt": ["embed", "L00_attn", "L00_mlp", "L01_attn", "L01_mlp", "final"],

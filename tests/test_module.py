@@ -8,11 +8,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lnstab.callbacks._io import read_summary
 from lnstab.datamodules.synthetic import SyntheticDataModule
 from lnstab.errors import ConfigError
 from lnstab.model import NORM_PLACEMENTS
 from lnstab.module import GPTModule, lr_at
+from lnstab.rundir import read_summary
 
 VOCAB = 64
 
