@@ -4,12 +4,15 @@ Every callback finds lnstab's residual modules by name by default and works on o
 regex (``layer_pattern``) or module types; see each class's docstring for its metrics.
 """
 
+from .checkpoint import RunCheckpoint
 from .divergence import DivergenceMonitor, NonFiniteCheckpointError
 from .grad_stats import GradientStatistics
 from .growth_bound import GrowthBoundMonitor
 from .hidden_stats import HiddenStateStatistics
 from .jacobian import JacobianSensitivity, spectral_norm
 from .layout import StabilityLayout, stability_layout
+from .run_status import RunStatus
+from .suite import Instruments
 
 __all__ = [
     "DivergenceMonitor",
@@ -17,8 +20,11 @@ __all__ = [
     "GradientStatistics",
     "GrowthBoundMonitor",
     "HiddenStateStatistics",
+    "Instruments",
     "JacobianSensitivity",
     "NonFiniteCheckpointError",
+    "RunCheckpoint",
+    "RunStatus",
     "StabilityLayout",
     "spectral_norm",
     "stability_layout",
@@ -29,7 +35,7 @@ def __getattr__(name: str):
     # FinalEvaluation scores lnstab's own GPT (it imports the model and the metric packages), so it is loaded only
     # when asked for: the instruments above stay free of lnstab's model.
     if name == "FinalEvaluation":
-        from lnstab.eval_callback import FinalEvaluation
+        from lnstab.evaluation.callback import FinalEvaluation
 
         return FinalEvaluation
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -56,11 +56,12 @@ class DivergenceMonitor(TapCallback):
     the policy acts: ``stop`` drops that update (gradients set to ``None``, so the optimizer leaves the weights
     alone) and sets ``trainer.should_stop``; ``skip`` drops the update and goes on; ``continue`` only records.
     Because ``stop``/``skip`` never apply a non-finite update, the weights stay finite and a ``last`` checkpoint
-    is a finite one; should weights be non-finite anyway (``continue``), ``on_save_checkpoint`` raises
-    :class:`NonFiniteCheckpointError` so no such checkpoint is written. Events go to ``divergence_events.jsonl``
-    in the run directory as they happen; the run's ``summary.json`` gets ``status`` (``diverged`` when the
-    ``stop`` policy acted or the weights became non-finite, ``failed`` on an exception, else ``completed``),
-    ``diverged_step`` and ``divergence_events``.
+    is a finite one. Should the weights become non-finite anyway (``continue``), the run stops whatever the policy
+    (no later update can repair them); :class:`RunCheckpoint` then writes no further checkpoint, and a plain
+    ``ModelCheckpoint`` is refused by ``on_save_checkpoint`` (:class:`NonFiniteCheckpointError`). Events go to
+    ``divergence_events.jsonl`` in the run directory as they happen; the run's ``summary.json`` gets
+    ``diverged_step`` (the first step the ``stop`` policy acted on or the weights became non-finite) and
+    ``divergence_events``; :class:`RunStatus` turns that into ``status: diverged``.
 
     Args:
         policy: ``stop``, ``skip`` or ``continue``.
@@ -226,11 +227,10 @@ class DivergenceMonitor(TapCallback):
         decision = trainer.strategy.reduce_boolean_decision(not finite, all=False)  # every rank takes part
         if not finite:
             self._record(trainer, [self._event(step, "nonfinite_param", math.nan)], step)
-        if decision:
+        if decision:  # no update can bring non-finite weights back: the run ends whatever the policy
             if self.diverged_step is None:
                 self.diverged_step = step
-            if self.policy == "stop":
-                trainer.should_stop = True
+            trainer.should_stop = True
 
     def _checking_previous(self, trainer: pl.Trainer) -> bool:
         return (trainer.global_step - 1) % self.every_n_steps == 0
@@ -258,24 +258,11 @@ class DivergenceMonitor(TapCallback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        status = "diverged" if self.diverged_step is not None else "completed"
-        update_summary(
-            trainer,
-            status=status,
-            diverged_step=self.diverged_step,
-            divergence_events=len(self.events),
-            final_step=trainer.global_step,
-        )
+        update_summary(trainer, diverged_step=self.diverged_step, divergence_events=len(self.events))
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        update_summary(
-            trainer,
-            status="failed",
-            error=f"{type(exception).__name__}: {exception}",
-            diverged_step=self.diverged_step,
-            divergence_events=len(self.events),
-        )
+        update_summary(trainer, diverged_step=self.diverged_step, divergence_events=len(self.events))
 
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:

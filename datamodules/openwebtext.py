@@ -205,6 +205,17 @@ class OpenWebTextDataModule(pl.LightningDataModule):
             raise DataError("OpenWebTextDataModule.validation_tokens() needs setup('fit'|'validate'|'test') first")
         return self._val
 
+    def token_id_limit(self) -> int:
+        """Every token id is below this (a model's ``vocab_size`` must be at least this), known without reading data:
+        the synthetic vocabulary, or the tokenizer's (``prepared``: the tokenizer recorded in ``meta.json``)."""
+        hp, source = self.hparams, self.resolve_source()
+        if source == "synthetic":
+            return int(hp.synthetic_vocab_size)
+        name = hp.tokenizer
+        if source == "prepared":
+            name = read_meta(hp.path).get("tokenizer", name)
+        return int(DocTokenizer(name, 1).encoding.n_vocab)
+
     # ------------------------------------------------------------------ loaders
     def shard_plan(self, rank: int | None = None, world_size: int | None = None) -> ShardPlan:
         """This rank's :class:`ShardPlan` (rank/world from the trainer unless given)."""

@@ -81,6 +81,10 @@ class SyntheticDataModule(pl.LightningDataModule):
         """The validation stream as one 1-D token tensor (the contract evaluation relies on)."""
         return self.val_set.tokens
 
+    def token_id_limit(self) -> int:
+        """Every token id is below this (a model's ``vocab_size`` must be at least this)."""
+        return int(self.hparams.synthetic_vocab_size)
+
     def train_dataloader(self) -> DataLoader:
         g = torch.Generator().manual_seed(self.hparams.seed)
         return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, generator=g, drop_last=True)

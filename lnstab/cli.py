@@ -1,9 +1,15 @@
-"""``lnstab``: LightningCLI for fit/validate/test, plus lnstab's own subcommands.
+"""``lnstab``: LightningCLI for fit/validate/test/predict/evaluate, plus lnstab's own subcommands.
 
 ``lnstab fit --config experiments/gpt2_peri_dt1.yaml`` trains one paper experiment. An experiment YAML names the file
 it builds on with ``extends: base.yaml`` (relative to itself); the CLI expands that chain into ordinary, composable
-``--config`` arguments, so later ``--config`` files and ``--key value`` overrides still win. The resolved config is
-saved in each run directory. Any user mistake ends with one line on stderr and exit status 2.
+``--config`` arguments, so later ``--config`` files and ``--key value`` overrides still win. Beside ``model``,
+``data`` and ``trainer`` a config has three groups: ``checkpoint`` (:class:`~lnstab.callbacks.RunCheckpoint`),
+``evaluation`` (:class:`~lnstab.callbacks.FinalEvaluation`) and ``instruments``
+(:class:`~lnstab.callbacks.Instruments`). Where a run lives and which checkpoint resumes it is :mod:`lnstab.runs`'
+business (``--run_dir``, ``--ckpt_path last|auto``). The saved ``config.yaml`` is resolved (no ``extends``, the
+precision and data source actually used) and describes the experiment, not the place it ran, so
+``lnstab fit --config runs/<exp>/version_0/config.yaml`` reruns it as a new run anywhere. Any user mistake ends with
+one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -12,23 +18,45 @@ import importlib
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.utilities import rank_zero_info
 
-from lnstab.errors import LNStabError
+from lnstab import runs
+from lnstab.callbacks import FinalEvaluation, Instruments, RunCheckpoint, RunStatus
+from lnstab.checkpoint import load_checkpoint
+from lnstab.errors import ConfigError, LNStabError
 from lnstab.module import GPTModule
+from lnstab.precision import resolve_precision
+from lnstab.rundir import CONFIG_FILE
+from lnstab.trainer import LNStabTrainer
 
 # Subcommands that are not Trainer methods: name -> "module:function" taking argv (imported only when used).
 EXTRA_COMMANDS: dict[str, str] = {
     "prepare": "lnstab.datamodules.prepare:main",
-    "evaluate": "lnstab.evaluate:main",
 }
+COMMAND_HELP = {
+    "fit": "Train an experiment (resume with --ckpt_path last)",
+    "validate": "Validation loss of a checkpoint",
+    "test": "Test loss and the final evaluation of a checkpoint",
+    "predict": "Run the model's predict step",
+    "evaluate": "Final evaluation of a checkpoint: loss, perplexities, ROUGE, BERTScore into eval.json",
+    "prepare": "Tokenize OpenWebText (hub or files) once into uint16 bins with nanoGPT's split",
+}
+CKPT_SUBCOMMANDS = ("validate", "test", "predict", "evaluate")
+# Keys that say where a run ran, not what it is: left out of saved and printed configs.
+RUN_LOCATION = ("extends", "run_dir", "ckpt_path", "trainer.default_root_dir")
 
 
 class LNStabArgumentParser(LightningArgumentParser):
-    """Parse errors as one line naming the key and the problem (instead of a page of usage), exit status 2."""
+    """One-line parse errors (exit 2); dumps without ``extends`` and the run's location, so they rerun anywhere,
+    and with the logger named after the experiment file where the config leaves the name empty."""
+
+    experiment: str | None = None
 
     def error(self, message: str, ex: Exception | None = None):  # noqa: ANN201 - NoReturn in the parent
         if not self.exit_on_error or os.environ.get("LNSTAB_DEBUG"):
@@ -38,13 +66,197 @@ class LNStabArgumentParser(LightningArgumentParser):
         sys.stderr.write(f"lnstab: error: {folded} (see: {parser.prog.replace(' [options]', '')} --help)\n")
         self.exit(2)
 
+    def dump(self, cfg: Any, *args: Any, **kwargs: Any) -> str:
+        cfg = cfg.clone()
+        for sub in ("", *[f"{s}." for s in ("fit", *CKPT_SUBCOMMANDS)]):
+            for key in RUN_LOCATION:
+                if f"{sub}{key}" in cfg:
+                    del cfg[f"{sub}{key}"]
+            for logger in _logger_args(cfg.get(f"{sub}trainer.logger")):
+                logger["version"] = None
+                if not logger.get("name") and self.experiment:
+                    logger["name"] = self.experiment
+        return super().dump(cfg, *args, **kwargs)
+
+
+class SaveRunConfig(SaveConfigCallback):
+    """Saves ``config.yaml`` once per run directory (by ``fit``); a resumed fit, or a validate/test/evaluate of the
+    run's checkpoint, whose config differs writes ``config-<stage>-<k>.yaml`` beside it, an identical one writes
+    nothing: nothing is overwritten, and ``config.yaml`` is always the config the run was trained with."""
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self.already_saved:
+            return
+        log_dir = Path(trainer.log_dir)  # broadcasts: every rank calls setup
+        if trainer.is_global_zero:
+            text = self.parser.dump(self.config, skip_none=False)
+            path = _config_target(log_dir, self.config_filename, str(getattr(stage, "value", stage)), text)
+            if path is not None:
+                log_dir.mkdir(parents=True, exist_ok=True)
+                path.write_text(text, encoding="utf-8")
+        self.already_saved = True
+
+
+def _config_target(log_dir: Path, filename: str, stage: str, text: str) -> Path | None:
+    """Where to save ``text``: ``config.yaml`` for a new fit, else the first free ``config-<stage>-<k>.yaml``;
+    ``None`` when an identical config is already there."""
+    main = log_dir / filename
+    if main.exists() and main.read_text(encoding="utf-8") == text:
+        return None
+    if stage == "fit" and not main.exists():
+        return main
+    k = 1
+    while (path := log_dir / f"config-{stage}-{k}.yaml").exists():
+        if path.read_text(encoding="utf-8") == text:
+            return None
+        k += 1
+    return path
+
+
+def _logger_args(logger: Any) -> list[Any]:
+    """The ``init_args`` of every configured logger that has a ``save_dir`` (TensorBoard, CSV)."""
+    items = logger if isinstance(logger, list) else [logger]
+    return [x.init_args for x in items if hasattr(x, "init_args") and "save_dir" in x.init_args]
+
 
 class LNStabCLI(LightningCLI):
-    """LightningCLI with the data's ``block_size`` linked to the model's and an ``extends`` key for YAML chains."""
+    """LightningCLI with lnstab's trainer, config groups, run directories and strict resumption (module docstring)."""
 
-    def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 - jsonargparse parser
+    experiment: str | None = None
+    argv: list[str] = []
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        return {**LightningCLI.subcommands(), "evaluate": {"model", "datamodule"}}
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--extends", type=str | None, default=None, help="Base YAML this config builds on.")
+        parser.add_argument("--run_dir", type=str | None, default=None,
+                            help="Directory of this run (default: <logger save_dir>/<experiment>/version_N).")
         parser.link_arguments("model.block_size", "data.init_args.block_size")
+        parser.add_lightning_class_args(RunCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(FinalEvaluation, "evaluation")
+        parser.add_class_arguments(Instruments, "instruments")
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        if self.config.get("subcommand"):
+            self._resolve_run(self.config.subcommand)
+
+    def _resolve_run(self, sub: str) -> None:
+        """Name, directory and checkpoint of the run; refuse what would overwrite or silently ignore input."""
+        c = self.config[sub]
+        loggers = _logger_args(c.trainer.logger)
+        for logger in loggers:
+            if not logger.get("name") and not c.run_dir:
+                logger["name"] = self.experiment or "lnstab"
+        if sub == "fit" and (c.trainer.max_steps == 0 or c.trainer.max_steps < -1):
+            raise ConfigError(f"trainer.max_steps={c.trainer.max_steps} is not allowed; it must be >= 1, or -1 "
+                              f"for no step limit")
+        run_dir, ckpt = c.run_dir, c.get("ckpt_path")
+        if ckpt in runs.RESUME_KEYWORDS:
+            root = None
+            if loggers:
+                first = loggers[0]
+                root = str(Path(first["save_dir"]) / (first.get("name") or ""))
+                if first.get("version") not in (None, ""):
+                    run_dir = run_dir or str(Path(root) / str(first["version"]))
+            found = runs.resolve_resume(ckpt, run_dir, root)
+            ckpt = str(found) if found is not None else None
+            run_dir = run_dir or (str(runs.run_of_checkpoint(found)) if found is not None else None)
+        elif ckpt:
+            if not Path(ckpt).is_dir():
+                load_checkpoint(ckpt, field="--ckpt_path", mmap=True)  # missing, truncated or unsafe: one line
+            owner = runs.run_of_checkpoint(ckpt)
+            run_dir = run_dir or (str(owner) if owner is not None else None)
+        if sub == "fit" and ckpt is None and run_dir:
+            runs.check_fresh_run_dir(run_dir)
+        if run_dir:
+            save_dir, name, version = runs.split_run_dir(run_dir)
+            if c.trainer.logger in (None, True):  # Lightning's default logger, placed in the run directory
+                tensorboard = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                               "init_args": {"save_dir": save_dir, "name": name, "version": version}}
+                self.config = self.parser.parse_object({sub: {"trainer": {"logger": tensorboard}}}, self.config)
+                c = self.config[sub]
+                loggers = _logger_args(c.trainer.logger)
+            for logger in loggers:
+                if Path(logger["save_dir"]) / (logger.get("name") or "") == Path(save_dir):
+                    logger["version"] = version  # a version of this experiment: keep its save_dir and name
+                else:
+                    logger["save_dir"], logger["name"], logger["version"] = save_dir, name, version
+            c.trainer.default_root_dir = run_dir
+            if ckpt is not None:  # the run logged its hyperparameters when it started: don't rewrite hparams.yaml
+                c.trainer.enable_autolog_hparams = False
+        c.run_dir, c.ckpt_path = run_dir, ckpt
+        if ckpt and not Path(ckpt).is_dir():
+            explicit = {k: c.model[k] for k in runs.explicit_keys(self.argv, "model") if k in c.model}
+            if explicit:
+                runs.check_against_checkpoint(load_checkpoint(ckpt, mmap=True), explicit, ckpt)
+        if sub in CKPT_SUBCOMMANDS and run_dir and not runs.explicit_keys(self.argv, "data"):
+            self._data_from_run(sub, Path(run_dir))
+
+    def _data_from_run(self, sub: str, run_dir: Path) -> None:
+        """Evaluate a checkpoint on the data its run trained on (its saved config), unless ``--data.*`` is given."""
+        saved = run_dir / CONFIG_FILE
+        if not saved.is_file():
+            return
+        data = (yaml.safe_load(saved.read_text(encoding="utf-8")) or {}).get("data")
+        if not isinstance(data, dict):
+            return
+        data.get("init_args", {}).pop("block_size", None)  # linked from the model
+        self.config = self.parser.parse_object({sub: {"data": data}}, self.config)
+        args = data.get("init_args") or {}
+        shown = ", ".join(f"{k}={args[k]}" for k in ("source", "path", "dataset") if args.get(k) is not None)
+        rank_zero_info(f"lnstab: data of the checkpoint's run ({saved}): {data.get('class_path')} {shown}; pass "
+                       f"--data.* to use other data")
+
+    def _check_evaluation(self) -> None:
+        """Fail in one line before anything is written: an evaluation that cannot run on this model."""
+        from lnstab.evaluation import metrics
+
+        for cb in self.trainer.callbacks:
+            if isinstance(cb, FinalEvaluation) and cb.run_on["test"]:
+                cb.settings.check_model(self.model.config)
+                metrics.load_bertscore(cb.settings.bertscore_model, cb.settings.bertscore_layers)
+
+    def before_test(self) -> None:
+        self._check_evaluation()
+
+    def before_evaluate(self) -> None:
+        self._check_evaluation()
+
+    def before_instantiate_classes(self) -> None:
+        c = self.config[self.subcommand] if self.subcommand else self.config
+        if c.trainer.precision == "auto":
+            value, reason = resolve_precision("auto", str(c.trainer.accelerator))
+            c.trainer.precision = value
+            rank_zero_info(f"lnstab: precision auto -> {value} ({reason}); recorded in the run's config.yaml")
+        if self.subcommand and "weights_only" in c and c.weights_only is None:
+            c.weights_only = True  # checkpoints are data, never code
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        c = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        callbacks = list(c["trainer"].get("callbacks") or [])
+        suite = c.get("instruments")
+        callbacks += suite.callbacks() if suite is not None else []
+        callbacks.append(RunStatus())
+        return super().instantiate_trainer(callbacks=callbacks, **kwargs)
+
+    def after_instantiate_classes(self) -> None:
+        c = self.config[self.subcommand] if self.subcommand else self.config
+        hp = getattr(self.datamodule, "hparams", {})
+        if hp.get("resolved_source") and c.get("data.init_args.source") == "auto":
+            c.data.init_args.source = hp["resolved_source"]  # the saved config names the data actually used
+            for key in ("dataset", "dataset_config", "revision"):
+                if key in hp and key in c.data.init_args:
+                    c.data.init_args[key] = hp[key]
+        needed = getattr(self.datamodule, "token_id_limit", None)
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        if callable(needed) and vocab is not None and needed() > vocab:
+            raise ConfigError(
+                f"model.vocab_size={vocab} is not allowed with this data: its token ids go up to {needed() - 1}; "
+                f"it must be >= {needed()}"
+            )
 
 
 def expand_extends(argv: list[str]) -> list[str]:
@@ -75,50 +287,116 @@ def _extends_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[Path]:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as exc:
-        raise LNStabError(f"--config {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
-    base = data.get("extends") if isinstance(data, dict) else None
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise LNStabError(f"--config {path} is not valid YAML{where}: {problem}") from None
+    if not isinstance(data, dict):
+        raise LNStabError(f"--config {path} is not allowed; it must hold a YAML mapping (key: value)")
+    base = data.get("extends")
     if base is None:
         return [path]
+    if not isinstance(base, str) or not base.strip():
+        raise LNStabError(f"--config {path}: extends={base!r} is not allowed; it must be one file name (a string)")
     return _extends_chain(path.parent / base, (*seen, resolved)) + [path]
+
+
+def experiment_name(argv: list[str]) -> str | None:
+    """The stem of the last ``--config`` file on the command line: the run's default name."""
+    name = None
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            name = Path(argv[i + 1]).stem
+        elif arg.startswith("--config="):
+            name = Path(arg.split("=", 1)[1]).stem
+    return None if name == Path(CONFIG_FILE).stem else name
+
+
+def _default_config(argv: list[str]) -> list[str]:
+    """``validate|test|predict|evaluate --ckpt_path FILE`` without ``--config``: the checkpoint's run config."""
+    if not argv or argv[0] not in CKPT_SUBCOMMANDS or any(a == "--config" or a.startswith("--config=") for a in argv):
+        return argv
+    values = dict(zip(argv, argv[1:], strict=False))
+    run_dir = values.get("--run_dir")
+    ckpt = values.get("--ckpt_path")
+    if run_dir is None and ckpt and ckpt not in runs.RESUME_KEYWORDS:
+        run_dir = runs.run_of_checkpoint(ckpt)
+    if run_dir is None or not (Path(run_dir) / CONFIG_FILE).is_file():
+        raise ConfigError(f"lnstab {argv[0]} needs --config, or a --ckpt_path/--run_dir inside a run directory that "
+                          f"holds {CONFIG_FILE}")
+    return [argv[0], "--config", str(Path(run_dir) / CONFIG_FILE), *argv[1:]]
 
 
 def cli_main(args: list[str] | None = None, run: bool = True) -> LNStabCLI:
     """Build (and by default run) the CLI; ``args`` as on the command line, without the program name."""
-    args = expand_extends(list(sys.argv[1:] if args is None else args))
+    raw = list(sys.argv[1:] if args is None else args)
+    raw = _default_config(raw)
+    expanded = expand_extends(raw)
     argv, sys.argv = sys.argv, sys.argv[:1]  # LightningCLI warns when it sees both sys.argv and args
+    LNStabCLI.experiment, LNStabCLI.argv = experiment_name(raw), raw
+    LNStabArgumentParser.experiment = LNStabCLI.experiment
     try:
         return LNStabCLI(
             GPTModule,
             LightningDataModule,
             subclass_mode_data=True,
-            args=args,
+            trainer_class=LNStabTrainer,
+            args=expanded,
             run=run,
-            save_config_kwargs={"overwrite": False},
+            save_config_callback=SaveRunConfig,
             parser_class=LNStabArgumentParser,
         )
     finally:
         sys.argv = argv
 
 
+def print_help() -> None:
+    """``lnstab --help``: every subcommand, one line each."""
+    lines = ["usage: lnstab <command> [options]   (lnstab <command> --help lists a command's options)", "",
+             "Stability of Transformers under Layer Normalization: experiments, instruments, evaluation, reports.", "",
+             "Training and evaluation (LightningCLI: --config FILE, --key value):"]
+    lines += [f"  {name:<10} {COMMAND_HELP[name]}" for name in ("fit", "validate", "test", "predict", "evaluate")]
+    lines += ["", "Data, grids, reports and checks:"]
+    for name, target in EXTRA_COMMANDS.items():
+        lines.append(f"  {name:<10} {COMMAND_HELP.get(name) or _doc_line(target)}")
+    print("\n".join(lines))
+
+
+def _doc_line(target: str) -> str:
+    module = importlib.import_module(target.split(":")[0])
+    return (module.__doc__ or "").strip().splitlines()[0] if module.__doc__ else ""
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point ``lnstab``."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print_help()
+        return
     try:
-        if argv and argv[0] in EXTRA_COMMANDS:
+        if argv[0] in EXTRA_COMMANDS:
             module, func = EXTRA_COMMANDS[argv[0]].split(":")
             getattr(importlib.import_module(module), func)(argv[1:])
-        else:
-            cli_main(argv)
+            return
+        cli = cli_main(argv)
     except Exception as exc:
         user_error = find_user_error(exc)
         if user_error is None or os.environ.get("LNSTAB_DEBUG"):
             raise
-        print(f"lnstab: error: {user_error}", file=sys.stderr)
+        print(f"lnstab: error: {_one_line(user_error)}", file=sys.stderr)
         raise SystemExit(2) from None
+    status = next((cb for cb in getattr(cli.trainer, "callbacks", []) if isinstance(cb, RunStatus)), None)
+    if status is not None and status.exit_code:
+        raise SystemExit(status.exit_code)
 
 
-def find_user_error(exc: BaseException) -> LNStabError | None:
-    """The :class:`LNStabError` behind ``exc``: itself, or one that jsonargparse wrapped while instantiating."""
+def _one_line(exc: BaseException) -> str:
+    return " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+
+
+def find_user_error(exc: BaseException) -> BaseException | None:
+    """The user's mistake behind ``exc``: an :class:`LNStabError` or Lightning's ``MisconfigurationException``,
+    itself or one that jsonargparse wrapped while instantiating."""
     seen: set[int] = set()
     stack = [exc]
     while stack:
@@ -126,7 +404,7 @@ def find_user_error(exc: BaseException) -> LNStabError | None:
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, LNStabError):
+        if isinstance(e, LNStabError | MisconfigurationException):
             return e
         stack += [e.__cause__, e.__context__]
     return None

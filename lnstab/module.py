@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
+from lnstab.callbacks.run_status import trained_steps
 from lnstab.errors import ConfigError
+from lnstab.evaluation.core import safe_exp
 from lnstab.model import GPT, GPTConfig
 from lnstab.rundir import update_summary
 
@@ -99,8 +101,11 @@ class GPTModule(pl.LightningModule):
         self.save_hyperparameters()
         self.config = gpt_config(self.hparams)
         self.model = GPT(self.config)
-        self.val_loss = MeanMetric()
-        self.test_loss = MeanMetric()
+        # nan_strategy="disable": a NaN batch makes the mean NaN; the default would drop it with a warning, and a
+        # divergence study must never average a NaN away.
+        self.val_loss = MeanMetric(nan_strategy="disable")
+        self.test_loss = MeanMetric(nan_strategy="disable")
+        self.loaded_step: int | None = None  # global step of the checkpoint these weights came from
         self.tokens_seen = 0
         self._step_started: float | None = None
 
@@ -164,8 +169,8 @@ class GPTModule(pl.LightningModule):
     def on_validation_epoch_end(self) -> None:
         loss = self._log_eval("val", self.val_loss)
         if not self.trainer.sanity_checking:  # the run's summary.json keeps the latest validation result
-            step = self.trainer.global_step
-            update_summary(self.trainer, val={"loss": loss, "ppl": math.exp(min(loss, 700.0)), "step": step})
+            step = trained_steps(self.trainer, self)
+            update_summary(self.trainer, val={"loss": loss, "ppl": safe_exp(loss), "step": step})
 
     @override
     def on_test_epoch_end(self) -> None:
@@ -211,3 +216,4 @@ class GPTModule(pl.LightningModule):
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.tokens_seen = int(checkpoint.get("tokens_seen", 0))
+        self.loaded_step = int(checkpoint.get("global_step", 0))

@@ -30,6 +30,7 @@ written through :func:`atomic_write_text`, so a reader never sees half a file.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -103,17 +104,45 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def json_safe(obj: Any) -> Any:
+    """``obj`` with every non-finite float replaced by the string ``"nan"``, ``"inf"`` or ``"-inf"`` (strict JSON
+    has no such numbers; a diverged run has them). :func:`read_json` gives them back as floats."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def write_json(path: str | os.PathLike, obj: Any) -> None:
-    """``obj`` as indented JSON, atomically."""
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+    """``obj`` as indented strict JSON (non-finite numbers as strings, see :func:`json_safe`), atomically."""
+    text = json.dumps(json_safe(obj), indent=2, sort_keys=True, default=str, allow_nan=False)
+    atomic_write_text(path, text + "\n")
 
 
-def read_json(path: str | os.PathLike) -> Any:
-    """The JSON in ``path`` (``None`` when the file does not exist)."""
+NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def read_json(path: str | os.PathLike, numbers: bool = True) -> Any:
+    """The JSON in ``path`` (``None`` when the file does not exist); with ``numbers`` the strings ``"nan"``,
+    ``"inf"``, ``"-inf"`` that :func:`json_safe` wrote come back as floats."""
     path = Path(path)
     if not path.is_file():
         return None
-    return json.loads(path.read_text(encoding="utf-8"))
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return _restore(data) if numbers else data
+
+
+def _restore(obj: Any) -> Any:
+    if isinstance(obj, str):
+        return NONFINITE.get(obj, obj)
+    if isinstance(obj, dict):
+        return {k: _restore(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_restore(v) for v in obj]
+    return obj
 
 
 def read_summary(directory: str | os.PathLike) -> dict[str, Any]:

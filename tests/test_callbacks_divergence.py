@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from test_callbacks_helpers import StepClock, lit, loader, trainer
 
-from lnstab.callbacks import DivergenceMonitor, NonFiniteCheckpointError
+from lnstab.callbacks import DivergenceMonitor, NonFiniteCheckpointError, RunCheckpoint, RunStatus
 from lnstab.rundir import read_summary
 
 NAN_STEP = 3
@@ -49,7 +49,7 @@ def test_stop_reports_step_and_layer_and_stops(tmp_path):
     inject_nan(module, clock)
     monitor = DivergenceMonitor(policy="stop")
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1)
-    t = trainer(tmp_path, [clock, watch, monitor, checkpoint], max_steps=10, enable_checkpointing=True)
+    t = trainer(tmp_path, [clock, watch, monitor, checkpoint, RunStatus()], max_steps=10, enable_checkpointing=True)
     t.fit(module, loader(n=64))
     kinds = {e["kind"]: e for e in monitor.events}
     assert {"nonfinite_loss", "nonfinite_activation", "nonfinite_grad"} <= set(kinds)
@@ -70,7 +70,7 @@ def test_skip_drops_only_that_update_and_continues(tmp_path):
     module, clock, watch = lit("gpt"), StepClock(), ParamWatch()
     inject_nan(module, clock)
     monitor = DivergenceMonitor(policy="skip")
-    t = trainer(tmp_path, [clock, watch, monitor], max_steps=6)
+    t = trainer(tmp_path, [clock, watch, monitor, RunStatus()], max_steps=6)
     t.fit(module, loader(n=64))
     assert t.global_step == 6
     assert unchanged(watch, NAN_STEP)
@@ -80,31 +80,35 @@ def test_skip_drops_only_that_update_and_continues(tmp_path):
     assert read_summary(run_dir(tmp_path))["status"] == "completed"
 
 
-def test_continue_keeps_going_and_never_saves_nonfinite_last(tmp_path):
+def test_continue_stops_once_the_weights_are_nonfinite_and_keeps_the_last_good_checkpoint(tmp_path):
     module, clock = lit("gpt"), StepClock()
     inject_nan(module, clock)
     monitor = DivergenceMonitor(policy="continue")
-    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1)
-    t = trainer(tmp_path, [clock, monitor, checkpoint], max_steps=6, enable_checkpointing=True)
-    with pytest.raises(NonFiniteCheckpointError, match=f"step {NAN_STEP + 1}"):
-        t.fit(module, loader(n=64))
+    checkpoint = RunCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1)
+    t = trainer(tmp_path, [clock, monitor, checkpoint, RunStatus()], max_steps=6, enable_checkpointing=True)
+    t.fit(module, loader(n=64))  # ends cleanly: a diverged run is a result
     kinds = [(e["step"], e["kind"]) for e in monitor.events]
     assert (NAN_STEP, "nonfinite_loss") in kinds and (NAN_STEP, "nonfinite_param") in kinds
-    last = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
-    assert last["global_step"] == NAN_STEP
+    assert t.global_step == NAN_STEP + 1  # no later update can repair non-finite weights
+    assert checkpoint.skipped_nonfinite >= 1
+    last = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == NAN_STEP  # the last good checkpoint, not overwritten
     assert all(torch.isfinite(v).all() for v in last["state_dict"].values())
-    assert read_summary(run_dir(tmp_path))["status"] == "failed"
-
-
-def test_continue_without_checkpoints_runs_to_the_end(tmp_path):
-    module, clock = lit("gpt"), StepClock()
-    inject_nan(module, clock)
-    monitor = DivergenceMonitor(policy="continue")
-    t = trainer(tmp_path, [clock, monitor], max_steps=6)
-    t.fit(module, loader(n=64))
-    assert t.global_step == 6
     summary = read_summary(run_dir(tmp_path))
     assert summary["status"] == "diverged" and summary["diverged_step"] == NAN_STEP
+
+
+def test_a_plain_model_checkpoint_is_refused_nonfinite_weights(tmp_path):
+    module, clock = lit("gpt"), StepClock()
+    inject_nan(module, clock)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1)
+    t = trainer(tmp_path, [clock, DivergenceMonitor(policy="continue"), checkpoint, RunStatus()], max_steps=6,
+                enable_checkpointing=True)
+    with pytest.raises(NonFiniteCheckpointError, match=f"step {NAN_STEP + 1}"):
+        t.fit(module, loader(n=64))
+    last = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == NAN_STEP
+    assert read_summary(run_dir(tmp_path))["status"] == "failed"
 
 
 def test_loss_spike_and_grad_explosion(tmp_path):
@@ -132,7 +136,7 @@ def test_activation_overflow_risk(tmp_path):
 
 def test_clean_run_completes_and_state_round_trips(tmp_path):
     monitor = DivergenceMonitor()
-    trainer(tmp_path, [monitor], max_steps=3).fit(lit("gpt"), loader())
+    trainer(tmp_path, [monitor, RunStatus()], max_steps=3).fit(lit("gpt"), loader())
     assert monitor.events == []
     assert read_summary(run_dir(tmp_path))["status"] == "completed"
     restored = DivergenceMonitor()

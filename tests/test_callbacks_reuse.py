@@ -19,6 +19,7 @@ from lnstab.callbacks import (
     GrowthBoundMonitor,
     HiddenStateStatistics,
     JacobianSensitivity,
+    RunStatus,
     StabilityLayout,
     stability_layout,
 )
@@ -39,6 +40,7 @@ def all_callbacks(every: int = 1) -> list:
         GradientStatistics(every_n_steps=every),
         JacobianSensitivity(every_n_steps=2, n_iter=3),
         DivergenceMonitor(),
+        RunStatus(),
     ]
 
 
@@ -96,6 +98,7 @@ def fit_hidden(tmp_path, name: str, **kwargs) -> dict:
         GrowthBoundMonitor(every_n_steps=1),
         GradientStatistics(every_n_steps=1),
         DivergenceMonitor(),
+        RunStatus(),
     ]
     t = Trainer(
         accelerator="cpu",

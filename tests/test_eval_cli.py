@@ -16,7 +16,7 @@ import yaml  # noqa: E402
 from lnstab.cli import main as cli  # noqa: E402
 from lnstab.datamodules.synthetic import SyntheticDataModule  # noqa: E402
 from lnstab.errors import LNStabError  # noqa: E402
-from lnstab.eval_callback import FinalEvaluation  # noqa: E402
+from lnstab.evaluation.callback import FinalEvaluation  # noqa: E402
 from lnstab.evaluation import METRICS  # noqa: E402
 from lnstab.module import GPTModule  # noqa: E402
 
@@ -51,8 +51,9 @@ def test_callback_writes_eval_json_after_fit_and_test(run) -> None:
     assert rec["stage"] == "fit" and rec["global_step"] == 3 and rec["protocol"] == "teacher_forced"
     assert rec["n_samples"] == 4 and len(rec["samples"]) == 4
     assert set(rec["metrics"]) == set(METRICS)
-    assert list(rec) == ["schema", "protocol", "n_samples", "metrics", "bertscore", "rouge", "tokenizer", "settings",
-                         "samples", "stage", "global_step"]
+    assert list(rec) == ["schema", "protocol", "n_samples", "metrics", "nonfinite", "bertscore", "rouge", "tokenizer",
+                         "settings", "samples", "stage", "global_step"]
+    assert rec["nonfinite"] == []
     assert rec["rouge"]["use_stemmer"] is True and rec["settings"]["seed"] == 1337
     assert rec["bertscore"]["num_layers"] == 6 and "minilm" in rec["bertscore"]["name"]
     assert {"prediction", "reference", "loss", "start", "rouge1", "bertscore_f1"} <= set(rec["samples"][0])
@@ -82,8 +83,8 @@ def write_configs(tmp_path: Path, **model) -> Path:
     base = {"model": {**MODEL, **model}, "data": {"class_path": "lnstab.datamodules.synthetic.SyntheticDataModule",
                                                   "init_args": {k: v for k, v in DATA.items() if k != "block_size"}}}
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
-    child = {"extends": "base.yaml", "trainer": {"callbacks": [
-        {"class_path": "lnstab.eval_callback.FinalEvaluation", "init_args": {"n_samples": 3, "batch_size": 2}}]}}
+    child = {"extends": "base.yaml", "evaluation": {"n_samples": 3, "batch_size": 2},
+             "trainer": {"accelerator": "cpu", "enable_progress_bar": False, "enable_model_summary": False}}
     (tmp_path / "exp.yaml").write_text(yaml.safe_dump(child))
     return tmp_path / "exp.yaml"
 
@@ -95,35 +96,39 @@ def snapshot(directory: Path) -> dict[str, bytes]:
 def test_cli_evaluate_writes_next_to_the_checkpoint_without_overwriting(run, tmp_path, capsys) -> None:
     cfg = write_configs(tmp_path)
     before = snapshot(run["dir"])
-    cli(["evaluate", "--config", str(cfg), "--ckpt", str(run["ckpt"]), "--protocol", "generation",
-         "--prompt_tokens", "8", "--new_tokens", "8"])
-    new = sorted(set(snapshot(run["dir"])) - set(before))
-    assert len(new) == 1 and new[0].startswith("eval-")  # eval.json and eval-1.json were there already
-    assert all(snapshot(run["dir"])[k] == v for k, v in before.items())
-    rec = json.loads((run["dir"] / new[0]).read_text())
+    cli(["evaluate", "--config", str(cfg), "--ckpt_path", str(run["ckpt"]), "--evaluation.protocol", "generation",
+         "--evaluation.prompt_tokens", "8", "--evaluation.new_tokens", "8"])
+    after = snapshot(run["dir"])
+    assert [k for k, v in before.items() if after[k] != v] == ["summary.json"]  # nothing else rewritten
+    old, now = json.loads(before["summary.json"]), json.loads(after["summary.json"])
+    assert {k for k in now if now[k] != old.get(k)} == {"eval"}  # the summary's latest evaluation, and only that
+    new = sorted(set(after) - set(before))
+    evals = [n for n in new if n.startswith("eval")]
+    assert len(evals) == 1 and evals[0].startswith("eval-")  # eval.json and eval-1.json were there already
+    assert "config.yaml" not in new  # config.yaml stays the training config; this one is config-evaluate-1.yaml
+    rec = json.loads((run["dir"] / evals[0]).read_text())
     assert rec["stage"] == "evaluate" and rec["protocol"] == "generation" and rec["global_step"] == 3
-    assert rec["n_samples"] == 3  # from the config's FinalEvaluation init_args
+    assert rec["n_samples"] == 3  # from the config's evaluation group
     assert rec["settings"]["prompt_tokens"] == 8 and all("prompt" in s for s in rec["samples"])
-    assert json.loads(capsys.readouterr().out)["rouge1"] == rec["metrics"]["rouge1"]
 
 
 @pytest.mark.parametrize(
-    ("extra", "model", "match"),
+    ("extra", "match"),
     [
-        ([], {"n_layer": 3}, r"the checkpoint's n_layer=2 does not match the config's n_layer=3"),
-        ([], {"norm_placement": "peri"}, r"norm_placement='pre' does not match the config's norm_placement='peri'"),
-        (["--bertscore_model", "/nonexistent/minilm"], {}, r"bertscore_model='/nonexistent/minilm' is not a dir"),
-        (["--bertscore_model", "lnstab-test/unreachable"], {}, r"bertscore_model='lnstab-test/unreachable' could"),
-        (["--n_samples", "0"], {}, r"n_samples=0 is not allowed"),
-        (["--protocol", "generation", "--prompt_tokens", "20", "--new_tokens", "20"], {}, r"prompt_tokens \+ new"),
-        (["--protocol", "beam"], {}, r"--protocol: invalid choice"),
+        (["--model.n_layer", "3"], r"--model.n_layer 3 contradicts the checkpoint's n_layer=None"),
+        (["--evaluation.bertscore_model", "/nonexistent/minilm"], r"bertscore_model='/nonexistent/minilm' is not a"),
+        (["--evaluation.bertscore_model", "lnstab-test/unreachable"], r"bertscore_model='lnstab-test/unreachable' c"),
+        (["--evaluation.n_samples", "0"], r"n_samples=0 is not allowed"),
+        (["--evaluation.protocol", "generation", "--evaluation.prompt_tokens", "20", "--evaluation.new_tokens", "20"],
+         r"prompt_tokens \+ new_tokens = 40 is not allowed"),
+        (["--evaluation.protocol", "beam"], r"protocol='beam' is not allowed; choose one of: teacher_forced, gen"),
     ],
 )
-def test_cli_bad_input_is_one_line_and_leaves_the_run_directory_alone(run, tmp_path, capsys, extra, model, match):
-    cfg = write_configs(tmp_path, **model)
+def test_cli_bad_input_is_one_line_and_leaves_the_run_directory_alone(run, tmp_path, capsys, extra, match):
+    cfg = write_configs(tmp_path)
     before = snapshot(run["dir"])
     with pytest.raises(SystemExit) as info:
-        cli(["evaluate", "--config", str(cfg), "--ckpt", str(run["ckpt"]), *extra])
+        cli(["evaluate", "--config", str(cfg), "--ckpt_path", str(run["ckpt"]), *extra])
     assert info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("lnstab: error:")
@@ -136,7 +141,7 @@ def test_cli_rejects_a_file_that_is_not_a_checkpoint(tmp_path, capsys) -> None:
     bogus = tmp_path / "bogus.ckpt"
     bogus.write_text("not a checkpoint")
     with pytest.raises(SystemExit):
-        cli(["evaluate", "--config", str(cfg), "--ckpt", str(bogus)])
+        cli(["evaluate", "--config", str(cfg), "--ckpt_path", str(bogus)])
     assert "is not a readable checkpoint" in capsys.readouterr().err
 
 

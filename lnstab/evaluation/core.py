@@ -16,7 +16,7 @@ Plain torch (no Lightning); :class:`lnstab.eval_callback.FinalEvaluation` and ``
 Metrics (``eval/`` in TensorBoard): ``loss`` (mean over samples; every sample has the same token count, so it is
 also the token mean), ``ppl_exp_mean_loss`` = exp(mean loss) (the usual perplexity), ``ppl_mean_seq`` = mean over
 samples of exp(sample loss) (the authors' convention; ≥ the former by Jensen), ``rouge1``/``rouge2``/``rougeL``
-(F-measure, Porter stemmer), ``bertscore_precision``/``_recall``/``_f1`` (see :mod:`lnstab.text_metrics`).
+(F-measure, Porter stemmer), ``bertscore_precision``/``_recall``/``_f1`` (see :mod:`lnstab.evaluation.metrics`).
 
 Distributed: every rank draws the same samples; samples are cut into batches of ``batch_size`` in sample order
 and batch ``b`` runs on rank ``b % world_size``, so each sample is computed in the same batch (same shapes, same
@@ -43,6 +43,7 @@ scores the texts in sample order, then broadcasts the result: a DDP run returns 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -55,11 +56,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lnstab import text_metrics
+from lnstab import validation as check
 from lnstab.errors import LNStabError
+from lnstab.evaluation import metrics as text_metrics
+from lnstab.evaluation.settings import PROTOCOLS, EvalSettings
+from lnstab.rundir import EVAL_FILE, fsync_dir, json_safe
 from lnstab.tokenizer import EOT_TOKEN, gpt2_encoding
 
-PROTOCOLS = ("teacher_forced", "generation")
 METRICS = (
     "loss",
     "ppl_exp_mean_loss",
@@ -71,14 +74,7 @@ METRICS = (
     "bertscore_recall",
     "bertscore_f1",
 )
-EVAL_FILE = "eval.json"
 SCHEMA_VERSION = 1
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise LNStabError(f"{name}={value!r} is not allowed; it must be a positive integer")
-    return value
 
 
 def select_windows(
@@ -91,9 +87,8 @@ def select_windows(
     Raises:
         LNStabError: Bad protocol, no tokens, or no window fits (zero samples).
     """
-    if protocol not in PROTOCOLS:
-        raise LNStabError(f"protocol={protocol!r} is not allowed; choose one of: {', '.join(PROTOCOLS)}")
-    _positive_int("n_samples", n_samples)
+    check.choice("protocol", protocol, PROTOCOLS)
+    check.positive_int("n_samples", n_samples)
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
         shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
         raise LNStabError(f"validation tokens of shape {shape} are not allowed; they must be a 1-D token tensor")
@@ -190,24 +185,14 @@ def _broadcast(obj: Any, world_size: int) -> Any:
 def evaluate_model(
     model: torch.nn.Module,
     val_tokens: torch.Tensor,
-    protocol: str = "teacher_forced",
-    n_samples: int = 200,
-    seed: int = 1337,
-    batch_size: int = 8,
-    block_size: int | None = None,
-    prompt_tokens: int = 64,
-    new_tokens: int = 64,
-    greedy: bool = True,
-    temperature: float = 1.0,
-    top_k: int | None = None,
+    settings: EvalSettings | None = None,
+    *,
     eot_token: int | None = EOT_TOKEN,
-    bertscore_model: str | None = None,
-    bertscore_layers: int = text_metrics.DEFAULT_BERTSCORE_LAYERS,
-    bertscore_batch_size: int = 64,
     bertscore_device: str | None = None,
     rank: int | None = None,
     world_size: int | None = None,
     forward_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+    **overrides: Any,
 ) -> dict[str, Any]:
     """Evaluate ``model`` (an :class:`lnstab.model.GPT` or anything with its ``config``/``generate``) on the
     validation stream; returns the :data:`EVAL_FILE` record (see :func:`write_eval_json`), the same on every rank.
@@ -215,44 +200,34 @@ def evaluate_model(
     Args:
         model: The language model; put in eval mode for the call, its mode restored after.
         val_tokens: The validation stream, 1-D GPT-2 token ids, documents separated by EOT (50256).
-        protocol: ``teacher_forced`` or ``generation`` (module docstring).
-        n_samples: Windows to evaluate (drawn with replacement).
-        seed: Seed of the window offsets (and of sampling, per batch ``b``: ``seed + 1 + b``).
-        batch_size: Windows per forward pass.
-        block_size: ``teacher_forced`` window length (``None``: the model's ``config.block_size``).
-        prompt_tokens, new_tokens: ``generation`` prompt and continuation lengths (sum ≤ block_size).
-        greedy, temperature, top_k: ``generation`` decoding (greedy argmax, or sampling).
+        settings: What to measure and how (:class:`EvalSettings`; ``None``: its defaults).
         eot_token: Document separator that ``generation`` windows avoid (``None``: the stream is one document).
-        bertscore_model: Model directory or hub name (``None``: the shipped all-MiniLM-L6-v2 directory).
-        bertscore_layers: Layer whose embeddings BERTScore uses (6 for MiniLM; 17 for ``roberta-large``).
-        bertscore_batch_size, bertscore_device: BERTScore batching and device (``None``: cuda if available).
+        bertscore_device: BERTScore's device (``None``: cuda if available).
         rank, world_size: This process's shard (``None``: from ``torch.distributed`` when initialised, else 0/1).
         forward_context: Context for forward passes, e.g. an autocast (``None``: none).
+        **overrides: :class:`EvalSettings` fields that replace those of ``settings``
+            (``evaluate_model(model, tokens, n_samples=32)``).
 
     Raises:
         LNStabError: A bad argument, zero samples, or a BERTScore model that cannot be loaded.
     """
-    if protocol not in PROTOCOLS:
-        raise LNStabError(f"protocol={protocol!r} is not allowed; choose one of: {', '.join(PROTOCOLS)}")
+    settings = settings or EvalSettings()
+    if overrides:
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(EvalSettings)})
+        if unknown:
+            raise LNStabError(f"{unknown[0]!r} is not an evaluation setting; allowed: {', '.join(settings.as_dict())}")
+        settings = dataclasses.replace(settings, **overrides)
+    s = settings
+    protocol, n_samples, seed, batch_size = s.protocol, s.n_samples, s.seed, s.batch_size
+    block_size, prompt_tokens, new_tokens = s.block_size, s.prompt_tokens, s.new_tokens
+    greedy, temperature, top_k = s.greedy, s.temperature, s.top_k
+    bertscore_layers, bertscore_batch_size = s.bertscore_layers, s.bertscore_batch_size
     cfg = model.config
     rank, world_size = _world(rank, world_size)
-    _positive_int("batch_size", batch_size)
+    window = s.window(cfg.block_size)
     if protocol == "teacher_forced":
-        block_size = cfg.block_size if block_size is None else _positive_int("block_size", block_size)
-        if block_size > cfg.block_size:
-            raise LNStabError(f"block_size={block_size} is not allowed; it must be <= the model's {cfg.block_size}")
-        window = block_size + 1
-    else:
-        _positive_int("prompt_tokens", prompt_tokens)
-        _positive_int("new_tokens", new_tokens)
-        window = prompt_tokens + new_tokens
-        if window > cfg.block_size:
-            raise LNStabError(
-                f"prompt_tokens + new_tokens = {window} is not allowed; it must be <= block_size={cfg.block_size}"
-            )
-        if not greedy and not temperature > 0:
-            raise LNStabError(f"temperature={temperature!r} is not allowed; it must be > 0 (or greedy=True)")
-    bs_model = text_metrics.resolve_bertscore_model(bertscore_model)  # a missing directory fails on every rank
+        block_size = window - 1
+    bs_model = text_metrics.resolve_bertscore_model(s.bertscore_model)  # a missing directory fails on every rank
     starts = select_windows(val_tokens, protocol, n_samples, seed, window, eot_token)
     val = val_tokens.cpu().long()
     if int(val.max()) >= cfg.vocab_size or int(val.min()) < 0:
@@ -320,8 +295,8 @@ def _score(
     mean_loss = text_metrics.mean(losses)
     metrics = {
         "loss": mean_loss,
-        "ppl_exp_mean_loss": math.exp(mean_loss),
-        "ppl_mean_seq": text_metrics.mean([math.exp(x) for x in losses]),
+        "ppl_exp_mean_loss": safe_exp(mean_loss),
+        "ppl_mean_seq": text_metrics.mean([safe_exp(x) for x in losses]),
         **{k: text_metrics.mean(v) for k, v in {**rouge, **bert}.items()},
     }
     records = []
@@ -337,11 +312,17 @@ def _score(
         "protocol": protocol,
         "n_samples": len(samples),
         "metrics": {k: metrics[k] for k in METRICS},
+        "nonfinite": [k for k in METRICS if not math.isfinite(metrics[k])],
         "bertscore": text_metrics.bertscore_model_id(bs_model, layers),
         "rouge": {"types": list(text_metrics.ROUGE_TYPES), "measure": "fmeasure", "use_stemmer": True},
         "tokenizer": "gpt2",
         "samples": records,
     }
+
+
+def safe_exp(x: float) -> float:
+    """``exp(x)``, ``inf`` where it overflows a float (a diverged model's loss), ``nan`` for ``nan``."""
+    return math.exp(x) if x < 709.0 or math.isnan(x) else math.inf
 
 
 def eval_scalars(result: dict[str, Any], prefix: str = "eval") -> dict[str, float]:
@@ -353,21 +334,25 @@ def write_eval_json(directory: str | os.PathLike, result: dict[str, Any], **extr
     """Write ``result`` (plus ``extra`` top-level fields) to ``directory/eval.json`` atomically; never overwrite.
 
     If ``eval.json`` exists the record goes to ``eval-1.json``, ``eval-2.json``, … (the first free name, claimed
-    with a hard link, so two writers cannot take the same one). Returns the path written.
+    with a hard link, so two writers cannot take the same one). Non-finite numbers are written as the strings
+    ``"nan"``, ``"inf"``, ``"-inf"`` (JSON has no such numbers) and the metrics that are non-finite are listed under
+    ``nonfinite``. Returns the path written.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    text = json.dumps({**result, **extra}, indent=2, ensure_ascii=False) + "\n"
+    text = json.dumps(json_safe({**result, **extra}), indent=2, ensure_ascii=False, allow_nan=False) + "\n"
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".eval.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
         for n in range(10_000):
             path = directory / (EVAL_FILE if n == 0 else f"eval-{n}.json")
             try:
                 os.link(tmp, path)  # atomic, and fails if the name exists
+                fsync_dir(directory)
                 return path
             except FileExistsError:
                 continue

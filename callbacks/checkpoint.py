@@ -1,0 +1,74 @@
+"""``RunCheckpoint``: Lightning's ModelCheckpoint that never writes non-finite weights over a good checkpoint."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+
+def weights_finite(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+    """Whether every parameter of ``pl_module`` is finite on every rank (one fused norm, one host sync, and one
+    collective decision when several ranks hold (shards of) the weights)."""
+    params = [p.detach() for p in pl_module.parameters() if p.numel()]
+    finite = bool(torch.isfinite(torch.stack(torch._foreach_norm(params)).sum()).item()) if params else True
+    if trainer.world_size > 1:
+        finite = not trainer.strategy.reduce_boolean_decision(not finite, all=False)
+    return finite
+
+
+class RunCheckpoint(ModelCheckpoint):
+    """:class:`~lightning.pytorch.callbacks.ModelCheckpoint` (same arguments) that skips a save when the weights
+    are not finite, so a diverged run keeps its last good checkpoint instead of crashing or overwriting it.
+
+    The check runs only when this callback may save (a step that is a multiple of ``every_n_train_steps``, the end
+    of an epoch, the end of a validation): one fused norm over the parameters and one host sync then.
+
+    **Logged metrics**: none.
+
+    Example::
+
+        trainer = Trainer(callbacks=[RunCheckpoint(save_last=True, every_n_train_steps=2000)])
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.skipped_nonfinite = 0
+
+    def _finite(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+        if weights_finite(trainer, pl_module):
+            return True
+        if not self.skipped_nonfinite:
+            rank_zero_warn(
+                f"RunCheckpoint: the weights are not finite at step {trainer.global_step}; no checkpoint is written "
+                f"from now on (the last good one is kept)"
+            )
+        self.skipped_nonfinite += 1
+        return False
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        every = self.every_n_train_steps or 0
+        if every < 1 or trainer.global_step % every or self._finite(trainer, pl_module):
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._finite(trainer, pl_module):
+            super().on_train_epoch_end(trainer, pl_module)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or self._finite(trainer, pl_module):
+            super().on_validation_end(trainer, pl_module)
+
+    @property
+    def every_n_train_steps(self) -> int | None:
+        """The ``every_n_train_steps`` this callback was built with."""
+        return self._every_n_train_steps

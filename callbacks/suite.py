@@ -1,0 +1,92 @@
+"""``Instruments``: every stability instrument at one cadence, the single place a config changes it."""
+
+from __future__ import annotations
+
+from lightning.pytorch.callbacks import Callback
+
+from lnstab import validation as check
+
+from .divergence import FATAL, POLICIES, DivergenceMonitor
+from .grad_stats import GradientStatistics
+from .growth_bound import GrowthBoundMonitor
+from .hidden_stats import HiddenStateStatistics
+from .jacobian import JacobianSensitivity
+from .layout import StabilityLayout
+
+
+class Instruments:
+    """The paper's instruments as one configurable group (``instruments:`` in lnstab's configs).
+
+    ``callbacks()`` builds :class:`StabilityLayout`, :class:`HiddenStateStatistics`, :class:`GrowthBoundMonitor`,
+    :class:`GradientStatistics` (all every ``every_n_steps``), :class:`JacobianSensitivity` (every
+    ``jacobian_every_n_steps``) and :class:`DivergenceMonitor` (every ``divergence_every_n_steps``), with each
+    callback's defaults for everything else. A variant config then changes one key
+    (``instruments: {every_n_steps: 20}``) instead of restating a callback list (YAML lists replace, they do not
+    merge). For other settings (``layer_pattern`` for a foreign model, …) set ``enabled: false`` and list the
+    callbacks under ``trainer.callbacks``.
+
+    Args:
+        enabled: Build the instruments at all.
+        every_n_steps: Cadence of the hidden-state statistics, growth bound and gradient statistics.
+        jacobian_every_n_steps: Cadence of the Jacobian probe (``0``: no probe).
+        jacobian_probe_size: Sequences in the Jacobian probe.
+        divergence_every_n_steps: Cadence of the divergence checks (1: every step).
+        divergence_policy: ``stop``, ``skip`` or ``continue`` (see :class:`DivergenceMonitor`).
+        fatal_kinds: Event kinds the divergence policy acts on.
+        grad_norm_threshold: Total gradient norm that counts as an explosion (``None``: off).
+
+    Raises:
+        ConfigError: A bad argument (the message names it).
+
+    Example::
+
+        trainer = Trainer(callbacks=Instruments(every_n_steps=20).callbacks())
+    """
+
+    def __init__(
+        self,
+        enabled: bool = True,
+        every_n_steps: int = 100,
+        jacobian_every_n_steps: int = 1000,
+        jacobian_probe_size: int = 2,
+        divergence_every_n_steps: int = 1,
+        divergence_policy: str = "stop",
+        fatal_kinds: list[str] | tuple[str, ...] = FATAL,
+        grad_norm_threshold: float | None = None,
+    ) -> None:
+        self.enabled = bool(enabled)
+        self.every_n_steps = check.positive_int("instruments.every_n_steps", every_n_steps)
+        self.jacobian_every_n_steps = check.integer("instruments.jacobian_every_n_steps", jacobian_every_n_steps, 0)
+        self.jacobian_probe_size = check.positive_int("instruments.jacobian_probe_size", jacobian_probe_size)
+        self.divergence_every_n_steps = check.positive_int(
+            "instruments.divergence_every_n_steps", divergence_every_n_steps
+        )
+        self.divergence_policy = check.choice("instruments.divergence_policy", divergence_policy, POLICIES)
+        self.fatal_kinds = list(fatal_kinds) if not isinstance(fatal_kinds, str) else [fatal_kinds]
+        self.grad_norm_threshold = check.optional_number(
+            "instruments.grad_norm_threshold", grad_norm_threshold, 0.0, low_open=True
+        )
+
+    def callbacks(self) -> list[Callback]:
+        """The instrument callbacks (``[]`` when not ``enabled``)."""
+        if not self.enabled:
+            return []
+        n = self.every_n_steps
+        out: list[Callback] = [
+            StabilityLayout(),
+            HiddenStateStatistics(every_n_steps=n),
+            GrowthBoundMonitor(every_n_steps=n),
+            GradientStatistics(every_n_steps=n),
+        ]
+        if self.jacobian_every_n_steps:
+            out.append(JacobianSensitivity(every_n_steps=self.jacobian_every_n_steps,
+                                           probe_size=self.jacobian_probe_size))
+        out.append(
+            DivergenceMonitor(
+                policy=self.divergence_policy,
+                every_n_steps=self.divergence_every_n_steps,
+                fatal_kinds=self.fatal_kinds,
+                grad_norm_threshold=self.grad_norm_threshold,
+            )
+        )
+        return out

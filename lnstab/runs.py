@@ -1,0 +1,133 @@
+"""Where a run lives and which checkpoint resumes it: the CLI's ``--run_dir`` and ``--ckpt_path last|auto``.
+
+A run directory is ``<save_dir>/<name>/<version>`` of the first logger (``runs/<experiment>/version_N`` by default,
+``--run_dir DIR`` to choose it). ``--ckpt_path last`` resumes the newest complete checkpoint of the run named by
+``--run_dir``, else of the newest run of the experiment that has one, and fails in one line naming where it looked;
+``--ckpt_path auto`` does the same but starts afresh when there is nothing to resume (what sweeps and requeued jobs
+use).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from lnstab.checkpoint import CheckpointError, checkpoints_of, is_complete, newest_checkpoint
+from lnstab.errors import ConfigError
+from lnstab.rundir import CHECKPOINT_DIR, CONFIG_FILE, SUMMARY_FILE, read_summary
+
+RESUME_KEYWORDS = ("last", "auto")
+
+
+def split_run_dir(run_dir: str | os.PathLike) -> tuple[str, str, str]:
+    """``(save_dir, name, version)`` such that a logger's ``save_dir/name/version`` is ``run_dir``."""
+    path = Path(run_dir)
+    if not path.name or path.name in (".", ".."):
+        raise ConfigError(f"run_dir={str(run_dir)!r} is not allowed; give a directory path such as runs/my_run")
+    return str(path.parent), "", path.name
+
+
+def run_of_checkpoint(ckpt: str | os.PathLike) -> Path | None:
+    """The run directory a checkpoint belongs to (``<run>/checkpoints/x.ckpt`` or ``<run>/hpc_ckpt_1.ckpt``)."""
+    path = Path(ckpt)
+    if path.parent.name == CHECKPOINT_DIR:
+        return path.parent.parent
+    if path.name.startswith("hpc_ckpt_"):
+        return path.parent
+    return None
+
+
+def newest_run_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint over every run directory directly under ``root`` (``runs/<experiment>``)."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    found = [c for d in root.iterdir() if d.is_dir() and (c := newest_checkpoint(d)) is not None]
+    return max(found, key=lambda p: p.stat().st_mtime_ns) if found else None
+
+
+def resolve_resume(keyword: str, run_dir: str | None, experiment_root: str | None) -> Path | None:
+    """The checkpoint ``--ckpt_path last|auto`` means (``None``: ``auto`` with nothing to resume).
+
+    Raises:
+        CheckpointError: ``last`` with no complete checkpoint where it looked.
+    """
+    if run_dir:
+        where, found = f"{Path(run_dir) / CHECKPOINT_DIR}", newest_checkpoint(run_dir)
+    elif experiment_root:
+        where, found = f"{Path(experiment_root)}/*/{CHECKPOINT_DIR}", newest_run_checkpoint(experiment_root)
+    else:
+        raise ConfigError(
+            f"ckpt_path={keyword!r} is not allowed without a run to look in; give --run_dir or a logger save_dir/name"
+        )
+    if found is None and keyword == "last":
+        partial = [p for p in checkpoints_of(run_dir) if not is_complete(p)] if run_dir else []
+        note = f" ({len(partial)} incomplete file(s) skipped)" if partial else ""
+        raise CheckpointError(
+            f"--ckpt_path last: no complete checkpoint under {where}{note}; train first, pass a checkpoint file, or "
+            f"use --ckpt_path auto to start afresh when there is none"
+        )
+    return found
+
+
+def check_fresh_run_dir(run_dir: str | os.PathLike) -> None:
+    """Refuse to start a new run in a directory that already holds one (nothing is overwritten).
+
+    Raises:
+        ConfigError: ``run_dir`` holds a config, a summary or a checkpoint.
+    """
+    path = Path(run_dir)
+    held = [n for n in (CONFIG_FILE, SUMMARY_FILE, CHECKPOINT_DIR) if (path / n).exists()]
+    if held:
+        status = read_summary(path).get("status", "unknown")
+        raise ConfigError(
+            f"--run_dir {path} already holds a run (status {status}); resume it with --ckpt_path last, or choose "
+            f"another --run_dir"
+        )
+
+
+def explicit_keys(argv: list[str], prefix: str) -> list[str]:
+    """The ``--<prefix>.<key>`` options given on a command line (``--model.n_layer 3``, ``--model.n_layer=3``)."""
+    keys = []
+    for arg in argv:
+        if arg.startswith(f"--{prefix}."):
+            key = arg[len(prefix) + 3 :].split("=", 1)[0]
+            keys.append(key.removeprefix("init_args."))
+    return keys
+
+
+def check_against_checkpoint(ckpt: dict[str, Any], explicit: dict[str, Any], ckpt_path: str) -> None:
+    """Refuse explicit ``--model.*`` values that contradict the checkpoint's hyperparameters (which would win).
+
+    Raises:
+        ConfigError: One line naming the first contradicting key.
+    """
+    hparams = ckpt.get("hyper_parameters") or {}
+    for key, value in explicit.items():
+        if key in hparams and _normal(hparams[key]) != _normal(value):
+            raise ConfigError(
+                f"--model.{key} {value!r} contradicts the checkpoint's {key}={hparams[key]!r} ({ckpt_path}); a resumed "
+                f"model keeps its checkpoint's settings: drop the flag, or start a new run without --ckpt_path"
+            )
+
+
+def _normal(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return tuple(_normal(v) for v in value)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+__all__ = [
+    "RESUME_KEYWORDS",
+    "CheckpointError",
+    "check_against_checkpoint",
+    "check_fresh_run_dir",
+    "explicit_keys",
+    "newest_run_checkpoint",
+    "resolve_resume",
+    "run_of_checkpoint",
+    "split_run_dir",
+]

@@ -1,0 +1,80 @@
+"""``LNStabTrainer``: Lightning's Trainer with hardware-aware precision, atomic checkpoints and ``evaluate``."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.trainer.connectors.accelerator_connector import _PRECISION_INPUT
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lnstab.checkpoint import AtomicCheckpointIO
+from lnstab.errors import ConfigError
+from lnstab.precision import resolve_precision
+
+
+class LNStabTrainer(pl.Trainer):
+    """A :class:`lightning.pytorch.Trainer` (same arguments) with three additions.
+
+    * ``precision="auto"`` resolves to ``bf16-mixed`` where bf16 is native (CUDA devices that support it, CPUs with
+      native bf16) and to ``32-true`` elsewhere, and says so in one line (:func:`lnstab.precision.resolve_precision`).
+    * Checkpoints are written atomically and loaded with ``weights_only=True`` (:class:`AtomicCheckpointIO`) unless
+      ``plugins`` already holds a ``CheckpointIO``.
+    * :meth:`evaluate`: the final evaluation of a checkpoint (``lnstab evaluate``).
+
+    Example::
+
+        trainer = LNStabTrainer(precision="auto", max_steps=100)
+    """
+
+    def __init__(
+        self, *, precision: _PRECISION_INPUT | Literal["auto"] | None = None, plugins: Any = None, **kwargs: Any
+    ) -> None:
+        accelerator = kwargs.get("accelerator", "auto")
+        resolved, reason = resolve_precision(precision, accelerator if isinstance(accelerator, str) else "auto")
+        if reason:
+            rank_zero_info(f"lnstab: precision auto -> {resolved} ({reason})")
+        items = [] if plugins is None else list(plugins) if isinstance(plugins, list | tuple) else [plugins]
+        if not any(isinstance(p, CheckpointIO) for p in items):
+            items.append(AtomicCheckpointIO())
+        super().__init__(precision=resolved, plugins=items, **kwargs)
+
+    def evaluate(
+        self,
+        model: pl.LightningModule | None = None,
+        datamodule: pl.LightningDataModule | None = None,
+        ckpt_path: str | None = None,
+        weights_only: bool | None = True,
+    ) -> list[dict[str, float]]:
+        """Final evaluation of a checkpoint: val loss, perplexities, ROUGE-1/2/L and BERTScore into ``eval.json``.
+
+        Runs :meth:`test` with the :class:`~lnstab.evaluation.callback.FinalEvaluation` callback of this trainer
+        (``lnstab evaluate`` adds it from the ``evaluation:`` settings), so sharded checkpoints load through the
+        strategy and every rank evaluates its shard of the samples.
+
+        Args:
+            model: The LightningModule whose weights ``ckpt_path`` holds.
+            datamodule: Data with ``validation_tokens()`` (an lnstab datamodule).
+            ckpt_path: The checkpoint (file, or directory for a sharded one).
+            weights_only: Load with ``torch.load(weights_only=True)`` (default; checkpoints are data, not code).
+
+        Raises:
+            ConfigError: No checkpoint, or no FinalEvaluation callback that runs at the end of test.
+        """
+        from lnstab.evaluation.callback import FinalEvaluation
+
+        if not ckpt_path:
+            raise ConfigError("ckpt_path=None is not allowed; lnstab evaluate needs --ckpt_path CHECKPOINT")
+        evaluators = [cb for cb in self.callbacks if isinstance(cb, FinalEvaluation) and cb.run_on["test"]]
+        if not evaluators:
+            raise ConfigError("evaluation.on_test_end=False is not allowed for lnstab evaluate; it must be true")
+        if len(evaluators) > 1:
+            rank_zero_warn("lnstab evaluate: several FinalEvaluation callbacks; each writes its own eval file")
+        for evaluator in evaluators:
+            evaluator.test_stage = "evaluate"
+        try:
+            return self.test(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=weights_only)
+        finally:
+            for evaluator in evaluators:
+                evaluator.test_stage = "test"
