@@ -2,7 +2,7 @@
 
 Two ratios (goal ≤ 1.2×), best of ``--repeats`` runs each, both with the BERTScore model already loaded:
 
-* ``scoring``: :func:`lnstab.evaluation.metrics.rouge_scores` + :func:`~lnstab.evaluation.metrics.bertscore_scores` against
+* ``scoring``: :func:`lnstab.evaluation.metrics.rouge_scores` + :func:`~.bertscore_scores` against
   ``rouge_score.RougeScorer`` in a loop + one batched ``bert_score.BERTScorer.score`` on the same texts.
 * ``end to end``: :func:`lnstab.evaluation.evaluate_model` (teacher_forced) against a hand-written loop that does
   the same work (forward, argmax, decode, the two reference packages).
@@ -27,8 +27,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from lnstab.evaluation import metrics as text_metrics  # noqa: E402
 from lnstab.evaluation import evaluate_model, select_windows  # noqa: E402
+from lnstab.evaluation import metrics as text_metrics  # noqa: E402
 from lnstab.model import GPT, GPTConfig  # noqa: E402
 from lnstab.tokenizer import EOT_TOKEN, gpt2_encoding  # noqa: E402
 

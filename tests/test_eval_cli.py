@@ -16,8 +16,8 @@ import yaml  # noqa: E402
 from lnstab.cli import main as cli  # noqa: E402
 from lnstab.datamodules.synthetic import SyntheticDataModule  # noqa: E402
 from lnstab.errors import LNStabError  # noqa: E402
-from lnstab.evaluation.callback import FinalEvaluation  # noqa: E402
 from lnstab.evaluation import METRICS  # noqa: E402
+from lnstab.evaluation.callback import FinalEvaluation  # noqa: E402
 from lnstab.module import GPTModule  # noqa: E402
 
 VOCAB = 64

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from lnstab.evaluation import metrics as text_metrics  # noqa: E402
 from lnstab.errors import LNStabError  # noqa: E402
 from lnstab.evaluation import evaluate_model, select_windows, write_eval_json  # noqa: E402
+from lnstab.evaluation import metrics as text_metrics  # noqa: E402
 from lnstab.model import GPT, GPTConfig  # noqa: E402
 from lnstab.tokenizer import EOT_TOKEN  # noqa: E402
 
