@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import signal
 from typing import Any
 
 import lightning.pytorch as pl
@@ -35,6 +36,14 @@ from lnstab.datamodules.text import (
 log = logging.getLogger(__name__)
 STATE_VERSION = 1
 QUICKSTART_DATASET = "stas/openwebtext-10k"
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """DataLoader workers ignore SIGINT/SIGTERM: Ctrl-C in a terminal (or a scheduler's SIGTERM to the whole job)
+    reaches the workers too, and a worker that died would crash the loop before the main process can stop at the
+    next optimizer step with a checkpoint. The workers still end with the main process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class OpenWebTextDataModule(pl.LightningDataModule):
@@ -266,7 +275,8 @@ class OpenWebTextDataModule(pl.LightningDataModule):
     def _loader(self, ds: Any) -> DataLoader:
         w = self.hparams.num_workers
         return DataLoader(
-            ds, batch_size=None, num_workers=w, pin_memory=torch.cuda.is_available(), prefetch_factor=4 if w else None
+            ds, batch_size=None, num_workers=w, pin_memory=torch.cuda.is_available(), prefetch_factor=4 if w else None,
+            worker_init_fn=ignore_stop_signals if w else None,
         )
 
     def val_dataloader(self) -> DataLoader:

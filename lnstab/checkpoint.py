@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import pickle
 import tempfile
@@ -85,7 +86,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     Save: ``torch.save`` into ``.<name>.<random>.tmp`` in the destination directory, ``fsync``, ``os.replace`` onto
     the target (replacing a symlink rather than writing through it), ``fsync`` of the directory; on any exception
     (including a signal's ``KeyboardInterrupt``) the temporary file is removed and the previous checkpoint stays
-    intact. Load: ``weights_only`` defaults to ``True``; checkpoints holding other objects are refused in one line.
+    intact; a temporary file left by a writer that was killed (SIGKILL cannot be cleaned up after) is removed by
+    the next save to the same path. Load: ``weights_only`` defaults to ``True``; checkpoints holding other objects
+    are refused in one line.
 
     Example::
 
@@ -98,6 +101,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise TypeError(f"storage_options is not supported by {type(self).__name__}")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):  # left by a writer that was SIGKILLed
+            stale.unlink(missing_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:

@@ -48,6 +48,8 @@ COMMAND_HELP = {
     "prepare": "Tokenize OpenWebText (hub or files) once into uint16 bins with nanoGPT's split",
 }
 CKPT_SUBCOMMANDS = ("validate", "test", "predict", "evaluate")
+# A logger name that means "not chosen": the experiment file's name is used instead.
+UNNAMED = (None, "", "lightning_logs")
 # Keys that say where a run ran, not what it is: left out of saved and printed configs.
 RUN_LOCATION = ("extends", "run_dir", "ckpt_path", "trainer.default_root_dir")
 
@@ -74,7 +76,7 @@ class LNStabArgumentParser(LightningArgumentParser):
                     del cfg[f"{sub}{key}"]
             for logger in _logger_args(cfg.get(f"{sub}trainer.logger")):
                 logger["version"] = None
-                if not logger.get("name") and self.experiment:
+                if logger.get("name") in UNNAMED and self.experiment:
                     logger["name"] = self.experiment
         return super().dump(cfg, *args, **kwargs)
 
@@ -148,7 +150,7 @@ class LNStabCLI(LightningCLI):
         c = self.config[sub]
         loggers = _logger_args(c.trainer.logger)
         for logger in loggers:
-            if not logger.get("name") and not c.run_dir:
+            if logger.get("name") in UNNAMED and not c.run_dir:
                 logger["name"] = self.experiment or "lnstab"
         if sub == "fit" and (c.trainer.max_steps == 0 or c.trainer.max_steps < -1):
             raise ConfigError(f"trainer.max_steps={c.trainer.max_steps} is not allowed; it must be >= 1, or -1 "

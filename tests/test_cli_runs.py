@@ -1,0 +1,204 @@
+"""Runs through the CLI: where they live, how they resume, what their saved config reruns, and what is refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lnstab.cli import cli_main, main
+from lnstab.rundir import read_summary
+
+VOCAB = 64
+
+
+def tiny_config(tmp_path: Path, name: str = "tiny", **overrides) -> Path:
+    """A 2-layer experiment on the synthetic stream that resumes exactly, a few seconds per run on a CPU."""
+    cfg = {
+        "seed_everything": 0,
+        "trainer": {
+            "accelerator": "cpu", "devices": 1, "max_steps": 4, "precision": "32-true",
+            "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                       "init_args": {"save_dir": str(tmp_path / "runs")}},
+            "enable_progress_bar": False, "enable_model_summary": False, "limit_val_batches": 1,
+            "val_check_interval": 2, "check_val_every_n_epoch": None, "num_sanity_val_steps": 0,
+            "log_every_n_steps": 1,
+        },
+        "checkpoint": {"save_last": True, "every_n_train_steps": 2, "save_top_k": -1},
+        "instruments": {"every_n_steps": 2, "jacobian_every_n_steps": 0},
+        "evaluation": {"n_samples": 2, "batch_size": 2},
+        "model": {"preset": "tiny", "vocab_size": VOCAB, "block_size": 16, "warmup_steps": 1, "lr_decay_steps": 40,
+                  "learning_rate": 3e-3, "min_lr": 3e-4},
+        "data": {"class_path": "lnstab.datamodules.OpenWebTextDataModule",
+                 "init_args": {"source": "synthetic", "batch_size": 4, "num_workers": 0, "val_tokens": 256,
+                               "synthetic_tokens": 20_000, "synthetic_vocab_size": VOCAB}},
+    }
+    for key, value in overrides.items():
+        section, _, field = key.partition(".")
+        cfg[section] = {**cfg[section], field: value} if field else value
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def fit(*args: str) -> None:
+    cli_main(["fit", *args])
+
+
+def one_line_error(capsys, *args: str) -> str:
+    with pytest.raises(SystemExit) as info:
+        main(list(args))
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lnstab: error: ") and "\n" not in err, err
+    return err
+
+
+def weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    return torch.load(ckpt, weights_only=True)["state_dict"]
+
+
+def test_runs_are_named_after_the_experiment_and_resume_with_last_exactly(tmp_path) -> None:
+    cfg = tiny_config(tmp_path)
+    fit("--config", str(cfg), "--trainer.max_steps", "6", "--run_dir", str(tmp_path / "full"))
+    fit("--config", str(cfg))  # 4 steps into runs/tiny/version_0
+    run = tmp_path / "runs" / "tiny" / "version_0"
+    assert read_summary(run)["status"] == "completed" and read_summary(run)["final_step"] == 4
+    fit("--config", str(cfg), "--trainer.max_steps", "6", "--ckpt_path", "last")  # continues version_0
+    assert sorted(p.name for p in (tmp_path / "runs" / "tiny").iterdir()) == ["version_0"]
+    summary = read_summary(run)
+    assert summary["status"] == "completed" and summary["final_step"] == 6
+    resumed, full = weights(run / "checkpoints" / "last.ckpt"), weights(tmp_path / "full" / "checkpoints" / "last.ckpt")
+    for key, value in full.items():
+        torch.testing.assert_close(resumed[key], value, rtol=0, atol=0, msg=key)
+    assert (run / "config-fit-1.yaml").is_file()  # the resumed leg's config (max_steps 6); config.yaml kept
+
+
+def test_saved_config_is_resolved_and_reruns_as_a_new_run(tmp_path) -> None:
+    base = tiny_config(tmp_path, name="base")
+    child = tmp_path / "exp" / "child.yaml"
+    child.parent.mkdir()
+    child.write_text(yaml.safe_dump({"extends": "../base.yaml", "model": {"norm_placement": "peri"}}))
+    fit("--config", str(child), "--trainer.max_steps", "2")
+    saved_path = tmp_path / "runs" / "child" / "version_0" / "config.yaml"
+    saved = yaml.safe_load(saved_path.read_text())
+    assert "extends" not in saved and "run_dir" not in saved and "ckpt_path" not in saved
+    assert saved["trainer"]["logger"]["init_args"]["name"] == "child" and saved["model"]["norm_placement"] == "peri"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    copy = elsewhere / "config.yaml"
+    copy.write_text(saved_path.read_text())  # no base.yaml beside it: it must not need one
+    fit("--config", str(copy))
+    assert read_summary(tmp_path / "runs" / "child" / "version_1")["status"] == "completed"
+
+
+def test_print_config_has_no_extends_and_the_experiment_name(tmp_path, capsys) -> None:
+    base = tiny_config(tmp_path, name="base")
+    (tmp_path / "exp.yaml").write_text("extends: base.yaml\n")
+    with pytest.raises(SystemExit):
+        cli_main(["fit", "--config", str(tmp_path / "exp.yaml"), "--print_config"])
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert "extends" not in printed and printed["trainer"]["logger"]["init_args"]["name"] == "exp"
+    assert base.exists()
+
+
+def test_resume_refusals_are_one_line_and_write_nothing(tmp_path, capsys) -> None:
+    cfg = tiny_config(tmp_path)
+    runs = tmp_path / "runs"
+    err = one_line_error(capsys, "fit", "--config", str(cfg), "--ckpt_path", "last")
+    assert "--ckpt_path last: no complete checkpoint under" in err and "tiny/*/checkpoints" in err
+    assert not runs.exists()
+    fit("--config", str(cfg), "--trainer.max_steps", "2", "--run_dir", str(tmp_path / "r"))
+    before = sorted(p.name for p in (tmp_path / "r").rglob("*"))
+    err = one_line_error(capsys, "fit", "--config", str(cfg), "--run_dir", str(tmp_path / "r"))
+    assert "already holds a run (status completed)" in err and "--ckpt_path last" in err
+    err = one_line_error(capsys, "fit", "--config", str(cfg), "--run_dir", str(tmp_path / "r"), "--ckpt_path", "last",
+                         "--model.n_layer", "3")
+    assert "--model.n_layer 3 contradicts the checkpoint's n_layer=None" in err
+    assert sorted(p.name for p in (tmp_path / "r").rglob("*")) == before
+    (tmp_path / "trunc.ckpt").write_bytes((tmp_path / "r" / "checkpoints" / "last.ckpt").read_bytes()[:5000])
+    err = one_line_error(capsys, "fit", "--config", str(cfg), "--ckpt_path", str(tmp_path / "trunc.ckpt"))
+    assert "is not a readable checkpoint (truncated" in err
+    err = one_line_error(capsys, "fit", "--config", str(cfg), "--ckpt_path", str(tmp_path / "missing.ckpt"))
+    assert "missing.ckpt does not exist" in err
+
+
+def test_ckpt_path_last_skips_a_truncated_newest_file(tmp_path) -> None:
+    cfg = tiny_config(tmp_path)
+    run = tmp_path / "r"
+    fit("--config", str(cfg), "--run_dir", str(run))
+    good = run / "checkpoints" / "last.ckpt"
+    (run / "checkpoints" / "epoch=0-step=6.ckpt").write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    fit("--config", str(cfg), "--run_dir", str(run), "--ckpt_path", "last", "--trainer.max_steps", "6")
+    assert read_summary(run)["final_step"] == 6  # resumed from step 4's last.ckpt, not the truncated file
+
+
+def test_auto_starts_fresh_when_there_is_nothing_to_resume(tmp_path) -> None:
+    cfg = tiny_config(tmp_path)
+    fit("--config", str(cfg), "--run_dir", str(tmp_path / "a"), "--ckpt_path", "auto", "--trainer.max_steps", "2")
+    assert read_summary(tmp_path / "a")["final_step"] == 2
+    fit("--config", str(cfg), "--run_dir", str(tmp_path / "a"), "--ckpt_path", "auto")
+    assert read_summary(tmp_path / "a")["final_step"] == 4
+
+
+def test_validate_and_evaluate_use_the_run_and_its_data(tmp_path, caplog) -> None:
+    """``validate|evaluate --ckpt_path`` without --config: the run's config and data; the checkpoint's step."""
+    text = tmp_path / "docs.jsonl"
+    text.write_text("".join(json.dumps({"text": f"document {i} " + "word " * 300}) + "\n" for i in range(40)))
+    cfg = tiny_config(tmp_path, **{"model.vocab_size": 50257, "model.pad_vocab_multiple": 64})
+    run = tmp_path / "r"
+    fit("--config", str(cfg), "--run_dir", str(run), "--data.source", "files", "--data.path", str(text),
+        "--data.val_tokens", "512")
+    ckpt = run / "checkpoints" / "last.ckpt"
+    cli_main(["validate", "--ckpt_path", str(ckpt)])
+    assert read_summary(run)["val"]["step"] == 4
+    assert f"data of the checkpoint's run ({run / 'config.yaml'})" in caplog.text and "source=files" in caplog.text
+    caplog.clear()
+    main(["evaluate", "--config", str(tiny_config(tmp_path, name="other")), "--ckpt_path", str(ckpt)])
+    record = json.loads((run / "eval-1.json").read_text())
+    assert record["stage"] == "evaluate" and record["global_step"] == 4
+    assert "source=files" in caplog.text  # the run's data, not the other config's synthetic stream
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--trainer.max_steps", "-5"], "trainer.max_steps=-5 is not allowed; it must be >= 1, or -1"),
+        (["--trainer.max_steps", "0"], "trainer.max_steps=0 is not allowed"),
+        (["--model.vocab_size", "32"], "model.vocab_size=32 is not allowed with this data: its token ids go up to 63"),
+        (["--instruments.every_n_steps", "0"], "instruments.every_n_steps=0 is not allowed"),
+        (["--instruments.divergence_policy", "panic"], "instruments.divergence_policy='panic' is not allowed"),
+        (["--checkpoint.every_n_train_steps", "-2"], "every_n_train_steps"),
+        (["--evaluation.top_k", "0"], "top_k=0 is not allowed"),
+        (["--run_dir", "."], "run_dir='.' is not allowed"),
+    ],
+)
+def test_bad_run_options_are_one_line(tmp_path, capsys, args, expected) -> None:
+    err = one_line_error(capsys, "fit", "--config", str(tiny_config(tmp_path)), *args)
+    assert expected in err, err
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("extends: [a.yaml, b.yaml]\n", "extends=['a.yaml', 'b.yaml'] is not allowed; it must be one file name"),
+        ("extends: 3\n", "extends=3 is not allowed"),
+        ("model:\n  preset: tiny\n    bad: indent\n", "is not valid YAML at line 3, column"),
+        ("- a list\n", "it must hold a YAML mapping"),
+    ],
+)
+def test_bad_config_files_are_one_line_with_the_line_number(tmp_path, capsys, text, expected) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    assert expected in one_line_error(capsys, "fit", "--config", str(path))
+
+
+def test_help_lists_every_subcommand(capsys) -> None:
+    main(["--help"])
+    out = capsys.readouterr().out
+    for name in ("fit", "validate", "test", "predict", "evaluate", "prepare"):
+        assert f"  {name} " in out, name
