@@ -142,6 +142,7 @@ class OpenWebTextDataModule(pl.LightningDataModule):
         self.batches_consumed = 0  # training batches this rank took (the checkpointed position)
         self._val: torch.Tensor | None = None
         self._val_docs = 0
+        self._train_head: np.ndarray | None = None
         self._train: IterableDataset | None = None
 
     # ------------------------------------------------------------------ source resolution and setup
@@ -198,15 +199,30 @@ class OpenWebTextDataModule(pl.LightningDataModule):
         else:
             tok = DocTokenizer(hp.tokenizer, hp.tokenizer_threads)
             stats = DocStats()
-            self._val_docs, arrays = head_documents(self.text_spec(), tok, hp.val_tokens or 1 << 20, stats)
+            want = hp.val_tokens or 1 << 20
+            self._val_docs, arrays = head_documents(self.text_spec(), tok, want, stats)
             note = f", {self._val_docs} documents ({stats.invalid_utf8} invalid UTF-8 replaced, {stats.blank} blank)"
-            self._val = torch.from_numpy(np.concatenate(arrays).astype(np.int64))
+            head = np.concatenate(arrays)
+            # validation is exactly the first val_tokens tokens: a long (or the only) document is cut, and training
+            # starts with the rest of it
+            self._val = torch.from_numpy(head[:want].astype(np.int64))
+            self._train_head = head[want:]
         if self._val.numel() < window:
             raise DataError(
                 f"--data.block_size {hp.block_size} is longer than the validation data ({self._val.numel()} tokens "
                 f"from source {source}); it must be <= {self._val.numel() - 1}"
             )
         rank_zero_info(f"lnstab data: source={source}, validation {self._val.numel()} tokens{note}")
+
+    @property
+    def validation_documents(self) -> int:
+        """Documents at the head of a text stream that validation read (the last one possibly cut)."""
+        return self._val_docs
+
+    @property
+    def train_head_tokens(self) -> np.ndarray | None:
+        """The rest of the last validation document, where validation cut it: training's first document."""
+        return self._train_head
 
     def validation_tokens(self) -> torch.Tensor:
         """The validation stream, 1-D int64, documents separated by EOT 50256 (after ``setup``)."""
@@ -249,6 +265,7 @@ class OpenWebTextDataModule(pl.LightningDataModule):
             hp.batch_size,
             plan,
             self._val_docs,
+            self._train_head,
             hp.tokenizer,
             hp.tokenizer_threads,
             passes,

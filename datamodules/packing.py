@@ -114,6 +114,8 @@ class DocumentStream(IterableDataset):
         batch_size: Windows per batch.
         plan: Sharding and position.
         skip_docs: Documents at the head of the stream held out for validation.
+        head_tokens: Tokens of the last held-out document that validation did not use (validation holds exactly
+            ``val_tokens``): training document 0, read by shard 0, before document ``skip_docs``.
         tokenizer: tiktoken encoding name.
         tokenizer_threads: Threads per reader for ``encode_ordinary_batch``.
         passes: Passes over the data; ``None`` repeats forever (training ends at ``max_steps``).
@@ -131,6 +133,7 @@ class DocumentStream(IterableDataset):
         batch_size: int,
         plan: ShardPlan,
         skip_docs: int = 0,
+        head_tokens: np.ndarray | None = None,
         tokenizer: str = "gpt2",
         tokenizer_threads: int = 4,
         passes: int | None = None,
@@ -140,6 +143,7 @@ class DocumentStream(IterableDataset):
         self.spec, self.block_size, self.batch_size, self.plan = spec, block_size, batch_size, plan
         self.skip_docs, self.tokenizer, self.tokenizer_threads = skip_docs, tokenizer, tokenizer_threads
         self.passes, self.batch_docs, self.file_sharding = passes, batch_docs, file_sharding
+        self.head_tokens = head_tokens if head_tokens is not None and len(head_tokens) else None
 
     def shard_tokens(self, shard: int, num_shards: int) -> Iterator[np.ndarray]:
         """Token chunks of one shard's documents for one pass, in stream order."""
@@ -151,10 +155,13 @@ class DocumentStream(IterableDataset):
         if by_file:  # reader `shard` gets a contiguous block of files; block 0 starts with the validation documents
             stream = stream.shard(num_shards, shard, contiguous=True)
         skip = self.skip_docs if shard == 0 or not by_file else 0
+        offset = 1 if self.head_tokens is not None and (shard == 0 or not by_file) else 0
+        if offset and shard == 0:  # training document 0: the rest of the document validation cut
+            yield self.head_tokens
         for texts in iter_documents(stream, self.spec, batch_docs=self.batch_docs):
             for text in texts:
-                j = index - skip
-                if j >= 0 and (by_file or j % num_shards == shard):
+                j = index - skip + offset
+                if j >= offset and (by_file or j % num_shards == shard):
                     mine.append(text)
                 index += 1
             if len(mine) >= self.batch_docs:

@@ -1,12 +1,14 @@
 """``lnstab prepare``: tokenize a text source into nanoGPT-style ``train.bin`` / ``val.bin`` / ``meta.json``.
 
     lnstab prepare --source hf --out data/openwebtext                   # the paper's data (nanoGPT's split)
-    lnstab prepare --source files --path docs.jsonl.gz --out DIR --split-method head --val-tokens 65536
+    lnstab prepare --source files --path docs.jsonl.gz --out DIR --split_method head --val_tokens 65536
 
-``--split-method nanogpt`` loads the whole split (not streamed) and applies nanoGPT's
+``--split_method nanogpt`` loads the whole split (not streamed) and applies nanoGPT's
 ``train_test_split(test_size=0.0005, seed=2357, shuffle=True)``; on the full OpenWebText this reproduces nanoGPT's
-8,009,762 / 4,007 documents. ``--split-method head`` holds out the first ``--val-tokens`` tokens' worth of documents
-of the stream, exactly as the ``files``/``hf`` DataModule sources do.
+8,009,762 / 4,007 documents. ``--split_method head`` holds out exactly the first ``--val_tokens`` tokens of the
+stream (the last of those documents is cut; the rest of it starts ``train.bin``), exactly as the ``files``/``hf``
+DataModule sources do. ``documents`` in ``meta.json`` counts the documents with tokens in a split (a cut one counts
+in both).
 
 Writes go to ``DIR/.partial/`` with a ``progress.json`` updated after every fsync'ed chunk, so an interrupted run
 resumes where it stopped; the finished files are moved into place and ``meta.json`` is written last (atomically).
@@ -22,6 +24,8 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+
+import numpy as np
 
 from lnstab.datamodules.prepared import META_FORMAT, read_meta, sha256_file
 from lnstab.datamodules.text import (
@@ -57,8 +61,14 @@ def _write_split(
     batch_docs: int,
     show: bool,
     total: int | None,
+    prefix: np.ndarray | None = None,
+    limit: int | None = None,
 ) -> None:
-    """Append the tokens of ``docs`` (after the ``progress[name]['documents']`` already written) to ``partial``."""
+    """Append the tokens of ``docs`` (after the ``progress[name]['documents']`` already written) to ``partial``.
+
+    ``prefix``: tokens written before the first document (the rest of a document that validation cut);
+    ``limit``: keep only the first ``limit`` tokens (validation holds exactly ``val_tokens``).
+    """
     from tqdm import tqdm
 
     state = progress.setdefault(name, {"documents": 0, "tokens": 0, "done": False})
@@ -73,9 +83,15 @@ def _write_split(
         skip = state["documents"]
         bar.update(skip)
         batch: list[str] = []
+        head = prefix if prefix is not None and len(prefix) and state["tokens"] == 0 else None
 
         def flush() -> None:
-            arr = tok.encode_flat(batch)
+            nonlocal head
+            arr = tok.encode_flat(batch) if batch else np.empty(0, dtype=tok.dtype)
+            if head is not None:
+                arr, head = np.concatenate([head.astype(tok.dtype), arr]), None
+            if limit is not None:
+                arr = arr[: max(0, limit - state["tokens"])]
             f.write(arr.tobytes())
             f.flush()
             os.fsync(f.fileno())
@@ -91,7 +107,7 @@ def _write_split(
             batch.append(text)
             if len(batch) >= batch_docs:
                 flush()
-        if batch:
+        if batch or head is not None:
             flush()
     state["done"] = True
     state["sha256"] = sha256_file(path)
@@ -117,11 +133,11 @@ def prepare(
         DataError: For bad options or input, or an ``out`` that already holds other data.
     """
     if split_method not in ("nanogpt", "head"):
-        raise DataError(f"--split-method {split_method!r} is not allowed; allowed: 'nanogpt', 'head'")
+        raise DataError(f"split_method={split_method!r} is not allowed; allowed: 'nanogpt', 'head'")
     if split_method == "head" and val_tokens < 1:
-        raise DataError(f"--val-tokens {val_tokens} is not allowed; it must be >= 1")
+        raise DataError(f"val_tokens={val_tokens} is not allowed; it must be >= 1")
     if split_method == "nanogpt" and not 0 < test_size < 1:
-        raise DataError(f"--test-size {test_size} is not allowed; it must be in (0, 1)")
+        raise DataError(f"test_size={test_size} is not allowed; it must be in (0, 1)")
     out = Path(out)
     split = {"method": split_method}
     split.update({"val_tokens": val_tokens} if split_method == "head" else {"test_size": test_size, "seed": split_seed})
@@ -145,47 +161,56 @@ def prepare(
     tok = DocTokenizer(tokenizer, num_threads or os.cpu_count() or 1)
     # open the source before creating anything under out, so bad input leaves no trace
     ds = open_text_stream(spec, streaming=split_method == "head", cache_dir=cache_dir)
+    created = not out.exists(), not partial.exists()
     partial.mkdir(parents=True, exist_ok=True)
-    stats = DocStats()
-    if split_method == "nanogpt":
-        parts = ds.train_test_split(test_size=test_size, seed=split_seed, shuffle=True)
-        vstats = DocStats()
-        for name, part, st in (("train", parts["train"], stats), ("val", parts["test"], vstats)):
-            docs = _flat_docs(iter_documents(part, spec, st))
-            _write_split(name, docs, partial, progress, tok, batch_docs, show, len(part))
-        stats.invalid_utf8 += vstats.invalid_utf8
-        stats.blank += vstats.blank
-    else:
-        if "val_documents" not in progress:
-            n_docs, _ = head_documents(spec, tok, val_tokens)
-            progress["val_documents"] = n_docs
-            _atomic_json(partial / "progress.json", progress)
-        n_val = progress["val_documents"]
-        val_docs = _take(_flat_docs(iter_documents(open_text_stream(spec), spec)), n_val)
-        _write_split("val", val_docs, partial, progress, tok, batch_docs, show, n_val)
-        train_docs = _flat_docs(iter_documents(open_text_stream(spec), spec, stats))
-        _write_split("train", _drop(train_docs, n_val), partial, progress, tok, batch_docs, show, None)
-    meta = {"format": META_FORMAT, **options, "dtype": tok.dtype.name, "eot": tok.eot, "splits": {}}
-    meta.update(invalid_utf8_documents=stats.invalid_utf8, blank_documents=stats.blank)
-    for name in ("train", "val"):
-        st = progress[name]
-        meta["splits"][name] = {
-            "file": f"{name}.bin",
-            "tokens": st["tokens"],
-            "documents": st["documents"],
-            "bytes": st["tokens"] * tok.dtype.itemsize,
-            "sha256": st["sha256"],
-        }
-    for name in ("train", "val"):
-        if (partial / f"{name}.bin").exists():
-            os.replace(partial / f"{name}.bin", out / f"{name}.bin")
-    _atomic_json(out / "meta.json", meta)
-    shutil.rmtree(partial, ignore_errors=True)
-    t, v = meta["splits"]["train"], meta["splits"]["val"]
-    print(
-        f"lnstab prepare: {out}: train {t['documents']} docs / {t['tokens']} tokens, val {v['documents']} docs / "
-        f"{v['tokens']} tokens; {stats.invalid_utf8} docs with invalid UTF-8 (replaced), {stats.blank} blank skipped"
-    )
+    try:
+        stats = DocStats()
+        if split_method == "nanogpt":
+            parts = ds.train_test_split(test_size=test_size, seed=split_seed, shuffle=True)
+            vstats = DocStats()
+            for name, part, st in (("train", parts["train"], stats), ("val", parts["test"], vstats)):
+                docs = _flat_docs(iter_documents(part, spec, st))
+                _write_split(name, docs, partial, progress, tok, batch_docs, show, len(part))
+            stats.invalid_utf8 += vstats.invalid_utf8
+            stats.blank += vstats.blank
+        else:
+            # validation: exactly the first val_tokens tokens (the last document cut); training starts with its rest
+            n_val, arrays = head_documents(spec, tok, val_tokens)
+            rest = np.concatenate(arrays)[val_tokens:]
+            val_docs = _take(_flat_docs(iter_documents(open_text_stream(spec), spec)), n_val)
+            _write_split("val", val_docs, partial, progress, tok, batch_docs, show, n_val, limit=val_tokens)
+            train_docs = _flat_docs(iter_documents(open_text_stream(spec), spec, stats))
+            _write_split("train", _drop(train_docs, n_val), partial, progress, tok, batch_docs, show, None, prefix=rest)
+        meta = {"format": META_FORMAT, **options, "dtype": tok.dtype.name, "eot": tok.eot, "splits": {}}
+        if split_method == "head" and len(rest):
+            progress["train"]["documents"] += 1  # the cut document's rest opens train.bin
+        meta.update(invalid_utf8_documents=stats.invalid_utf8, blank_documents=stats.blank)
+        for name in ("train", "val"):
+            st = progress[name]
+            meta["splits"][name] = {
+                "file": f"{name}.bin",
+                "tokens": st["tokens"],
+                "documents": st["documents"],
+                "bytes": st["tokens"] * tok.dtype.itemsize,
+                "sha256": st["sha256"],
+            }
+        for name in ("train", "val"):
+            if (partial / f"{name}.bin").exists():
+                os.replace(partial / f"{name}.bin", out / f"{name}.bin")
+        _atomic_json(out / "meta.json", meta)
+        shutil.rmtree(partial, ignore_errors=True)
+        t, v = meta["splits"]["train"], meta["splits"]["val"]
+        print(
+            f"lnstab prepare: {out}: train {t['documents']} docs / {t['tokens']} tokens, val {v['documents']} docs / "
+            f"{v['tokens']} tokens; {stats.invalid_utf8} docs with invalid UTF-8 (replaced), {stats.blank} blank "
+            f"skipped"
+        )
+    except BaseException:
+        if created[1] and not (partial / "progress.json").exists():  # nothing resumable: leave no trace
+            shutil.rmtree(partial, ignore_errors=True)
+            if created[0] and out.is_dir() and not any(out.iterdir()):
+                out.rmdir()
+        raise
     return meta
 
 
@@ -208,7 +233,7 @@ def head_documents(
     """``(n, token arrays)`` of the first documents of the stream holding at least ``val_tokens`` tokens.
 
     Raises:
-        DataError: If the whole stream holds fewer than ``val_tokens`` tokens plus one training document.
+        DataError: If the whole stream holds ``val_tokens`` tokens or fewer (nothing would be left to train on).
     """
     arrays, total = [], 0
     for texts in iter_documents(open_text_stream(spec), spec, stats, batch_docs=64):
@@ -217,38 +242,52 @@ def head_documents(
                 return len(arrays), arrays
             arrays.append(arr)
             total += len(arr)
+    if total > val_tokens:  # the last document is longer than what validation needs: its rest is for training
+        return len(arrays), arrays
     raise DataError(
-        f"--data.val_tokens {val_tokens} is not allowed for {spec.describe()}: the data holds only {total} tokens "
-        f"in {len(arrays)} documents, leaving nothing to train on"
+        f"val_tokens={val_tokens} is not allowed for {spec.describe()}: the data holds only {total} tokens "
+        f"({len(arrays)} documents); it must be below {total} so that some are left to train on"
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``lnstab prepare`` argument parser."""
-    p = argparse.ArgumentParser(prog="lnstab prepare", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="lnstab prepare", description=__doc__.split("\n\n")[0])
     p.add_argument("--source", choices=("hf", "files"), required=True)
     p.add_argument("--path", help="files: a file, directory, glob, or comma-separated list")
     p.add_argument("--dataset", default=DEFAULT_HF_DATASET, help="hf: dataset id or local dataset directory")
-    p.add_argument("--dataset-config", default=DEFAULT_HF_CONFIG)
+    p.add_argument("--dataset_config", default=DEFAULT_HF_CONFIG)
     p.add_argument("--revision", default=DEFAULT_HF_REVISION)
-    p.add_argument("--data-files", nargs="*", default=None)
-    p.add_argument("--text-field", default="text")
+    p.add_argument("--data_files", nargs="*", default=None)
+    p.add_argument("--text_field", default="text")
     p.add_argument("--split", default="train", help="input split to read")
     p.add_argument("--out", required=True, help="output directory (train.bin, val.bin, meta.json)")
-    p.add_argument("--split-method", choices=("nanogpt", "head"), default="nanogpt")
-    p.add_argument("--val-tokens", type=int, default=4_000_000, help="head: tokens held out for validation")
-    p.add_argument("--test-size", type=float, default=0.0005, help="nanogpt: fraction of documents for val")
-    p.add_argument("--split-seed", type=int, default=2357)
+    p.add_argument("--split_method", choices=("nanogpt", "head"), default="nanogpt")
+    p.add_argument("--val_tokens", type=int, default=4_000_000, help="head: tokens held out for validation")
+    p.add_argument("--test_size", type=float, default=0.0005, help="nanogpt: fraction of documents for val")
+    p.add_argument("--split_seed", type=int, default=2357)
     p.add_argument("--tokenizer", default="gpt2")
-    p.add_argument("--num-threads", type=int, default=None, help="tokenizer threads (default: all cores)")
-    p.add_argument("--batch-docs", type=int, default=1024, help="documents per tokenized, fsync'ed chunk")
-    p.add_argument("--cache-dir", default=None, help="datasets cache for --split-method nanogpt")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--num_threads", type=int, default=None, help="tokenizer threads (default: all cores)")
+    p.add_argument("--batch_docs", type=int, default=1024, help="documents per tokenized, fsync'ed chunk")
+    p.add_argument("--cache_dir", default=None, help="datasets cache for --split_method nanogpt")
+    p.add_argument("--no_progress", action="store_true")
     return p
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line through the CLI's LNStabError handler, exit 2
+        raise DataError(f"lnstab prepare: {message}")
+
+
 def main(argv: list[str]) -> None:
-    """Entry point of ``lnstab prepare`` (dispatched by :func:`lnstab.cli.main`)."""
+    """Entry point of ``lnstab prepare`` (dispatched by :func:`lnstab.cli.main`); errors name prepare's own flags."""
+    try:
+        _main(argv)
+    except DataError as exc:  # the data options' messages say --data.<name>; prepare's flags are --<name>
+        raise DataError(str(exc).replace("--data.", "--")) from None
+
+
+def _main(argv: list[str]) -> None:
     a = build_parser().parse_args(argv)
     if a.source == "files" and not a.path:
         raise DataError("--path is required with --source files")

@@ -56,8 +56,8 @@ def read_bin(path: Path) -> np.ndarray:
 @needs_sample
 def test_prepare_on_the_sample_gives_the_same_tokens_as_files(tmp_path):
     out = tmp_path / "owt"
-    cli_main(["prepare", "--source", "files", "--path", str(SAMPLE), "--out", str(out), "--split-method", "head",
-              "--val-tokens", "20000", "--no-progress"])  # fmt: skip
+    cli_main(["prepare", "--source", "files", "--path", str(SAMPLE), "--out", str(out), "--split_method", "head",
+              "--val_tokens", "20000", "--no_progress"])  # fmt: skip
     meta = json.loads((out / "meta.json").read_text())
     dm = OpenWebTextDataModule(block_size=64, batch_size=4, source="files", path=str(SAMPLE), val_tokens=20000)
     dm.setup("fit")
@@ -69,7 +69,8 @@ def test_prepare_on_the_sample_gives_the_same_tokens_as_files(tmp_path):
     assert meta["tokenizer"] == "gpt2" and meta["dtype"] == "uint16" and meta["eot"] == EOT_TOKEN
     s = meta["splits"]
     assert s["train"]["tokens"] == len(train) and s["val"]["tokens"] == len(val)
-    assert s["train"]["documents"] + s["val"]["documents"] == 900 - meta["blank_documents"]
+    cut = int(val[-1] != EOT_TOKEN)  # validation holds exactly 20000 tokens: its last document continues in train
+    assert s["train"]["documents"] + s["val"]["documents"] == 900 - meta["blank_documents"] + cut
     assert s["train"]["documents"] == int((train == EOT_TOKEN).sum())
     assert s["train"]["sha256"] == sha256_file(out / "train.bin") and not (out / ".partial").exists()
 
@@ -204,3 +205,25 @@ def test_cli_prepare_bad_input_exits_2_with_one_line(tmp_path, capsys):
         cli_main(["prepare", "--source", "hf", "--out", str(tmp_path / "x")])
     assert e.value.code == 2 and "HF_HUB_OFFLINE" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--path", "{missing}"], "--path {missing} does not exist"),  # prepare's own flag, not --data.path
+        (["--path", "{doc}", "--split_method", "head", "--val_tokens", "100000000"], "val_tokens=100000000"),
+        (["--path", "{doc}", "--split-method", "head"], "unrecognized arguments: --split-method"),  # one flag style
+        (["--path", "{doc}", "--split_method", "random"], "argument --split_method: invalid choice"),
+    ],
+)
+def test_prepare_errors_are_one_line_name_its_flags_and_leave_no_partial(tmp_path, capsys, args, expected):
+    doc = tmp_path / "d.jsonl"
+    doc.write_text('{"text": "a short document"}\n')
+    fill = {"missing": tmp_path / "missing.jsonl", "doc": doc}
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        cli_main(["prepare", "--source", "files", "--out", str(out), *[a.format(**fill) for a in args]])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith("lnstab: error:") and "\n" not in err
+    assert expected.format(**fill) in err and "--data." not in err
+    assert not out.exists()  # no empty .partial/ left behind

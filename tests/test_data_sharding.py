@@ -53,9 +53,10 @@ def windows_from(loader) -> list[tuple[int, ...]]:
 def test_two_ranks_two_workers_cover_the_stream_without_duplicates_or_gaps(docs_file):
     path, docs = docs_file
     dm = files_module(path, num_workers=2)
-    n_val = dm._val_docs
+    n_val = dm.validation_documents
     enc = gpt2_encoding()
-    train_docs = [[*enc.encode_ordinary(d), EOT_TOKEN] for d in docs[n_val:]]
+    head = [] if dm.train_head_tokens is None or not len(dm.train_head_tokens) else [dm.train_head_tokens.tolist()]
+    train_docs = head + [[*enc.encode_ordinary(d), EOT_TOKEN] for d in docs[n_val:]]  # the cut document's rest first
     got = []
     for rank in range(2):
         ds = dm.train_dataset(ShardPlan(rank, 2, 2, 0), passes=1)
@@ -156,7 +157,7 @@ def test_many_files_are_sharded_by_file_and_still_cover_the_stream(tmp_path, doc
         files.append(tmp_path / f"part-{k:02d}.jsonl")
         files[-1].write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[10 * k : 10 * k + 10]))
     dm = files_module(tmp_path / "part-*.jsonl", num_workers=2)
-    n_val = dm._val_docs
+    n_val = dm.validation_documents
     assert 0 < n_val < 10  # the validation documents all lie in the first file
     enc = gpt2_encoding()
     tokens = [[*enc.encode_ordinary(d), EOT_TOKEN] for d in docs]
@@ -167,7 +168,8 @@ def test_many_files_are_sharded_by_file_and_still_cover_the_stream(tmp_path, doc
         got += windows_from(DataLoader(ds, batch_size=None, num_workers=2))
     for shard in range(4):  # reader s: files 2s and 2s+1 (contiguous blocks), minus the validation head
         first = 20 * shard + (n_val if shard == 0 else 0)
-        stream = np.array([t for d in tokens[first : 20 * shard + 20] for t in d])
+        rest = dm.train_head_tokens.tolist() if shard == 0 and dm.train_head_tokens is not None else []
+        stream = np.array(rest + [t for d in tokens[first : 20 * shard + 20] for t in d])
         wins, _ = windows_of(stream, T)
         expected += [tuple(w) for w in wins[: len(wins) // B * B].tolist()]
     assert sorted(got) == sorted(expected)  # as multisets: a window read twice would break the equality

@@ -70,16 +70,17 @@ def test_gpt2_encoding_matches_an_independent_bpe_implementation():
 @pytest.mark.parametrize("gz", [False, True])
 def test_files_tokens_equal_reference_and_eot_separates_documents(tmp_path, gz):
     f = write_jsonl(tmp_path / ("d.jsonl.gz" if gz else "d.jsonl"), DOCS, gz=gz)
-    dm = module(f, val_tokens=1)
+    n0 = len(gpt2_encoding().encode_ordinary(DOCS[0])) + 1
+    dm = module(f, val_tokens=n0 + 5)  # the first document and 5 tokens of the second
     dm.setup("fit")
     ref = reference_tokens(DOCS)
     val = dm.validation_tokens()
-    n0 = len(gpt2_encoding().encode_ordinary(DOCS[0])) + 1
-    assert val.dtype == torch.long and val.tolist() == ref[:n0].tolist()  # first whole document, ends with EOT
-    assert val[-1].item() == EOT_TOKEN and (val == EOT_TOKEN).sum().item() == 1
-    # training stream = the remaining documents, packed with stride block_size, tail dropped
+    assert val.dtype == torch.long and val.tolist() == ref[: n0 + 5].tolist()  # exactly val_tokens tokens
+    assert val[n0 - 1].item() == EOT_TOKEN and (val == EOT_TOKEN).sum().item() == 1  # EOT separates documents
+    assert dm.validation_documents == 2
+    # training stream = the rest of the cut document, then the remaining documents, stride block_size, tail dropped
     xs = torch.cat([x.reshape(-1, 16) for x in one_pass(dm)])
-    train_ref = ref[n0:]
+    train_ref = ref[n0 + 5 :]
     want, _ = windows_of(train_ref, 16)
     want = want[: len(want) // 2 * 2]
     assert torch.equal(xs, torch.from_numpy(want[:, :-1]))
@@ -124,8 +125,7 @@ def test_owt_sample_matches_reference_tokenization():
     dm.setup("fit")
     ref = reference_tokens(texts)
     n_val = dm.validation_tokens().numel()
-    assert dm.validation_tokens().tolist() == ref[:n_val].tolist() and n_val >= 10_000
-    assert ref[n_val - 1] == EOT_TOKEN
+    assert dm.validation_tokens().tolist() == ref[:n_val].tolist() and n_val == 10_000
     first = next(iter(dm.train_dataset(ShardPlan(), passes=1)))
     x, y = first
     flat = ref[n_val:]
@@ -159,9 +159,9 @@ def test_missing_json_field(tmp_path):
     with pytest.raises(DataError) as e:
         module(f).setup("fit")
     assert "'text'" in one_line(e) and "body" in str(e.value) and "d.jsonl" in str(e.value)
-    dm = module(f, text_field="body", val_tokens=1)
+    dm = module(f, text_field="body", val_tokens=20)
     dm.setup("fit")
-    assert dm.validation_tokens()[-1].item() == EOT_TOKEN
+    assert dm.validation_tokens().tolist() == reference_tokens(DOCS)[:20].tolist()
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "txt"])
@@ -194,11 +194,11 @@ def test_whitespace_only_documents_are_skipped_and_all_blank_is_an_error(tmp_pat
 
 def test_block_size_longer_than_the_data(tmp_path):
     f = write_jsonl(tmp_path / "d.jsonl", DOCS)
-    dm = module(f, block_size=4096, val_tokens=1)
+    dm = module(f, block_size=4096, val_tokens=100)
     with pytest.raises(DataError) as e:
         dm.setup("fit")
-    assert "block_size 4096" in one_line(e)
-    dm = module(f, block_size=32, batch_size=64, val_tokens=30)
+    assert "block_size 4096 is longer than the validation data (100 tokens" in one_line(e)
+    dm = module(f, block_size=32, batch_size=64, val_tokens=40)
     dm.setup("fit")
     with pytest.raises(DataError) as e:
         one_pass(dm)
@@ -231,7 +231,7 @@ def test_auto_without_path_or_hub_falls_back_to_labelled_synthetic(tmp_path):
     x, y = next(iter(dm.train_dataloader()))
     assert x.shape == (2, 16) and torch.equal(x[:, 1:], y[:, :-1])
     f = write_jsonl(tmp_path / "d.jsonl", DOCS)
-    dm = OpenWebTextDataModule(source="auto", path=str(f), block_size=16, val_tokens=1, num_workers=0)
+    dm = OpenWebTextDataModule(source="auto", path=str(f), block_size=16, val_tokens=20, num_workers=0)
     dm.setup("fit")
     assert dm.hparams_initial["resolved_source"] == "files"
 
@@ -243,12 +243,12 @@ def test_hf_source_of_the_datamodule_reads_a_local_dataset_repository_with_data_
     (tmp_path / "repo" / "other.parquet").write_bytes(b"not parquet: must not be read")
     dm = OpenWebTextDataModule(
         source="hf", dataset=str(tmp_path / "repo"), data_files="plain_text/*.parquet", block_size=4, batch_size=2,
-        val_tokens=1, num_workers=0,
+        val_tokens=7, num_workers=0,
     )  # fmt: skip
     dm.setup("fit")
     ref = reference_tokens(DOCS)
     n0 = dm.validation_tokens().numel()
-    assert dm.validation_tokens().tolist() == ref[:n0].tolist()
+    assert n0 == 7 and dm.validation_tokens().tolist() == ref[:n0].tolist()
     x, y = next(iter(dm.train_dataset(ShardPlan(), passes=1)))
     assert x[0].tolist() == ref[n0 : n0 + 4].tolist() and y[1].tolist() == ref[n0 + 5 : n0 + 9].tolist()
 
@@ -258,5 +258,23 @@ def test_malformed_json_or_gzip_is_a_one_line_error(tmp_path, content):
     f = tmp_path / ("bad.jsonl.gz" if content.startswith(b"\x1f\x8b") else "bad.jsonl")
     f.write_bytes(content)
     with pytest.raises(DataError) as e:
-        module(f, val_tokens=1).setup("fit")
+        module(f, val_tokens=20).setup("fit")
     assert f.name in one_line(e) and "could not be" in str(e.value)
+
+
+def test_a_single_text_file_is_cut_at_val_tokens_and_the_rest_trains(tmp_path):
+    """One .txt file is one document: validation takes exactly val_tokens of it, training the rest (it used to
+    put the whole file in validation and blame val_tokens)."""
+    text = " ".join(DOCS) * 4
+    f = tmp_path / "book.txt"
+    f.write_text(text, encoding="utf-8")
+    ref = np.array(gpt2_encoding().encode_ordinary(text) + [EOT_TOKEN])
+    dm = module(f, val_tokens=64)
+    dm.setup("fit")
+    assert dm.validation_documents == 1 and dm.validation_tokens().tolist() == ref[:64].tolist()
+    xs = torch.cat([x.reshape(-1, 16) for x in one_pass(dm)])
+    want, _ = windows_of(ref[64:], 16)
+    assert torch.equal(xs, torch.from_numpy(want[: len(want) // 2 * 2, :-1]))
+    with pytest.raises(DataError) as e:
+        module(f, val_tokens=len(ref)).setup("fit")
+    assert f"val_tokens={len(ref)} is not allowed" in one_line(e) and f"only {len(ref)} tokens" in str(e.value)
