@@ -78,7 +78,7 @@ def test_runs_are_named_after_the_experiment_and_resume_with_last_exactly(tmp_pa
 
 
 def test_saved_config_is_resolved_and_reruns_as_a_new_run(tmp_path) -> None:
-    base = tiny_config(tmp_path, name="base")
+    tiny_config(tmp_path, name="base")
     child = tmp_path / "exp" / "child.yaml"
     child.parent.mkdir()
     child.write_text(yaml.safe_dump({"extends": "../base.yaml", "model": {"norm_placement": "peri"}}))
