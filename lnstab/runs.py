@@ -103,9 +103,14 @@ def check_against_checkpoint(ckpt: dict[str, Any], explicit: dict[str, Any], ckp
     Raises:
         ConfigError: One line naming the first contradicting key.
     """
-    hparams = ckpt.get("hyper_parameters") or {}
+    hparams = dict(ckpt.get("hyper_parameters") or {})
+    if "preset" in hparams:  # a GPTModule: compare architecture flags with the checkpoint's effective shape
+        from lnstab.module import MODEL_ARGS, gpt_config
+
+        arch = gpt_config(hparams)
+        hparams.update({k: getattr(arch, k) for k in MODEL_ARGS})
     for key, value in explicit.items():
-        if key in hparams and _normal(hparams[key]) != _normal(value):
+        if key in hparams and value is not None and _normal(hparams[key]) != _normal(value):
             raise ConfigError(
                 f"--model.{key} {value!r} contradicts the checkpoint's {key}={hparams[key]!r} ({ckpt_path}); a resumed "
                 f"model keeps its checkpoint's settings: drop the flag, or start a new run without --ckpt_path"

@@ -115,7 +115,7 @@ def test_cli_evaluate_writes_next_to_the_checkpoint_without_overwriting(run, tmp
 @pytest.mark.parametrize(
     ("extra", "match"),
     [
-        (["--model.n_layer", "3"], r"--model.n_layer 3 contradicts the checkpoint's n_layer=None"),
+        (["--model.n_layer", "3"], r"--model.n_layer 3 contradicts the checkpoint's n_layer=2"),
         (["--evaluation.bertscore_model", "/nonexistent/minilm"], r"bertscore_model='/nonexistent/minilm' is not a"),
         (["--evaluation.bertscore_model", "lnstab-test/unreachable"], r"bertscore_model='lnstab-test/unreachable' c"),
         (["--evaluation.n_samples", "0"], r"n_samples=0 is not allowed"),
