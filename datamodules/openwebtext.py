@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, IterableDataset
 
+from lnstab import validation as check
 from lnstab.datamodules.packing import ArrayWindows, DocumentStream, ShardPlan
 from lnstab.datamodules.prepare import head_documents
 from lnstab.datamodules.prepared import read_meta, verify_split
@@ -119,8 +120,7 @@ class OpenWebTextDataModule(pl.LightningDataModule):
     ) -> None:
         args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__()
-        if source not in SOURCES:
-            raise DataError(f"--data.source {source!r} is not allowed; allowed: {', '.join(SOURCES)}")
+        check.choice("data.source", source, SOURCES, error=DataError)
         for name, value, low in (
             ("block_size", block_size, 1),
             ("batch_size", batch_size, 1),
@@ -129,10 +129,9 @@ class OpenWebTextDataModule(pl.LightningDataModule):
             ("synthetic_tokens", synthetic_tokens, 2),
             ("synthetic_vocab_size", synthetic_vocab_size, 2),
         ):
-            if not isinstance(value, int) or value < low:
-                raise DataError(f"--data.{name} {value!r} is not allowed; it must be an integer >= {low}")
-        if val_tokens is not None and val_tokens < 1:
-            raise DataError(f"--data.val_tokens {val_tokens!r} is not allowed; it must be >= 1 or null")
+            check.integer(f"data.{name}", value, low, error=DataError)
+        if val_tokens is not None:
+            check.positive_int("data.val_tokens", val_tokens, error=DataError)
         if source in ("files", "prepared") and not path:
             raise DataError(f"--data.path is required with --data.source {source}")
         args["resolved_source"] = source

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
+from lnstab import validation as check
 from lnstab.callbacks.run_status import trained_steps
 from lnstab.errors import ConfigError
 from lnstab.evaluation.core import safe_exp
@@ -90,12 +91,12 @@ class GPTModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         for name, value in (("learning_rate", learning_rate), ("min_lr", min_lr), ("weight_decay", weight_decay)):
-            if not value >= 0:
-                raise ConfigError(f"{name}={value!r} is not allowed; it must be >= 0")
+            check.number(name, value, 0.0)
         if min_lr > learning_rate:
             raise ConfigError(f"min_lr={min_lr!r} is not allowed; it must be <= learning_rate={learning_rate!r}")
-        if warmup_steps < 0:
-            raise ConfigError(f"warmup_steps={warmup_steps!r} is not allowed; it must be >= 0")
+        check.integer("warmup_steps", warmup_steps, 0)
+        if lr_decay_steps is not None:
+            check.positive_int("lr_decay_steps", lr_decay_steps)
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ConfigError(f"betas={tuple(betas)!r} is not allowed; each must be in [0, 1)")
         self.save_hyperparameters()

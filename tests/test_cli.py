@@ -99,7 +99,7 @@ def test_extends_chain_expands_base_first_and_refuses_cycles(tmp_path) -> None:
         (["--model.preset", "gpt5"], "preset='gpt5' is not allowed"),
         (["--model.residual_scale", "0"], "residual_scale=0.0 is not allowed; it must be a finite number > 0"),
         (["--model.n_embd", "102"], "n_embd=102 is not allowed with n_head=4"),
-        (["--data.source", "nonsense"], "--data.source 'nonsense' is not allowed; allowed: hf, files, prepared"),
+        (["--data.source", "nonsense"], "data.source='nonsense' is not allowed; choose one of: hf, files, prepared"),
         (["--model.residual_scale", "abc"], 'Parser key "model.residual_scale": Expected a <class \'float\'>'),
         (["--model.colour", "red"], "unrecognized arguments: --model.colour red"),
     ],

@@ -206,11 +206,11 @@ def test_block_size_longer_than_the_data(tmp_path):
 
 
 def test_bad_options_fail_in_init():
-    with pytest.raises(DataError, match="source 'web' is not allowed"):
+    with pytest.raises(DataError, match="data.source='web' is not allowed"):
         OpenWebTextDataModule(source="web")
     with pytest.raises(DataError, match="--data.path is required"):
         OpenWebTextDataModule(source="files")
-    with pytest.raises(DataError, match="batch_size 0"):
+    with pytest.raises(DataError, match="data.batch_size=0 is not allowed"):
         OpenWebTextDataModule(source="synthetic", batch_size=0)
 
 
