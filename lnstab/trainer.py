@@ -6,9 +6,11 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 from lightning.pytorch.trainer.connectors.accelerator_connector import _PRECISION_INPUT
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lnstab.callbacks.progress import StepProgressBar
 from lnstab.checkpoint import AtomicCheckpointIO
 from lnstab.errors import ConfigError
 from lnstab.precision import resolve_precision
@@ -21,6 +23,8 @@ class LNStabTrainer(pl.Trainer):
       native bf16) and to ``32-true`` elsewhere, and says so in one line (:func:`lnstab.precision.resolve_precision`).
     * Checkpoints are written atomically and loaded with ``weights_only=True`` (:class:`AtomicCheckpointIO`) unless
       ``plugins`` already holds a ``CheckpointIO``.
+    * Step-bounded runs show ``global_step / max_steps`` (:class:`~lnstab.callbacks.progress.StepProgressBar`)
+      unless a progress bar is given or ``enable_progress_bar=False``.
     * :meth:`evaluate`: the final evaluation of a checkpoint (``lnstab evaluate``).
 
     Example::
@@ -38,6 +42,10 @@ class LNStabTrainer(pl.Trainer):
         items = [] if plugins is None else list(plugins) if isinstance(plugins, list | tuple) else [plugins]
         if not any(isinstance(p, CheckpointIO) for p in items):
             items.append(AtomicCheckpointIO())
+        callbacks = kwargs.get("callbacks")
+        callbacks = [] if callbacks is None else list(callbacks) if isinstance(callbacks, list | tuple) else [callbacks]
+        if kwargs.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            kwargs["callbacks"] = [*callbacks, StepProgressBar()]
         super().__init__(precision=resolved, plugins=items, **kwargs)
 
     def evaluate(

@@ -219,3 +219,12 @@ def test_a_diverged_run_is_a_result_exit_0_with_nonfinite_metrics_marked(tmp_pat
     assert all(isinstance(record["metrics"][k], float) for k in record["metrics"] if k not in record["nonfinite"])
     last = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     assert all(torch.isfinite(v).all() for v in last["state_dict"].values())  # the last good weights
+
+
+def test_the_progress_bar_counts_optimizer_steps_after_a_resume(tmp_path) -> None:
+    cfg = tiny_config(tmp_path, **{"trainer.accumulate_grad_batches": 2})
+    run = tmp_path / "r"
+    fit("--config", str(cfg), "--run_dir", str(run), "--trainer.enable_progress_bar", "true")
+    cli = cli_main(["fit", "--config", str(cfg), "--run_dir", str(run), "--ckpt_path", "last",
+                    "--trainer.max_steps", "6", "--trainer.enable_progress_bar", "true"])
+    assert cli.trainer.progress_bar_callback.position == (6, 6)  # Lightning's own bar showed batches of the epoch against steps remaining

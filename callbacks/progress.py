@@ -1,0 +1,58 @@
+"""``StepProgressBar``: a progress bar that counts optimizer steps towards ``max_steps``, resumed runs included."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import TQDMProgressBar
+from typing_extensions import override
+
+
+class StepProgressBar(TQDMProgressBar):
+    """Lightning's TQDM bar, but for step-bounded training (``max_steps``, endless data) it shows
+    ``global_step / max_steps``: Lightning's own bar counts the batches of the current epoch against the steps
+    *remaining*, so a resumed run showed e.g. ``200/79``, and counts micro-batches under gradient accumulation.
+    Epoch-bounded training is shown as Lightning shows it. Plain TQDM (no terminal control codes) also reads well in
+    a scheduler's log file.
+
+    **Logged metrics**: none.
+
+    Example::
+
+        trainer = Trainer(max_steps=60_000, callbacks=[StepProgressBar()])
+    """
+
+    position: tuple[int, int | float | None] | None = None  # (shown, total) after the latest training batch
+
+    def _by_steps(self) -> bool:
+        trainer = self.trainer
+        return trainer.max_steps is not None and trainer.max_steps > 0 and not math.isfinite(
+            float(trainer.num_training_batches)
+        )
+
+    @property
+    @override
+    def total_train_batches(self) -> int | float:
+        return self.trainer.max_steps if self._by_steps() else super().total_train_batches
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        super().on_train_epoch_start(trainer, *args)
+        if self._by_steps() and self.train_progress_bar is not None:
+            self.train_progress_bar.n = trainer.global_step  # where a resumed run starts
+            self.train_progress_bar.set_description("Training steps")
+            self.train_progress_bar.refresh()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._by_steps():
+            batch_idx = trainer.global_step - 1  # the bar's position is the optimizer step, not the batch
+            if self.train_progress_bar is not None and self.train_progress_bar.total != trainer.max_steps:
+                self.train_progress_bar.total = trainer.max_steps  # a run resumed mid-epoch skips the epoch start
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        bar = self.train_progress_bar
+        self.position = (bar.n, bar.total) if bar is not None else None
