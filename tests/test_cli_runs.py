@@ -227,4 +227,5 @@ def test_the_progress_bar_counts_optimizer_steps_after_a_resume(tmp_path) -> Non
     fit("--config", str(cfg), "--run_dir", str(run), "--trainer.enable_progress_bar", "true")
     cli = cli_main(["fit", "--config", str(cfg), "--run_dir", str(run), "--ckpt_path", "last",
                     "--trainer.max_steps", "6", "--trainer.enable_progress_bar", "true"])
-    assert cli.trainer.progress_bar_callback.position == (6, 6)  # Lightning's own bar showed batches of the epoch against steps remaining
+    # Lightning's own bar showed the batches of the epoch against the steps remaining
+    assert cli.trainer.progress_bar_callback.position == (6, 6)
