@@ -165,3 +165,32 @@ def test_a_checkpoint_that_would_run_code_is_refused_in_one_line(tmp_path, capsy
         err = capsys.readouterr().err.strip()
         assert "holds objects that are not plain data" in err and "\n" not in err
     assert not marker.exists()  # the payload never ran
+
+
+@pytest.mark.slow
+def test_slurm_requeue_signal_saves_then_requeues_through_lightning(tmp_path) -> None:
+    """SLURM's requeue signal (SIGUSR1): stop at a step boundary with last.ckpt, then Lightning's own handler
+    saves its HPC checkpoint and calls ``scontrol requeue <job>`` (a fake scontrol records the call)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "scontrol.calls"
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_NTASKS": "1",
+           "SLURM_JOB_NAME": "lnstab-test", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+           "SLURM_NODEID": "0", "SLURM_NNODES": "1"}
+    cfg = tiny_config(tmp_path)
+    run = tmp_path / "run"
+    cmd = [LNSTAB, "fit", "--config", str(cfg), "--run_dir", str(run), "--trainer.max_steps", "100000"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for(run / "checkpoints" / "last.ckpt", proc)
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGUSR1, out[-3000:]
+    summary = read_summary(run)
+    assert summary["status"] == "interrupted" and summary["signal"] == "SIGUSR1"
+    assert calls.read_text().split() == ["requeue", "4242"]
+    step = summary["interrupted_step"]
+    hpc = sorted(run.glob("hpc_ckpt_*.ckpt"))  # Lightning's requeue checkpoint, in the run directory
+    assert hpc and torch.load(hpc[-1], weights_only=True)["global_step"] == step
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == step
