@@ -173,7 +173,10 @@ class LNStabCLI(LightningCLI):
             run_dir = run_dir or (str(owner) if owner is not None else None)
         if sub == "fit" and ckpt is None and run_dir:
             runs.check_fresh_run_dir(run_dir)
+        if sub == "evaluate" and ckpt is None:
+            raise ConfigError("ckpt_path=None is not allowed; lnstab evaluate needs --ckpt_path CHECKPOINT (or last)")
         if run_dir:
+            runs.check_writable(run_dir)
             save_dir, name, version = runs.split_run_dir(run_dir)
             if c.trainer.logger in (None, True):  # Lightning's default logger, placed in the run directory
                 tensorboard = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",

@@ -10,6 +10,7 @@ use).
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,25 @@ def check_fresh_run_dir(run_dir: str | os.PathLike) -> None:
             f"--run_dir {path} already holds a run (status {status}); resume it with --ckpt_path last, or choose "
             f"another --run_dir"
         )
+
+
+def check_writable(run_dir: str | os.PathLike) -> None:
+    """Refuse, before anything runs, a run directory that cannot be created or written.
+
+    Raises:
+        ConfigError: The directory (or its nearest existing parent) is not writable, or a file is in the way.
+    """
+    path = Path(run_dir).absolute()
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise ConfigError(f"--run_dir {run_dir} is not allowed; {probe} is a file, not a directory")
+    try:  # a real probe (access() says yes to root on read-only and pseudo filesystems); leaves nothing behind
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"--run_dir {run_dir} is not allowed; {probe} is not writable ({exc.strerror})") from None
 
 
 def explicit_keys(argv: list[str], prefix: str) -> list[str]:

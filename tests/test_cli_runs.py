@@ -229,3 +229,32 @@ def test_the_progress_bar_counts_optimizer_steps_after_a_resume(tmp_path) -> Non
                     "--trainer.max_steps", "6", "--trainer.enable_progress_bar", "true"])
     # Lightning's own bar showed the batches of the epoch against the steps remaining
     assert cli.trainer.progress_bar_callback.position == (6, 6)
+
+
+def test_an_unwritable_run_dir_or_a_bad_callback_in_yaml_is_one_line_before_anything_runs(tmp_path, capsys) -> None:
+    cfg = tiny_config(tmp_path)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert "is a file, not a directory" in one_line_error(capsys, "fit", "--config", str(cfg), "--run_dir",
+                                                          str(blocker / "run"))
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    probe = locked / "x"
+    try:
+        probe.write_text("x")  # root ignores the mode bits: use a filesystem that takes no files instead
+        locked = Path("/proc/lnstab-run")
+    except PermissionError:
+        pass
+    assert "is not writable" in one_line_error(capsys, "fit", "--config", str(cfg), "--run_dir", str(locked))
+    assert "lnstab evaluate needs --ckpt_path" in one_line_error(capsys, "evaluate", "--config", str(cfg))
+    bad = tmp_path / "bad_callback.yaml"
+    bad.write_text(yaml.safe_dump({"extends": "tiny.yaml", "trainer": {"callbacks": [
+        {"class_path": "lnstab.callbacks.HiddenStateStatistics", "init_args": {"every_n_steps": 0}}]}}))
+    assert "every_n_steps=0 is not allowed" in one_line_error(capsys, "fit", "--config", str(bad))
+    assert not (tmp_path / "runs").exists()
+
+
+def test_run_files_are_readable_by_others(tmp_path) -> None:
+    fit("--config", str(tiny_config(tmp_path)), "--run_dir", str(tmp_path / "r"), "--trainer.max_steps", "2")
+    for name in ("summary.json", "eval.json", "hidden_stats.json", "config.yaml", "checkpoints/last.ckpt"):
+        assert (tmp_path / "r" / name).stat().st_mode & 0o044 == 0o044, name  # mkstemp's 0600 used to leak out
