@@ -149,3 +149,15 @@ def test_checkpoint_round_trip_and_exact_resume(tmp_path) -> None:
 def test_bad_hyperparameters_are_refused(overrides: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         small_module(**overrides)
+
+
+def test_a_nan_batch_makes_the_validation_loss_nan_instead_of_being_averaged_away() -> None:
+    module = small_module()
+    for metric in (module.val_loss, module.test_loss):
+        for value in (2.0, math.nan, 4.0):
+            metric.update(torch.tensor(value), weight=10)
+        assert math.isnan(metric.compute().item())  # torchmetrics' default would give 3.0 with a warning
+        metric.reset()
+        for value in (2.0, 4.0):
+            metric.update(torch.tensor(value), weight=10)
+        assert metric.compute().item() == pytest.approx(3.0)
