@@ -1,4 +1,6 @@
-"""``lnstab report RUN_OR_GRID_DIR… --out DIR``: the paper's tables and figures from run directories alone.
+"""The paper's tables (Markdown, CSV) and figures (PNG) from run directories alone.
+
+``lnstab report RUN_OR_GRID_DIR… --out DIR`` reads the runs and writes the report.
 
 Writes into ``DIR``: ``report.md`` (every table and figure, with the runs' statuses), ``divergence.{md,csv}``,
 ``performance.{md,csv}``, ``stability.{md,csv}``, ``runs.{md,csv}`` (one row per run) and the PNG figures of

@@ -170,15 +170,21 @@ def loss_curves(configs: list[Configuration], path: Path) -> Path | None:
             labelled = False
             for r in c.runs:
                 series = [(s, v) for s, v in r.series(tag) if math.isfinite(v)]
-                if not series:
-                    continue
-                ax.plot([s for s, _ in series], [v for _, v in series], color=_colour(i), alpha=0.8, linewidth=1,
-                        label=None if labelled else c.label)
-                labelled = drawn = True
                 step = r.diverged_step
-                if step is not None:
-                    before = [v for s, v in series if s <= step] or [series[-1][1]]
-                    ax.scatter([step], [before[-1]], marker="x", s=60, color=_colour(i), zorder=3)
+                if series:
+                    ax.plot([s for s, _ in series], [v for _, v in series], color=_colour(i), alpha=0.8,
+                            linewidth=1, label=None if labelled else c.label)
+                    labelled = drawn = True
+                if step is None:
+                    continue
+                before = [v for s, v in series if s <= step]
+                label = None if labelled else c.label
+                if before:  # on the curve, at the last finite loss before the divergence
+                    ax.scatter([step], [before[-1]], marker="x", s=60, color=_colour(i), zorder=3, label=label)
+                else:  # diverged before any finite loss was logged: at the top edge
+                    ax.scatter([step], [0.97], marker="x", s=60, color=_colour(i), zorder=3, label=label,
+                               transform=ax.get_xaxis_transform(), clip_on=False)
+                labelled = drawn = True
             ax.set_title(f"{tag} (× = divergence)")
             ax.set_xlabel("step")
     if not drawn:

@@ -1,4 +1,6 @@
-"""``lnstab sweep GRID.yaml``: expand a grid, validate it, run it here, print its status, or write its cluster job.
+"""Run a grid of experiments here or as a SLURM job array, resumably (--dry-run, --status, --parallel N).
+
+``lnstab sweep GRID.yaml`` expands a grid, validates it, runs it here, prints its status, or writes its cluster job.
 
 Examples::
 
@@ -19,6 +21,7 @@ import contextlib
 import dataclasses
 import fnmatch
 import io
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -196,10 +199,13 @@ def main(argv: list[str] | None = None) -> None:
         validate_with_cli(grid, runs)
     if args.dry_run:
         print(f"grid {grid.name} ({grid.path}): {len(runs)} run(s) of {grid.base} -> {Path(args.root) / grid.name}/")
+        if grid.overrides:
+            print("every run: " + " ".join(Run("", grid.overrides).cli_args()))
         for run in runs:
-            print(f"{run.name}: {' '.join(run.cli_args())}")
+            own = {k: v for k, v in run.overrides.items() if k not in grid.overrides}
+            print(f"{run.name}: {' '.join(Run(run.name, own).cli_args())}")
         if runs:
-            print("command: " + " ".join(fit_command(grid, runs[0], args.root)))
+            print("command: " + shlex.join(fit_command(grid, runs[0], args.root)))
         return
     code = LocalSweep(grid, runs, args.root, parallel=args.parallel, retry_failed=args.retry_failed).run()
     if code:
