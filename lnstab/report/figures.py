@@ -45,8 +45,9 @@ def _legend(ax: Any) -> None:
 
 
 def _log_if_positive(ax: Any) -> None:
-    lines = [y for line in ax.get_lines() for y in line.get_ydata()]
-    if lines and min(lines) > 0:
+    """Log scale where every value is positive and they span more than a factor of 10."""
+    values = [y for line in ax.get_lines() for y in line.get_ydata()]
+    if values and min(values) > 0 and max(values) > 10 * min(values):
         ax.set_yscale("log")
 
 

@@ -108,14 +108,15 @@ def validate_with_cli(grid: Grid, runs: list[Run]) -> None:
     """
     from lnstab.cli import cli_main
 
-    covering: dict[str, Run] = {}
-    by_value: set[tuple[str, str]] = set()
-    for run in runs:
-        pairs = {(k, repr(v)) for k, v in run.overrides.items()}
-        if not pairs <= by_value or not covering:
-            covering[run.name] = run
-            by_value |= pairs
-    for run in covering.values():
+    pairs = {run.name: {(k, repr(v)) for k, v in run.overrides.items()} for run in runs}
+    uncovered = set().union(*pairs.values()) if pairs else set()
+    covering: list[Run] = runs[:1]
+    uncovered -= pairs[runs[0].name] if runs else set()
+    while uncovered:  # greedy: the run that checks the most unchecked key/value pairs
+        best = max(runs, key=lambda r: len(pairs[r.name] & uncovered))
+        covering.append(best)
+        uncovered -= pairs[best.name]
+    for run in covering:
         args = ["fit", "--config", str(grid.base), *run.cli_args(), "--print_config"]
         out, err = io.StringIO(), io.StringIO()
         code: Any = 0

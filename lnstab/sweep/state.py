@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lnstab.checkpoint import newest_checkpoint
 from lnstab.rundir import (
     CHECKPOINT_DIR,
     CONFIG_FILE,
@@ -83,6 +82,8 @@ def plan(directory: Path, *, locked: bool = False, retry_failed: bool = False) -
         return Plan(status, "skip", "a result")
     if status == "failed" and not retry_failed:
         return Plan(status, "skip", "failed (rerun with --retry-failed)")
+    from lnstab.checkpoint import newest_checkpoint  # imports torch: only when a run may resume
+
     if newest_checkpoint(directory) is not None:
         return Plan(status, "resume")
     if not holds_run(directory):
