@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -163,8 +164,7 @@ def test_plan_for_each_state(status, checkpoint, retry, expected, tmp_path) -> N
     directory = make_run(tmp_path / "r", status, checkpoint)
     assert plan(directory, retry_failed=retry).action == expected
     assert plan(tmp_path / "absent").action == "start"
-    assert plan(directory, locked=True) == plan(directory, locked=True) and plan(directory, locked=True).action == (
-        "skip")
+    assert plan(directory, locked=True).action == "skip"  # another sweep holds its lock: it is training
 
 
 def test_a_run_killed_before_its_first_checkpoint_is_moved_aside_not_lost(tmp_path, capsys) -> None:
@@ -248,8 +248,53 @@ def test_slurm_and_torchrun_follow_nodes_and_gpus(tmp_path, capsys) -> None:
     lines = [x for x in commands.splitlines() if x.startswith("torchrun")]
     assert len(lines) == 4 and all("--nnodes=2 --nproc-per-node=4 --node-rank=$NODE_RANK" in x for x in lines)
     assert "--no-python lnstab fit --config experiments/gpt2-xl_pre_dt1.yaml --run_dir runs/gpt2-xl_perf/" in lines[0]
-    sweep(str(path), "--slurm", "--root", str(tmp_path / "runs"), "--no-validate")
-    assert capsys.readouterr().out.startswith("#!/bin/bash\n")
+    sweep(str(path), "--slurm", "--root", str(tmp_path / "runs"), "--no-validate", "--nodes", "2",
+          "--set", "trainer.accumulate_grad_batches=2")
+    script = capsys.readouterr().out
+    assert script.startswith("#!/bin/bash\n") and script.count("--trainer.accumulate_grad_batches 2") == 4
+    # the decision step repeats --set, so it finds the runs as they were launched
+    assert "--set=trainer.accumulate_grad_batches=2 --prepare \"$RUN\")" in script
     assert (tmp_path / "runs" / "gpt2-xl_perf" / ".sweep" / "slurm").is_dir()  # sbatch's --output directory
     with pytest.raises(LNStabError, match="slurm nodes=0 is not allowed"):
         slurm_settings(grid, nodes=0)
+
+
+# ----------------------------------------------------------------------------------------------- local execution
+FAKE_FIT = '''
+import json, os, sys, time
+args = sys.argv[2:]
+run_dir = args[args.index("--run_dir") + 1]
+seed = int(args[args.index("--seed_everything") + 1])
+os.makedirs(run_dir)
+open(os.path.join(run_dir, "config.yaml"), "w").write("seed_everything: %d\\n" % seed)
+open(os.path.join(run_dir, "span"), "w").write("%f " % time.time())
+time.sleep(1.0)
+status = ["completed", "failed", "diverged"][seed]
+json.dump({"status": status, "final_step": 5, "diverged_step": 3 if status == "diverged" else None},
+          open(os.path.join(run_dir, "summary.json"), "w"))
+open(os.path.join(run_dir, "span"), "a").write("%f" % time.time())
+sys.exit(1 if status == "failed" else 0)
+'''
+
+
+def test_parallel_children_record_failures_and_the_sweep_goes_on(tmp_path, monkeypatch) -> None:
+    from lnstab.sweep import runner
+
+    fake = tmp_path / "fake_fit.py"
+    fake.write_text(FAKE_FIT)
+    monkeypatch.setattr(runner, "lnstab_program", lambda: (sys.executable, str(fake)))
+    grid = load_grid(write_grid(tmp_path, {"axes": {"seed_everything": [0, 1, 2]}}))
+    root = tmp_path / "runs"
+    lines: list[str] = []
+    code = runner.LocalSweep(grid, grid.runs, root, parallel=3, echo=lines.append).run()
+    assert code == 1  # one run failed; the others still ran
+    statuses = {r.name: r for r in grid.runs}
+    spans = [tuple(map(float, (root / grid.name / n / "span").read_text().split())) for n in statuses]
+    assert max(start for start, _ in spans) < min(end for _, end in spans)  # all three ran at once
+    assert any(line.startswith("[2/3] s1: failed (exit 1)") for line in lines), lines
+    assert any(line.startswith("[3/3] s2: diverged at step 3") for line in lines), lines
+    lines.clear()
+    assert runner.LocalSweep(grid, grid.runs, root, echo=lines.append).run() == 0  # all settled: nothing to do
+    assert [line.split(": ", 1)[1] for line in lines] == ["completed, skipped (a result)",
+                                                          "failed, skipped (failed (rerun with --retry-failed))",
+                                                          "diverged, skipped (a result)"]

@@ -153,6 +153,8 @@ def show_status(grid: Grid, runs: list[Run], root: str) -> None:
     total = sum(r for r in (s.get("wall_s") for s in _summaries(grid, runs, root)) if isinstance(r, int | float))
     print(f"{len(rows)} runs: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
           + f"; wall time so far {format_duration(total)}")
+    if any(row["next"].endswith("*") for row in rows):
+        print("* running, but no sweep on this machine holds it: killed (a rerun resumes it), or training elsewhere")
 
 
 def _summaries(grid: Grid, runs: list[Run], root: str) -> list[dict[str, Any]]:
@@ -163,7 +165,7 @@ def _summaries(grid: Grid, runs: list[Run], root: str) -> list[dict[str, Any]]:
 
 def prepare(grid: Grid, run: Run, root: str, retry_failed: bool) -> str:
     """Settle one run before a job launches it: ``skip``, ``resume`` or ``start`` (moving aside a dead start)."""
-    record_manifest(root, grid, [run])
+    record_manifest(root, grid, grid.runs)
     p = plan(run_directory(root, grid, run), retry_failed=retry_failed)
     if p.action == "restart":
         moved = move_aside(root, grid, run)
@@ -190,11 +192,12 @@ def main(argv: list[str] | None = None) -> None:
         settings = slurm_settings(grid, nodes=args.nodes, gpus_per_node=args.gpus_per_node)
         if not args.no_validate:
             validate_with_cli(grid, runs)
+        repeat = [f"--set={item}" for item in args.set] + (["--retry-failed"] if args.retry_failed else [])
         if args.slurm:
             (sweep_dir(args.root, grid) / "slurm").mkdir(parents=True, exist_ok=True)  # sbatch's --output
-            sys.stdout.write(sbatch_script(grid, runs, args.root, settings, grid_file=args.grid))
+            sys.stdout.write(sbatch_script(grid, runs, args.root, settings, args.grid, repeat))
         else:
-            sys.stdout.write(torchrun_commands(grid, runs, args.root, settings, grid_file=args.grid))
+            sys.stdout.write(torchrun_commands(grid, runs, args.root, settings, args.grid, repeat))
         return
     if not args.no_validate:
         validate_with_cli(grid, runs)

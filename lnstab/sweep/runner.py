@@ -109,18 +109,22 @@ class LocalSweep:
     def run(self) -> int:
         """Run every run that needs it; returns 0 when all ended completed or diverged (or were skipped as such),
         1 when some failed, ``128 + signal`` when a signal stopped the sweep."""
-        record_manifest(self.root, self.grid, self.runs)
+        record_manifest(self.root, self.grid, self.grid.runs)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             with cf.ThreadPoolExecutor(max_workers=self.parallel) as pool:
                 futures = [pool.submit(self._one, i, run) for i, run in enumerate(self.runs)]
-                for future in futures:
+                for run, future in zip(self.runs, futures, strict=True):
                     while True:  # wait in slices so the main thread can take signals
                         try:
                             future.result(timeout=0.5)
                             break
                         except cf.TimeoutError:
                             continue
+                        except Exception as exc:  # noqa: BLE001 - one run's trouble must not end the sweep
+                            self.results[run.name] = {"status": "failed"}
+                            self.echo(f"{run.name}: the sweep could not run it: {type(exc).__name__}: {exc}")
+                            break
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -183,20 +187,28 @@ class LocalSweep:
         self.results[run.name] = {"status": status, "returncode": code}
         journal(self.root, self.grid, run=run.name, action=p.action, returncode=code, status=status,
                 step=summary.get("final_step"), wall_s=round(wall, 1), log=str(log))
-        self.echo(f"{head}: {describe(summary, status, code)} in {format_duration(wall)}")
+        self.echo(f"{head}: {describe(summary, status, code, log)} in {format_duration(wall)}")
 
 
-def describe(summary: dict[str, Any], status: str, code: int | None = None) -> str:
+def describe(summary: dict[str, Any], status: str, code: int | None = None, log: Path | None = None) -> str:
     """One phrase for how a run ended: ``completed at step 600 (val loss 5.12)``, ``diverged at step 35``, …"""
     val = (summary.get("val") or {}).get("loss")
     loss = f" (val loss {val:.4g})" if isinstance(val, int | float) else ""
     if status == "diverged":
         return f"diverged at step {summary.get('diverged_step')}{loss}"
     if status == "failed":
-        error = summary.get("error") or "see its log"
-        return f"failed (exit {code}): {str(error).splitlines()[0][:160] if error else ''}"
+        error = summary.get("error") or _last_line(log) or "see its log"
+        return f"failed (exit {code}): {str(error).splitlines()[0][:200]}"
     step = summary.get("final_step", summary.get("interrupted_step"))
     return f"{status} at step {step}{loss}" + (f" (exit {code})" if code not in (0, None) else "")
+
+
+def _last_line(log: Path | None) -> str:
+    """The last non-empty line of a log (where ``lnstab fit`` put its one-line error)."""
+    if log is None or not log.is_file():
+        return ""
+    lines = [x for x in log.read_text(encoding="utf-8", errors="replace").splitlines() if x.strip()]
+    return lines[-1].strip() if lines else ""
 
 
 def status_rows(grid: Grid, runs: list[Run], root: str | Path) -> list[dict[str, Any]]:
@@ -213,5 +225,6 @@ def status_rows(grid: Grid, runs: list[Run], root: str | Path) -> list[dict[str,
             step = summary.get("diverged_step", step)
         val = (summary.get("val") or {}).get("loss")
         rows.append({"run": run.name, "status": p.status, "step": step, "val_loss": val,
-                     "wall": summary.get("wall_s"), "next": p.action})
+                     "wall": summary.get("wall_s"), "next": p.action + ("*" if p.status == "running" and
+                                                                          p.action != "skip" else "")})
     return rows

@@ -60,8 +60,17 @@ def _distributed(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def sbatch_script(grid: Grid, runs: list[Run], root: str | Path, settings: dict[str, Any],
-                  grid_file: str | None = None) -> str:
-    """The ``sbatch`` job-array script: element ``i`` trains ``runs[i]``."""
+                  grid_file: str | None = None, sweep_args: list[str] | tuple[str, ...] = ()) -> str:
+    """The ``sbatch`` job-array script: element ``i`` trains ``runs[i]``.
+
+    Args:
+        grid: The grid (its runs carry any ``--set`` overrides already).
+        runs: The runs, one array element each.
+        root: Directory of the grids' run directories.
+        settings: :func:`slurm_settings`.
+        grid_file: The grid path as the user gave it (for the decision step).
+        sweep_args: Options the decision step ``lnstab sweep … --prepare`` must repeat (``--set``, ``--retry-failed``).
+    """
     root = Path(root)
     logs = sweep_dir(root, grid) / "slurm"
     array = f"0-{len(runs) - 1}" + (f"%{settings['max_concurrent']}" if settings["max_concurrent"] else "")
@@ -95,8 +104,7 @@ def sbatch_script(grid: Grid, runs: list[Run], root: str | Path, settings: dict[
         "esac",
         "# Decided once per element, before the ranks start: skip / resume / start (moving aside a run killed",
         "# before its first checkpoint).",
-        f'ACTION=$(lnstab sweep {shlex.quote(str(grid_file or grid.path))} --root {shlex.quote(str(root))} '
-        '--prepare "$RUN")',
+        f"ACTION=$({_prepare(grid, root, grid_file, sweep_args)} \"$RUN\")",
         'case "$ACTION" in',
         '  skip) echo "$RUN: finished already, nothing to do"; exit 0 ;;',
         f"  resume) RESUME=({shlex.join(RESUME_ARGS)}) ;;",
@@ -109,14 +117,20 @@ def sbatch_script(grid: Grid, runs: list[Run], root: str | Path, settings: dict[
     return "\n".join(lines)
 
 
+def _prepare(grid: Grid, root: str | Path, grid_file: str | None, sweep_args: list[str] | tuple[str, ...]) -> str:
+    """``lnstab sweep GRID --root ROOT [sweep_args] --prepare`` (the run name follows)."""
+    return shlex.join(["lnstab", "sweep", str(grid_file or grid.path), "--root", str(root), *sweep_args, "--prepare"])
+
+
 def torchrun_commands(grid: Grid, runs: list[Run], root: str | Path, settings: dict[str, Any],
-                      grid_file: str | None = None, port: int = 29500) -> str:
+                      grid_file: str | None = None, sweep_args: list[str] | tuple[str, ...] = (),
+                      port: int = 29500) -> str:
     """Shell lines that run each run with ``torchrun`` on bare machines (the same command on every node)."""
     nodes, gpus = settings["nodes"], settings["gpus_per_node"]
     lines = [
         f"# lnstab sweep {grid.name} with torchrun: run each command on all {nodes} node(s) at once, with NODE_RANK",
         "# = 0 … nodes-1 and MASTER_ADDR = node 0's address. First, on node 0, decide the run's fate:",
-        f"#   lnstab sweep {grid_file or grid.path} --root {root} --prepare RUN   -> start | resume | skip",
+        f"#   {_prepare(grid, root, grid_file, sweep_args)} RUN   -> start | resume | skip",
         f"# and for 'resume' append: {' '.join(RESUME_ARGS)}",
     ]
     launcher = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={gpus}", "--node-rank=$NODE_RANK",

@@ -27,8 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from lnstab.rundir import (
-    CHECKPOINT_DIR,
-    CONFIG_FILE,
     SUMMARY_FILE,
     atomic_write_text,
     read_json,
@@ -65,11 +63,6 @@ class Plan:
     reason: str = ""
 
 
-def holds_run(directory: Path) -> bool:
-    """Whether ``directory`` holds anything of a run (config, summary or checkpoints)."""
-    return any((directory / name).exists() for name in (CONFIG_FILE, SUMMARY_FILE, CHECKPOINT_DIR))
-
-
 def plan(directory: Path, *, locked: bool = False, retry_failed: bool = False) -> Plan:
     """The :class:`Plan` for the run in ``directory`` (``locked``: another process holds its lock)."""
     if not directory.exists() or not any(directory.iterdir()):
@@ -84,11 +77,10 @@ def plan(directory: Path, *, locked: bool = False, retry_failed: bool = False) -
         return Plan(status, "skip", "failed (rerun with --retry-failed)")
     from lnstab.checkpoint import newest_checkpoint  # imports torch: only when a run may resume
 
+    stale = "no local sweep holds it: killed, or running on another machine" if status == "running" else ""
     if newest_checkpoint(directory) is not None:
-        return Plan(status, "resume")
-    if not holds_run(directory):
-        return Plan(status, "start")
-    return Plan(status, "restart", "no checkpoint to resume: the old directory is moved aside")
+        return Plan(status, "resume", stale)
+    return Plan(status, "restart", stale or "no checkpoint to resume: the old directory is moved aside")
 
 
 def move_aside(root: str | Path, grid: Grid, run: Run) -> Path:
@@ -104,14 +96,16 @@ def move_aside(root: str | Path, grid: Grid, run: Run) -> Path:
 
 
 def record_manifest(root: str | Path, grid: Grid, runs: list[Run]) -> None:
-    """Add ``runs`` to the grid's manifest, refusing a run name that already means other overrides.
+    """Add ``runs`` (all of the grid's, so a report counts the ones not started) to the grid's manifest, refusing a
+    run name that already means other overrides.
 
     Raises:
         GridError: A run of this name was launched before with different overrides (the grid changed under the
             same names); nothing is written.
     """
     path = sweep_dir(root, grid) / "manifest.json"
-    manifest = read_json(path) or {"grid": str(grid.path), "base": str(grid.base), "runs": {}}
+    base = str(Path(grid.base).resolve())
+    manifest = read_json(path) or {"grid": str(Path(grid.path).resolve()), "base": base, "runs": {}}
     known = manifest.get("runs", {})
     for run in runs:
         before = known.get(run.name)
@@ -121,9 +115,9 @@ def record_manifest(root: str | Path, grid: Grid, runs: list[Run]) -> None:
                 f"grid {grid.path}: run {run.name!r} in {grid_dir(root, grid)} was launched with other overrides "
                 f"(differs in {', '.join(changed)}); use another --root or grid name, or move the old runs away"
             )
-    if str(grid.base) != manifest.get("base") and known:
-        raise GridError(f"grid {grid.path}: base={str(grid.base)!r} is not allowed; the runs in "
-                        f"{grid_dir(root, grid)} were launched from base {manifest.get('base')!r}")
+    if base != manifest.get("base") and known:
+        raise GridError(f"grid {grid.path}: base {base} is not allowed; the runs in {grid_dir(root, grid)} were "
+                        f"launched from base {manifest.get('base')}")
     manifest["runs"] = {**known, **{r.name: _jsonable(r.overrides) for r in runs}}
     write_json(path, manifest)
 
