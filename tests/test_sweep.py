@@ -217,24 +217,29 @@ def test_slurm_array_script_runs_one_lnstab_fit_per_element(tmp_path) -> None:
     # Element 7 under a fake srun/lnstab: the decision step runs first, then srun starts the run's own command.
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, body in (("lnstab", 'echo "lnstab $*" >> "$LOG"; [ "$1" = sweep ] && echo resume || true'),
+    for name, body in (("lnstab", 'echo "lnstab $*" >> "$LOG"; [ "$1" = sweep ] && echo "$ACTION" || true'),
                        ("srun", 'echo "srun $*" >> "$LOG"')):
         tool = bin_dir / name
         tool.write_text(f"#!/bin/bash\n{body}\n")
         tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
-    log = tmp_path / "calls.log"
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_ARRAY_TASK_ID": "7",
-           "SLURM_CPUS_PER_TASK": "12", "LOG": str(log)}
-    done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    calls = log.read_text().splitlines()
     run = grid.runs[7]
-    assert calls[0] == f"lnstab sweep {path} --root runs --prepare {run.name}"
-    assert calls[1].startswith(f"srun --kill-on-bad-exit=1 lnstab fit --config experiments/gpt2_pre_dt1.yaml "
-                               f"--run_dir runs/gpt2_divergence/{run.name} ")
-    assert calls[1].endswith(f"--seed_everything {run.overrides['seed_everything']} --trainer.accelerator gpu "
-                             f"--trainer.num_nodes 1 --trainer.devices 8 --ckpt_path last")
-    assert len(calls) == 2
+    for action in ("resume", "start", "skip"):
+        log = tmp_path / f"{action}.log"
+        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_ARRAY_TASK_ID": "7",
+               "SLURM_CPUS_PER_TASK": "12", "LOG": str(log), "ACTION": action}
+        done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        calls = log.read_text().splitlines()
+        assert calls[0] == f"lnstab sweep {path} --root runs --prepare {run.name}"
+        if action == "skip":
+            assert len(calls) == 1 and "finished already" in done.stdout
+            continue
+        assert len(calls) == 2
+        assert calls[1].startswith(f"srun --kill-on-bad-exit=1 lnstab fit --config experiments/gpt2_pre_dt1.yaml "
+                                   f"--run_dir runs/gpt2_divergence/{run.name} ")
+        tail = (f"--seed_everything {run.overrides['seed_everything']} --trainer.accelerator gpu "
+                f"--trainer.num_nodes 1 --trainer.devices 8")
+        assert calls[1].endswith(tail + (" --ckpt_path last" if action == "resume" else ""))
 
 
 def test_slurm_and_torchrun_follow_nodes_and_gpus(tmp_path, capsys) -> None:

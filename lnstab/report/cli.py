@@ -19,6 +19,7 @@ from lnstab.report.collect import RunRecord, collect
 from lnstab.report.figures import FIGURES, draw_all
 from lnstab.report.tables import divergence_table, group, performance_table, runs_table, stability_table
 from lnstab.rundir import atomic_write_text
+from lnstab.sweep.cli import OneLineParser
 
 TABLES = {
     "divergence": ("Divergence: runs diverged (k of the n that finished) per configuration, with the steps",
@@ -29,14 +30,9 @@ TABLES = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        sys.stderr.write(f"lnstab: error: {message} (see: {self.prog} --help)\n")
-        raise SystemExit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="lnstab report", description=__doc__.split("\n\n")[0])
+    """The ``lnstab report`` argument parser."""
+    p = OneLineParser(prog="lnstab report", description=__doc__.split("\n\n")[0])
     p.add_argument("paths", nargs="+", metavar="RUN_OR_GRID_DIR", help="run directories or directories of runs")
     p.add_argument("--out", required=True, help="directory for the tables (Markdown, CSV) and figures (PNG)")
     p.add_argument("--overwrite", action="store_true", help="replace the files of an earlier report in --out")

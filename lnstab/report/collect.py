@@ -54,6 +54,7 @@ class RunRecord:
 
     @property
     def diverged_step(self) -> int | None:
+        """The step of the first fatal divergence (summary, else the first non-finite event), ``None`` if none."""
         step = self.summary.get("diverged_step")
         if step is None and self.status == "diverged":
             fatal = [e.get("step") for e in self.events if str(e.get("kind", "")).startswith("nonfinite")]
@@ -67,6 +68,7 @@ class RunRecord:
         return self._scalars
 
     def series(self, tag: str) -> list[tuple[int, float]]:
+        """One scalar's ``[(step, value), …]`` (``[]`` when the run did not log it)."""
         return self.scalars().get(tag, [])
 
 

@@ -36,6 +36,7 @@ STABILITY_METRICS = ("ma_last", "var_entry_last", "var_data_last", "max_abs", "g
 
 
 def is_seed(key: str) -> bool:
+    """Whether a config key is a seed (``seed_everything``, ``*.seed``): replicates, not configurations."""
     return key == "seed_everything" or key.rsplit(".", 1)[-1] == "seed"
 
 
@@ -99,6 +100,7 @@ class Table:
     markdown_rows: list[dict[str, str]]
 
     def to_csv(self) -> str:
+        """The table as CSV (numbers unrounded, missing values empty)."""
         out = io.StringIO()
         writer = csv.DictWriter(out, fieldnames=self.columns, lineterminator="\n")
         writer.writeheader()
@@ -107,6 +109,7 @@ class Table:
         return out.getvalue()
 
     def to_markdown(self) -> str:
+        """The table as a Markdown pipe table (``mean ± std`` cells)."""
         cols = self.markdown_columns
         lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
         for row in self.markdown_rows:
@@ -128,6 +131,7 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def fmt(mean: float, std: float) -> str:
+    """``mean ± std`` for Markdown (``–`` without data, the mean alone for one run)."""
     if math.isnan(mean):
         return "–"
     return f"{mean:.4g}" if math.isnan(std) else f"{mean:.4g} ± {std:.2g}"

@@ -39,11 +39,13 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse with lnstab's one-line errors (exit status 2)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
+        """Print ``lnstab: error: <message> (see: … --help)`` and exit 2."""
         sys.stderr.write(f"lnstab: error: {message} (see: {self.prog} --help)\n")
         raise SystemExit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``lnstab sweep`` argument parser."""
     p = OneLineParser(prog="lnstab sweep", description=__doc__.split("\n\n")[0],
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("grid", help="grid YAML (experiments/grids/*.yaml)")
@@ -134,6 +136,7 @@ def validate_with_cli(grid: Grid, runs: list[Run]) -> None:
 
 
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    """``rows`` as left-aligned text columns."""
     widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) if rows else len(c) for c in columns}
     print("  ".join(c.ljust(widths[c]) for c in columns))
     for row in rows:
@@ -141,6 +144,7 @@ def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
 
 
 def show_status(grid: Grid, runs: list[Run], root: str) -> None:
+    """Print the ``--status`` table and a one-line count."""
     rows = status_rows(grid, runs, root)
     for row in rows:
         row["step"] = "-" if row["step"] is None else row["step"]

@@ -85,6 +85,7 @@ class Axis:
     compound: bool = False
 
     def overrides(self, index: int) -> dict[str, Any]:
+        """The config keys the ``index``-th value sets."""
         return dict(self.values[index]) if self.compound else {self.key: self.values[index]}
 
 
@@ -139,6 +140,7 @@ def format_value(value: Any) -> str:
 
 
 def default_label(key: str, values: list[Any]) -> str:
+    """The name prefix of an axis without a ``label``: :data:`DEFAULT_LABELS`, none for text, else the key's end."""
     if key in DEFAULT_LABELS:
         return DEFAULT_LABELS[key]
     if all(isinstance(v, str) for v in values):

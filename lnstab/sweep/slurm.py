@@ -111,7 +111,7 @@ def sbatch_script(grid: Grid, runs: list[Run], root: str | Path, settings: dict[
         "  *) RESUME=() ;;",
         "esac",
         "# One task per GPU on every node; Lightning takes ranks, master address and port from SLURM.",
-        'srun --kill-on-bad-exit=1 "${FIT[@]}" "${RESUME[@]}"',
+        'srun --kill-on-bad-exit=1 "${FIT[@]}" ${RESUME[@]+"${RESUME[@]}"}',  # bash < 4.4: empty array and set -u
         "",
     ]
     return "\n".join(lines)

@@ -149,6 +149,7 @@ def read_journal(root: str | Path, grid: Grid) -> list[dict[str, Any]]:
 
 
 def lock_path(root: str | Path, grid: Grid, run: Run) -> Path:
+    """``.sweep/locks/<run>.lock``."""
     return sweep_dir(root, grid) / "locks" / f"{run.name}.lock"
 
 
