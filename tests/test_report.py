@@ -195,3 +195,13 @@ def test_what_is_not_an_lnstab_run_is_one_line(grid, tmp_path, capsys) -> None:
 def test_mean_std_conventions() -> None:
     assert mean_std([2.0, 4.0]) == (3.0, math.sqrt(2.0))
     assert math.isnan(mean_std([1.0])[1]) and all(math.isnan(v) for v in mean_std([]))
+
+
+def test_keys_that_vary_together_name_a_configuration_once(grid) -> None:
+    from lnstab.report.tables import varying_keys
+
+    records = collect([grid])
+    for r in records:  # a grid that sets a callback list together with the placement, and the data seed per seed
+        r.config["trainer.callbacks"] = [{"class_path": "X", "placement": r.config["model.norm_placement"]}]
+        r.config["data.init_args.seed"] = r.config.get("seed_everything")
+    assert varying_keys(records) == ["model.norm_placement"]

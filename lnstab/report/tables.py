@@ -46,12 +46,26 @@ def _norm(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
 
+KEY_ORDER = ("model.", "data.", "trainer.")  # which of several co-varying keys names a configuration
+
+
 def varying_keys(records: list[RunRecord]) -> list[str]:
-    """Config keys (seeds excluded) whose values differ between the records, in first-seen order."""
+    """Config keys (seeds excluded) whose values differ between the records: ``model.*`` first, then ``data.*``,
+    ``trainer.*`` and the rest; a key that splits the runs no further than the keys before it (it varies with
+    them, e.g. a callback list that a grid sets together with the learning rate) is left out."""
     keys: dict[str, None] = {}
     for r in records:
         keys.update(dict.fromkeys(r.config))
-    return [k for k in keys if not is_seed(k) and len({_norm(r.config.get(k)) for r in records}) > 1]
+    differing = [k for k in keys if not is_seed(k) and len({_norm(r.config.get(k)) for r in records}) > 1]
+    differing.sort(key=lambda k: next((i for i, p in enumerate(KEY_ORDER) if k.startswith(p)), len(KEY_ORDER)))
+    kept: list[str] = []
+    groups = 1
+    for key in differing:
+        finer = len({tuple(_norm(r.config.get(k)) for k in (*kept, key)) for r in records})
+        if finer > groups:
+            kept.append(key)
+            groups = finer
+    return kept
 
 
 def short_names(keys: list[str]) -> dict[str, str]:
