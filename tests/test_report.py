@@ -88,8 +88,8 @@ def grid(tmp_path) -> Path:
              slack=(3.0, 2.5, 0.5))
     make_run(g, "none_s0", "none", 0, "diverged", val_loss=9.0, score=0.01, ma=1e5, diverged_step=17)
     make_run(g, "none_s1", "none", 1, "completed", val_loss=4.0, score=0.2, ma=50.0)
-    runs = {f"{p}_s{s}": {"model.norm_placement": p, "seed_everything": s} for p in ("pre", "peri", "none")
-            for s in range(3) if (p, s) != ("none", 2)}
+    runs = [{"name": f"{p}_s{s}", "overrides": {"model.norm_placement": p, "seed_everything": s}}
+            for p in ("pre", "peri", "none") for s in range(3) if (p, s) != ("none", 2)]
     write_json(g / ".sweep" / "manifest.json", {"grid": "fixture.yaml", "base": "base.yaml", "runs": runs})
     return g
 
@@ -101,6 +101,8 @@ def rows_by_placement(table) -> dict[str, dict]:
 def test_divergence_table_counts_finished_runs_and_lists_steps(grid) -> None:
     records = collect([grid])
     assert [r.status for r in records if r.name == "peri_s2"] == ["missing"]
+    assert [r.name for r in records] == ["pre_s0", "pre_s1", "pre_s2", "peri_s0", "peri_s1", "peri_s2", "none_s0",
+                                         "none_s1"]  # the grid's order (from the manifest), not the directory's
     rows = rows_by_placement(divergence_table(records))
     assert set(rows) == {"pre", "peri", "none"}  # seeds are not configurations; the logger is not a difference
     assert (rows["none"]["diverged"], rows["none"]["finished"], rows["none"]["divergence_steps"]) == (1, 2, "17")
@@ -204,4 +206,5 @@ def test_keys_that_vary_together_name_a_configuration_once(grid) -> None:
     for r in records:  # a grid that sets a callback list together with the placement, and the data seed per seed
         r.config["trainer.callbacks"] = [{"class_path": "X", "placement": r.config["model.norm_placement"]}]
         r.config["data.init_args.seed"] = r.config.get("seed_everything")
-    assert varying_keys(records) == ["model.norm_placement"]
+        r.config["trainer.max_steps"] = 100 if r.config["model.norm_placement"] == "pre" else 200
+    assert varying_keys(records) == ["model.norm_placement", "trainer.max_steps"]  # scalars are always shown

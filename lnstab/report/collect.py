@@ -11,7 +11,6 @@ reported as ``missing``, so they show in the tables' counts instead of vanishing
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,8 +27,8 @@ from lnstab.rundir import (
     read_hidden_series,
     read_summary,
 )
+from lnstab.sweep.state import manifest_runs, read_manifest
 
-SWEEP_DIR = ".sweep"  # a sweep's own records beside its runs (lnstab.sweep.state); never a run
 # Config keys that say where or as which replicate a run ran, not what it is: not part of a configuration.
 IGNORED_PREFIXES = ("trainer.logger", "trainer.default_root_dir", "run_dir", "ckpt_path", "extends")
 
@@ -164,7 +163,7 @@ def collect(paths: list[str | Path]) -> list[RunRecord]:
             found, manifest = [path], None
         else:
             found = _runs_below(path)
-            manifest = _read_manifest(path)
+            manifest = read_manifest(path)
             if not found and not manifest:
                 raise ReportError(f"{path} is not an lnstab run directory, nor a directory of runs (no config.yaml, "
                                   f"summary.json or checkpoints/ in it or its subdirectories)")
@@ -175,13 +174,10 @@ def collect(paths: list[str | Path]) -> list[RunRecord]:
                 batch.append(read_run(run))
         if manifest:
             batch += _missing(path, manifest, batch)
+            order = {name: i for i, (name, _) in enumerate(manifest_runs(manifest))}
+            batch.sort(key=lambda r: order.get(r.name, len(order)))  # the grid's order; others after, by name
         records += batch
     return records
-
-
-def _read_manifest(directory: Path) -> dict[str, Any] | None:
-    path = directory / SWEEP_DIR / "manifest.json"
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
 def _missing(directory: Path, manifest: dict[str, Any], present: list[RunRecord]) -> list[RunRecord]:
@@ -190,7 +186,7 @@ def _missing(directory: Path, manifest: dict[str, Any], present: list[RunRecord]
     have = {r.name for r in present}
     sibling = present[0] if present else None
     out = []
-    for name, overrides in (manifest.get("runs") or {}).items():
+    for name, overrides in manifest_runs(manifest):
         if name in have:
             continue
         config = dict(sibling.config) if sibling else {}

@@ -51,8 +51,8 @@ KEY_ORDER = ("model.", "data.", "trainer.")  # which of several co-varying keys 
 
 def varying_keys(records: list[RunRecord]) -> list[str]:
     """Config keys (seeds excluded) whose values differ between the records: ``model.*`` first, then ``data.*``,
-    ``trainer.*`` and the rest; a key that splits the runs no further than the keys before it (it varies with
-    them, e.g. a callback list that a grid sets together with the learning rate) is left out."""
+    ``trainer.*`` and the rest. A list or mapping value that splits the runs no further than the keys before it
+    (it varies with them, e.g. a callback list that a grid sets together with the learning rate) is left out."""
     keys: dict[str, None] = {}
     for r in records:
         keys.update(dict.fromkeys(r.config))
@@ -62,7 +62,8 @@ def varying_keys(records: list[RunRecord]) -> list[str]:
     groups = 1
     for key in differing:
         finer = len({tuple(_norm(r.config.get(k)) for k in (*kept, key)) for r in records})
-        if finer > groups:
+        scalar = all(not isinstance(r.config.get(key), list | dict) for r in records)
+        if finer > groups or scalar:
             kept.append(key)
             groups = finer
     return kept

@@ -3,7 +3,8 @@
 ``<root>/<grid>/<run>/`` is a plain ``lnstab fit`` run directory (:mod:`lnstab.rundir`). Beside the runs, the sweep
 keeps its own records in ``<root>/<grid>/.sweep/`` (hidden, so reports and TensorBoard skip it)::
 
-    manifest.json           {"grid", "base", "runs": {name: overrides}}: what each run name means
+    manifest.json           {"grid", "base", "runs": [{"name", "overrides"}, …]}: what each run name means, in
+                            the grid's order (reports list runs, and count the ones not started, from it)
     journal.jsonl           one line per launch: run, action, exit code, status, wall time, log
     logs/<run>.log          the output of every attempt of the run (appended)
     locks/<run>.lock        held (flock) by the sweep and its child while the run trains
@@ -105,8 +106,8 @@ def record_manifest(root: str | Path, grid: Grid, runs: list[Run]) -> None:
     """
     path = sweep_dir(root, grid) / "manifest.json"
     base = str(Path(grid.base).resolve())
-    manifest = read_json(path) or {"grid": str(Path(grid.path).resolve()), "base": base, "runs": {}}
-    known = manifest.get("runs", {})
+    manifest = read_json(path) or {"grid": str(Path(grid.path).resolve()), "base": base, "runs": []}
+    known = dict(manifest_runs(manifest))
     for run in runs:
         before = known.get(run.name)
         if before is not None and _jsonable(before) != _jsonable(run.overrides):
@@ -118,13 +119,20 @@ def record_manifest(root: str | Path, grid: Grid, runs: list[Run]) -> None:
     if base != manifest.get("base") and known:
         raise GridError(f"grid {grid.path}: base {base} is not allowed; the runs in {grid_dir(root, grid)} were "
                         f"launched from base {manifest.get('base')}")
-    manifest["runs"] = {**known, **{r.name: _jsonable(r.overrides) for r in runs}}
+    names = {r.name for r in runs}
+    manifest["runs"] = [{"name": r.name, "overrides": _jsonable(r.overrides)} for r in runs] + [
+        {"name": n, "overrides": o} for n, o in known.items() if n not in names]
     write_json(path, manifest)
 
 
-def read_manifest(grid_directory: Path) -> dict[str, Any] | None:
+def read_manifest(grid_directory: str | Path) -> dict[str, Any] | None:
     """The manifest of a sweep's grid directory (``None`` when the directory was not made by a sweep)."""
-    return read_json(grid_directory / SWEEP_DIR / "manifest.json")
+    return read_json(Path(grid_directory) / SWEEP_DIR / "manifest.json")
+
+
+def manifest_runs(manifest: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """``[(run name, overrides), …]`` of a manifest, in the grid's order."""
+    return [(e["name"], e.get("overrides") or {}) for e in manifest.get("runs") or [] if isinstance(e, dict)]
 
 
 def _jsonable(obj: Any) -> Any:
