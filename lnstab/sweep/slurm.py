@@ -4,7 +4,7 @@ The array script runs, in each element, ``lnstab sweep GRID --prepare RUN`` once
 one killed before its first checkpoint, say whether to resume), then ``srun`` starts one ``lnstab fit`` task per GPU
 on every node. Lightning's own ``SLURMEnvironment`` reads the ranks, the master address and port from SLURM's
 variables, so ``trainer.num_nodes``/``trainer.devices`` must equal ``--nodes``/``--ntasks-per-node`` (the script sets
-both). ``--signal=SIGUSR1@120`` lets a run near its time limit save ``last.ckpt`` and requeue itself (lnstab's
+both). ``--signal=SIGUSR1@180`` lets a run near its time limit save ``last.ckpt`` and requeue itself (lnstab's
 ``RunStatus`` then Lightning's requeue); the requeued element resumes it.
 """
 
@@ -28,6 +28,7 @@ SLURM_DEFAULTS: dict[str, Any] = {
     "account": None,
     "mem": None,
     "max_concurrent": None,  # array throttle: at most this many elements at once
+    "signal_s": 180,  # SIGUSR1 this many seconds before the time limit: save last.ckpt and requeue
     "sbatch": [],  # further "#SBATCH" options, e.g. ["--qos=high", "--exclusive"]
     "setup": [],  # shell lines run first in every element, e.g. ["source .venv/bin/activate"]
 }
@@ -44,7 +45,7 @@ def slurm_settings(grid: Grid, **overrides: Any) -> dict[str, Any]:
         raise GridError(f"grid {grid.path}: slurm field {unknown[0]!r} is not allowed; choose from: "
                         f"{', '.join(SLURM_DEFAULTS)}")
     settings = {**SLURM_DEFAULTS, **grid.slurm, **{k: v for k, v in overrides.items() if v is not None}}
-    for key in ("nodes", "gpus_per_node", "cpus_per_task"):
+    for key in ("nodes", "gpus_per_node", "cpus_per_task", "signal_s"):
         value = settings[key]
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise GridError(f"grid {grid.path}: slurm {key}={value!r} is not allowed; it must be an integer >= 1")
@@ -88,7 +89,7 @@ def sbatch_script(grid: Grid, runs: list[Run], root: str | Path, settings: dict[
         f"#SBATCH --chdir={os.getcwd()}",
         f"#SBATCH --output={logs}/%A_%a.out",
         "#SBATCH --open-mode=append",
-        "#SBATCH --signal=SIGUSR1@120",
+        f"#SBATCH --signal=SIGUSR1@{settings['signal_s']}",
         "#SBATCH --requeue",
     ]
     lines += [f"#SBATCH --{k}={settings[k]}" for k in ("partition", "account", "mem") if settings[k]]
