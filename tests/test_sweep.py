@@ -164,6 +164,7 @@ def test_plan_for_each_state(status, checkpoint, retry, expected, tmp_path) -> N
     directory = make_run(tmp_path / "r", status, checkpoint)
     assert plan(directory, retry_failed=retry).action == expected
     assert plan(tmp_path / "absent").action == "start"
+    assert plan(tmp_path / "absent", locked=True).action == "skip"  # launched by another sweep, no directory yet
     assert plan(directory, locked=True).action == "skip"  # another sweep holds its lock: it is training
 
 

@@ -66,12 +66,12 @@ class Plan:
 
 def plan(directory: Path, *, locked: bool = False, retry_failed: bool = False) -> Plan:
     """The :class:`Plan` for the run in ``directory`` (``locked``: another process holds its lock)."""
+    if locked:  # checked first: a run just launched may not have written its directory yet
+        return Plan("running", "skip", "its lock is held by another sweep")
     if not directory.exists() or not any(directory.iterdir()):
         return Plan("pending", "start")
     summary = read_summary(directory) if (directory / SUMMARY_FILE).is_file() else {}
     status = summary.get("status") or "unknown"
-    if locked:
-        return Plan("running", "skip", "its lock is held by another sweep")
     if status in DONE:
         return Plan(status, "skip", "a result")
     if status == "failed" and not retry_failed:
