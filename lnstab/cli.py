@@ -38,6 +38,8 @@ from lnstab.trainer import LNStabTrainer
 # Subcommands that are not Trainer methods: name -> "module:function" taking argv (imported only when used).
 EXTRA_COMMANDS: dict[str, str] = {
     "prepare": "lnstab.datamodules.prepare:main",
+    "sweep": "lnstab.sweep.cli:main",
+    "report": "lnstab.report.cli:main",
 }
 COMMAND_HELP = {
     "fit": "Train an experiment (resume with --ckpt_path last)",

@@ -1,0 +1,200 @@
+"""Reading run directories back: config, summary, final evaluation, hidden-state series, TensorBoard scalars.
+
+Everything comes from the files a run wrote (:mod:`lnstab.rundir`); nothing is recomputed by running a model.
+TensorBoard scalars are read with TensorBoard's own ``EventAccumulator``; when a run was resumed, a step written
+again (the replayed steps after the checkpoint) keeps its latest value.
+
+A path given to :func:`collect` is a run directory, or a directory of run directories (a sweep's grid directory,
+``runs/<experiment>``). For a sweep's grid directory the runs its manifest lists that have no directory yet are
+reported as ``missing``, so they show in the tables' counts instead of vanishing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lnstab.errors import LNStabError
+from lnstab.rundir import (
+    CONFIG_FILE,
+    is_run_dir,
+    latest_eval,
+    read_events,
+    read_hidden_series,
+    read_summary,
+)
+from lnstab.sweep.state import manifest_runs, read_manifest
+
+# Config keys that say where or as which replicate a run ran, not what it is: not part of a configuration.
+IGNORED_PREFIXES = ("trainer.logger", "trainer.default_root_dir", "run_dir", "ckpt_path", "extends")
+
+
+class ReportError(LNStabError):
+    """A path that is not an lnstab run directory or a directory of them."""
+
+
+@dataclass
+class RunRecord:
+    """What one run left on disk (``status`` ``missing``: a sweep planned it and no directory exists)."""
+
+    name: str
+    path: Path
+    status: str
+    config: dict[str, Any] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    hidden: dict[str, Any] | None = None
+    events: list[dict[str, Any]] = field(default_factory=list)
+    _scalars: dict[str, list[tuple[int, float]]] | None = None
+
+    @property
+    def diverged_step(self) -> int | None:
+        """The step of the first fatal divergence (summary, else the first non-finite event), ``None`` if none."""
+        step = self.summary.get("diverged_step")
+        if step is None and self.status == "diverged":
+            fatal = [e.get("step") for e in self.events if str(e.get("kind", "")).startswith("nonfinite")]
+            step = min(fatal) if fatal else None
+        return step
+
+    def scalars(self) -> dict[str, list[tuple[int, float]]]:
+        """Every TensorBoard scalar of the run: ``{tag: [(step, value), …]}`` in step order (read once)."""
+        if self._scalars is None:
+            self._scalars = read_scalars(self.path) if self.path.is_dir() else {}
+        return self._scalars
+
+    def series(self, tag: str) -> list[tuple[int, float]]:
+        """One scalar's ``[(step, value), …]`` (``[]`` when the run did not log it)."""
+        return self.scalars().get(tag, [])
+
+
+def read_scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
+    """The TensorBoard scalars of a run directory; a step written twice keeps its later value."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    if not any(directory.glob("events.out.tfevents.*")):
+        return {}
+    acc = EventAccumulator(str(directory), size_guidance={"scalars": 0}, purge_orphaned_data=False)
+    acc.Reload()
+    out = {}
+    for tag in acc.Tags().get("scalars", []):
+        by_step: dict[int, float] = {}
+        for event in acc.Scalars(tag):
+            by_step[int(event.step)] = float(event.value)
+        out[tag] = sorted(by_step.items())
+    return out
+
+
+def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as ``{"a.b.c": value}`` (lists stay values)."""
+    if not isinstance(obj, dict):
+        return {prefix: obj} if prefix else {}
+    out: dict[str, Any] = {}
+    for key, value in obj.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, name))
+        else:
+            out[name] = value
+    return out
+
+
+def _read_config(directory: Path) -> dict[str, Any]:
+    path = directory / CONFIG_FILE
+    if not path.is_file():
+        return {}
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError:
+        raise ReportError(f"{path} is not valid YAML; is {directory} an lnstab run?") from None
+    return {k: v for k, v in flatten(data).items() if not k.startswith(IGNORED_PREFIXES)}
+
+
+def _finite(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) \
+        else None
+
+
+def read_run(directory: Path) -> RunRecord:
+    """A :class:`RunRecord` of an lnstab run directory."""
+    summary = read_summary(directory)
+    status = summary.get("status") or "unknown"
+    metrics: dict[str, float] = {}
+    val = (summary.get("val") or {}).get("loss")
+    if _finite(val) is not None:
+        metrics["val_loss"] = float(val)
+    record = latest_eval(directory)
+    scores = (record or {}).get("metrics") or summary.get("eval") or {}
+    for key, value in scores.items():
+        if _finite(value) is not None:
+            metrics[f"eval_{key}" if key == "loss" else key] = float(value)
+    return RunRecord(
+        name=directory.name, path=directory, status=status, config=_read_config(directory), summary=summary,
+        metrics=metrics, hidden=read_hidden_series(directory), events=read_events(directory),
+    )
+
+
+def _runs_below(directory: Path) -> list[Path]:
+    children = sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith("."))
+    others = [p for p in children if not is_run_dir(p) and any(p.iterdir())]
+    if others:
+        raise ReportError(f"{others[0]} is not an lnstab run directory (no config.yaml, summary.json or "
+                          f"checkpoints/), in {directory}")
+    return [p for p in children if is_run_dir(p)]
+
+
+def collect(paths: list[str | Path]) -> list[RunRecord]:
+    """The runs under ``paths`` (run directories or directories of runs), in the order given, no duplicates.
+
+    Raises:
+        ReportError: A path that does not exist, or is neither a run directory nor a directory of runs (one line
+            naming it).
+    """
+    records: list[RunRecord] = []
+    seen: set[Path] = set()
+    for raw in paths:
+        path = Path(raw)
+        if not path.is_dir():
+            raise ReportError(f"{path} is not a directory; give lnstab run directories or directories of runs")
+        if is_run_dir(path):
+            found, manifest = [path], None
+        else:
+            found = _runs_below(path)
+            manifest = read_manifest(path)
+            if not found and not manifest:
+                raise ReportError(f"{path} is not an lnstab run directory, nor a directory of runs (no config.yaml, "
+                                  f"summary.json or checkpoints/ in it or its subdirectories)")
+        batch = []
+        for run in found:
+            if run.resolve() not in seen:
+                seen.add(run.resolve())
+                batch.append(read_run(run))
+        if manifest:
+            batch += _missing(path, manifest, batch)
+            order = {name: i for i, (name, _) in enumerate(manifest_runs(manifest))}
+            batch.sort(key=lambda r: order.get(r.name, len(order)))  # the grid's order; others after, by name
+        records += batch
+    return records
+
+
+def _missing(directory: Path, manifest: dict[str, Any], present: list[RunRecord]) -> list[RunRecord]:
+    """Runs the sweep's manifest names that have no run directory: their config is a sibling's with their own
+    overrides (the runs of a grid differ only in those), or just the overrides when no sibling exists."""
+    have = {r.name for r in present}
+    sibling = present[0] if present else None
+    out = []
+    for name, overrides in manifest_runs(manifest):
+        if name in have:
+            continue
+        config = dict(sibling.config) if sibling else {}
+        if sibling:
+            for key, value in overrides.items():
+                config.update({k: v for k, v in flatten(value, key).items()} if isinstance(value, dict)
+                              else {key: value})
+        else:
+            config = {k: v for k, v in overrides.items() if not k.startswith(IGNORED_PREFIXES)}
+        out.append(RunRecord(name=name, path=directory / name, status="missing", config=config))
+    return out

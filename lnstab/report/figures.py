@@ -1,0 +1,208 @@
+"""The paper's figures from run records, as PNG (matplotlib's object API, no display, no global state).
+
+One colour per configuration (:func:`lnstab.report.tables.group`); where a configuration has several runs (seeds),
+a line is their mean over the runs that have a finite value at that point. Each function returns the path written,
+or ``None`` when no run has the data (the report says so instead of drawing an empty plot).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from lnstab.report.tables import Configuration, jacobian_points, last_site
+
+STATS = (("mean_abs", "mean |x| (MA)"), ("var_entry", "entry-wise variance"), ("var_data", "data-wise variance"))
+DPI = 110
+
+
+def _colour(i: int) -> str:
+    return f"C{i % 10}"
+
+
+def _mean_by_key(pairs: list[tuple[Any, float]]) -> tuple[list[Any], list[float]]:
+    sums: dict[Any, list[float]] = {}
+    for key, value in pairs:
+        if isinstance(value, int | float) and math.isfinite(value):
+            sums.setdefault(key, []).append(float(value))
+    keys = sorted(sums)
+    return keys, [sum(sums[k]) / len(sums[k]) for k in keys]
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    return path
+
+
+def _legend(ax: Any) -> None:
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="best")
+
+
+def _log_if_positive(ax: Any) -> None:
+    """Log scale where every value is positive and they span more than a factor of 10."""
+    values = [y for line in ax.get_lines() for y in line.get_ydata()]
+    if values and min(values) > 0 and max(values) > 10 * min(values):
+        ax.set_yscale("log")
+
+
+def site_depth(tag: str) -> float | None:
+    """Depth of a hidden-state site in layers: ``embed`` 0, ``L03_attn`` 3.5, ``L03_mlp`` 4 (``None``: other)."""
+    if tag == "embed":
+        return 0.0
+    if tag.startswith("L") and "_" in tag and tag[1:].split("_")[0].isdigit():
+        layer, part = tag[1:].split("_", 1)
+        return int(layer) + (0.5 if part == "attn" else 1.0)
+    return None
+
+
+def depth_profile(configs: list[Configuration], path: Path) -> Path | None:
+    """MA, entry-wise and data-wise variance against depth at the end of training (log scale)."""
+    fig = Figure(figsize=(13, 4))
+    axes = fig.subplots(1, 3)
+    drawn = False
+    for i, c in enumerate(configs):
+        for ax, (stat, title) in zip(axes, STATS, strict=True):
+            pairs = []
+            for r in c.runs:
+                series = ((r.hidden or {}).get("stats") or {}).get(stat) or {}
+                for tag, values in series.items():
+                    depth = site_depth(tag)
+                    finite = [v for v in values if isinstance(v, int | float) and math.isfinite(v)]
+                    if depth is not None and finite:
+                        pairs.append((depth, finite[-1]))
+            xs, ys = _mean_by_key(pairs)
+            if xs:
+                ax.plot(xs, ys, marker=".", color=_colour(i), label=c.label)
+                drawn = True
+            ax.set_title(f"{title}, end of training")
+            ax.set_xlabel("depth (layers; half steps: attention, MLP)")
+    if not drawn:
+        return None
+    for ax in axes:
+        _log_if_positive(ax)
+    _legend(axes[0])
+    return _save(fig, path)
+
+
+def last_layer_over_steps(configs: list[Configuration], path: Path) -> Path | None:
+    """MA, entry-wise and data-wise variance of the last layer's output over training steps (log scale)."""
+    fig = Figure(figsize=(13, 4))
+    axes = fig.subplots(1, 3)
+    drawn = False
+    for i, c in enumerate(configs):
+        for ax, (stat, title) in zip(axes, STATS, strict=True):
+            pairs = []
+            for r in c.runs:
+                hidden = r.hidden or {}
+                site = last_site(hidden) if hidden else None
+                values = ((hidden.get("stats") or {}).get(stat) or {}).get(site, []) if site else []
+                pairs += list(zip(hidden.get("steps") or [], values, strict=False))
+            xs, ys = _mean_by_key(pairs)
+            if xs:
+                ax.plot(xs, ys, color=_colour(i), label=c.label)
+                drawn = True
+            ax.set_title(f"{title}, last layer")
+            ax.set_xlabel("step")
+    if not drawn:
+        return None
+    for ax in axes:
+        _log_if_positive(ax)
+    _legend(axes[0])
+    return _save(fig, path)
+
+
+def jacobian_vs_scale(configs: list[Configuration], path: Path) -> Path | None:
+    """Jacobian sensitivity ‖Δt·∇f‖ against the layer's activation scale, every layer and probe (Props. 7/8)."""
+    fig = Figure(figsize=(6.5, 5))
+    ax = fig.subplots()
+    drawn = False
+    for i, c in enumerate(configs):
+        points = [p for r in c.runs for p in jacobian_points(r)[1]]
+        if points:
+            ax.scatter([x for x, _ in points], [y for _, y in points], s=10, alpha=0.6, color=_colour(i),
+                       label=c.label)
+            drawn = True
+    if not drawn:
+        return None
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("activation scale of the layer's input")
+    ax.set_ylabel("Jacobian sensitivity (spectral norm of Δt·∇f)")
+    ax.set_title("Sensitivity against activation scale, per layer and probe")
+    _legend(ax)
+    return _save(fig, path)
+
+
+def theorem4(configs: list[Configuration], path: Path) -> Path | None:
+    """Theorem 4's bound on the final MA (dashed) beside the measured MA (solid), over training steps."""
+    fig = Figure(figsize=(7.5, 5))
+    ax = fig.subplots()
+    drawn = False
+    for i, c in enumerate(configs):
+        bound = _mean_by_key([p for r in c.runs for p in r.series("bound/ma_bound")])
+        measured = _mean_by_key([p for r in c.runs for p in r.series("bound/ma_final")])
+        if bound[0]:
+            ax.plot(*bound, linestyle="--", color=_colour(i), label=f"{c.label}: bound")
+            ax.plot(*measured, color=_colour(i), label=f"{c.label}: measured MA")
+            drawn = True
+    if not drawn:
+        return None
+    _log_if_positive(ax)
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean |x| of the final-norm input")
+    ax.set_title("Theorem 4 (Peri-LN): bound and measured MA")
+    _legend(ax)
+    return _save(fig, path)
+
+
+def loss_curves(configs: list[Configuration], path: Path) -> Path | None:
+    """Training and validation loss of every run (colour = configuration), divergence points marked ×."""
+    fig = Figure(figsize=(12, 4.5))
+    axes = fig.subplots(1, 2)
+    drawn = False
+    for i, c in enumerate(configs):
+        for ax, tag in zip(axes, ("train/loss", "val/loss"), strict=True):
+            labelled = False
+            for r in c.runs:
+                series = [(s, v) for s, v in r.series(tag) if math.isfinite(v)]
+                step = r.diverged_step
+                if series:
+                    ax.plot([s for s, _ in series], [v for _, v in series], color=_colour(i), alpha=0.8,
+                            linewidth=1, label=None if labelled else c.label)
+                    labelled = drawn = True
+                if step is None:
+                    continue
+                before = [v for s, v in series if s <= step]
+                label = None if labelled else c.label
+                if before:  # on the curve, at the last finite loss before the divergence
+                    ax.scatter([step], [before[-1]], marker="x", s=60, color=_colour(i), zorder=3, label=label)
+                else:  # diverged before any finite loss was logged: at the top edge
+                    ax.scatter([step], [0.97], marker="x", s=60, color=_colour(i), zorder=3, label=label,
+                               transform=ax.get_xaxis_transform(), clip_on=False)
+                labelled = drawn = True
+            ax.set_title(f"{tag} (× = divergence)")
+            ax.set_xlabel("step")
+    if not drawn:
+        return None
+    _legend(axes[0])
+    return _save(fig, path)
+
+
+FIGURES: dict[str, tuple[str, Callable[[list[Configuration], Path], Path | None]]] = {
+    "depth_profile.png": ("MA, entry-wise and data-wise variance against depth at the end of training", depth_profile),
+    "last_layer_steps.png": ("the same for the last layer over training steps", last_layer_over_steps),
+    "jacobian_scale.png": ("Jacobian sensitivity against activation scale per layer (Props. 7/8)", jacobian_vs_scale),
+    "theorem4_bound.png": ("Theorem 4 bound beside the measured MA", theorem4),
+    "loss_curves.png": ("training and validation loss, divergence points marked", loss_curves),
+}
+
+
+def draw_all(configs: list[Configuration], out: Path) -> dict[str, Path | None]:
+    """Every figure of :data:`FIGURES` into ``out``; ``None`` for those without data."""
+    return {name: draw(configs, out / name) for name, (_, draw) in FIGURES.items()}

@@ -1,0 +1,220 @@
+"""Run a grid of experiments here or as a SLURM job array, resumably (--dry-run, --status, --parallel N).
+
+``lnstab sweep GRID.yaml`` expands a grid, validates it, runs it here, prints its status, or writes its cluster job.
+
+Examples::
+
+    lnstab sweep experiments/grids/gpt2_divergence.yaml --dry-run        # runs and their overrides
+    lnstab sweep experiments/grids/mini.yaml                             # one run after another, here
+    lnstab sweep experiments/grids/mini.yaml --parallel 2                # two child processes at a time
+    lnstab sweep experiments/grids/mini.yaml --status                    # pending/running/completed/… table
+    lnstab sweep experiments/grids/gpt2_perf.yaml --slurm | sbatch       # one job-array element per run
+    lnstab sweep experiments/grids/gpt2-xl_perf.yaml --torchrun --nodes 2  # commands for bare machines
+
+Rerunning the same command is safe: finished runs are skipped, interrupted ones resume from ``last.ckpt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import fnmatch
+import io
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lnstab.errors import LNStabError
+from lnstab.sweep.grid import Grid, GridError, Run, check_key, load_grid
+from lnstab.sweep.runner import LocalSweep, fit_command, format_duration, status_rows
+from lnstab.sweep.slurm import sbatch_script, slurm_settings, torchrun_commands
+from lnstab.sweep.state import journal, move_aside, plan, record_manifest, run_directory, sweep_dir
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with lnstab's one-line errors (exit status 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        """Print ``lnstab: error: <message> (see: … --help)`` and exit 2."""
+        sys.stderr.write(f"lnstab: error: {message} (see: {self.prog} --help)\n")
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``lnstab sweep`` argument parser."""
+    p = OneLineParser(prog="lnstab sweep", description=__doc__.split("\n\n")[0],
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("grid", help="grid YAML (experiments/grids/*.yaml)")
+    p.add_argument("--root", default="runs", help="directory of the grids' run directories (default: runs)")
+    p.add_argument("--only", nargs="+", metavar="RUN", help="only these runs (names or shell patterns)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key in every run (YAML value); recorded with the runs")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--dry-run", action="store_true", help="validate and list the runs and their overrides")
+    mode.add_argument("--status", action="store_true", help="table of the runs' status (reads the run directories)")
+    mode.add_argument("--slurm", action="store_true", help="print the sbatch job-array script (pipe it to sbatch)")
+    mode.add_argument("--torchrun", action="store_true", help="print torchrun commands for bare multi-node machines")
+    mode.add_argument("--prepare", metavar="RUN", help="(job scripts) settle one run; print start|resume|skip")
+    p.add_argument("--parallel", type=int, default=1, metavar="N", help="child processes at a time (default 1)")
+    p.add_argument("--retry-failed", action="store_true", help="run failed runs again instead of skipping them")
+    p.add_argument("--nodes", type=int, help="--slurm/--torchrun: nodes per run (default: the grid's, else 1)")
+    p.add_argument("--gpus-per-node", type=int, help="--slurm/--torchrun: GPUs per node (default: grid's, else 8)")
+    p.add_argument("--no-validate", action="store_true", help="skip checking the runs against lnstab fit's parser")
+    return p
+
+
+def parse_sets(items: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` strings as overrides (values read as YAML)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise LNStabError(f"--set {item!r} is not allowed; give KEY=VALUE, e.g. --set trainer.max_steps=100")
+        out[key] = yaml.safe_load(value) if value else ""
+    return out
+
+
+def select(grid: Grid, patterns: list[str] | None) -> list[Run]:
+    """The runs named by ``patterns`` (all when ``None``), in grid order."""
+    if not patterns:
+        return list(grid.runs)
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(r.name, pattern) for r in grid.runs):
+            raise GridError(f"grid {grid.path}: --only {pattern!r} is not allowed; it matches no run (see --dry-run)")
+    return [r for r in grid.runs if any(fnmatch.fnmatchcase(r.name, p) for p in patterns)]
+
+
+def with_sets(grid: Grid, sets: dict[str, Any]) -> Grid:
+    """``grid`` with ``sets`` added to every run; a key the grid varies (an axis or an ``include``) is refused."""
+    if not sets:
+        return grid
+    varying = {k for r in grid.runs for k in r.overrides} - set(grid.overrides)
+    for key in sets:
+        check_key(f"grid {grid.path}", "--set", key)
+        if key in varying:
+            raise GridError(f"grid {grid.path}: --set {key} is not allowed; the grid varies it across runs")
+    runs = [Run(r.name, {**r.overrides, **sets}, r.point) for r in grid.runs]
+    return dataclasses.replace(grid, runs=runs, overrides={**grid.overrides, **sets})
+
+
+def validate_with_cli(grid: Grid, runs: list[Run]) -> None:
+    """Parse runs as ``lnstab fit --config BASE <overrides> --print_config`` does: every key must exist and every
+    value have the right type. Each axis value is checked in at least one run (a covering set, not every run).
+
+    Raises:
+        GridError: One line naming the grid, the run and what ``lnstab fit`` refused.
+    """
+    from lnstab.cli import cli_main
+
+    pairs = {run.name: {(k, repr(v)) for k, v in run.overrides.items()} for run in runs}
+    uncovered = set().union(*pairs.values()) if pairs else set()
+    covering: list[Run] = runs[:1]
+    uncovered -= pairs[runs[0].name] if runs else set()
+    while uncovered:  # greedy: the run that checks the most unchecked key/value pairs
+        best = max(runs, key=lambda r: len(pairs[r.name] & uncovered))
+        covering.append(best)
+        uncovered -= pairs[best.name]
+    for run in covering:
+        args = ["fit", "--config", str(grid.base), *run.cli_args(), "--print_config"]
+        out, err = io.StringIO(), io.StringIO()
+        code: Any = 0
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                cli_main(args)
+            except SystemExit as exc:
+                code = exc.code
+            except LNStabError as exc:
+                code, err = 2, io.StringIO(f"lnstab: error: {exc}")
+        if code not in (0, None):
+            message = " ".join(err.getvalue().split()).removeprefix("lnstab: error: ")
+            message = message.split(" (see: ")[0] or f"lnstab fit exited with {code}"
+            raise GridError(f"grid {grid.path}: run {run.name!r}: lnstab fit refuses it: {message}")
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    """``rows`` as left-aligned text columns."""
+    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) if rows else len(c) for c in columns}
+    print("  ".join(c.ljust(widths[c]) for c in columns))
+    for row in rows:
+        print("  ".join(str(row[c]).ljust(widths[c]) for c in columns))
+
+
+def show_status(grid: Grid, runs: list[Run], root: str) -> None:
+    """Print the ``--status`` table and a one-line count."""
+    rows = status_rows(grid, runs, root)
+    for row in rows:
+        row["step"] = "-" if row["step"] is None else row["step"]
+        row["val_loss"] = f"{row['val_loss']:.4f}" if isinstance(row["val_loss"], int | float) else "-"
+        row["wall"] = format_duration(row["wall"])
+    print_table(rows, ["run", "status", "step", "val_loss", "wall", "next"])
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row["status"]] = counts.get(row["status"], 0) + 1
+    total = sum(r for r in (s.get("wall_s") for s in _summaries(grid, runs, root)) if isinstance(r, int | float))
+    print(f"{len(rows)} runs: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+          + f"; wall time so far {format_duration(total)}")
+    if any(row["next"].endswith("*") for row in rows):
+        print("* running, but no sweep on this machine holds it: killed (a rerun resumes it), or training elsewhere")
+
+
+def _summaries(grid: Grid, runs: list[Run], root: str) -> list[dict[str, Any]]:
+    from lnstab.rundir import read_summary
+
+    return [read_summary(run_directory(root, grid, r)) for r in runs]
+
+
+def prepare(grid: Grid, run: Run, root: str, retry_failed: bool) -> str:
+    """Settle one run before a job launches it: ``skip``, ``resume`` or ``start`` (moving aside a dead start)."""
+    record_manifest(root, grid, grid.runs)
+    p = plan(run_directory(root, grid, run), retry_failed=retry_failed)
+    if p.action == "restart":
+        moved = move_aside(root, grid, run)
+        print(f"lnstab sweep: {run.name}: {p.status} with no checkpoint; moved to {moved}", file=sys.stderr)
+    action = "start" if p.action == "restart" else p.action
+    journal(root, grid, run=run.name, action=f"prepare:{action}", status=p.status)
+    return action
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of ``lnstab sweep`` (``argv`` without the subcommand)."""
+    args = build_parser().parse_args(argv)
+    if args.parallel < 1:
+        raise LNStabError(f"--parallel {args.parallel} is not allowed; it must be an integer >= 1")
+    grid = with_sets(load_grid(args.grid), parse_sets(args.set))
+    runs = select(grid, args.only)
+    if args.status:
+        show_status(grid, runs, args.root)
+        return
+    if args.prepare:
+        print(prepare(grid, grid.run(args.prepare), args.root, args.retry_failed))
+        return
+    if args.slurm or args.torchrun:
+        settings = slurm_settings(grid, nodes=args.nodes, gpus_per_node=args.gpus_per_node)
+        if not args.no_validate:
+            validate_with_cli(grid, runs)
+        repeat = [f"--set={item}" for item in args.set] + (["--retry-failed"] if args.retry_failed else [])
+        if args.slurm:
+            (sweep_dir(args.root, grid) / "slurm").mkdir(parents=True, exist_ok=True)  # sbatch's --output
+            sys.stdout.write(sbatch_script(grid, runs, args.root, settings, args.grid, repeat))
+        else:
+            sys.stdout.write(torchrun_commands(grid, runs, args.root, settings, args.grid, repeat))
+        return
+    if not args.no_validate:
+        validate_with_cli(grid, runs)
+    if args.dry_run:
+        print(f"grid {grid.name} ({grid.path}): {len(runs)} run(s) of {grid.base} -> {Path(args.root) / grid.name}/")
+        if grid.overrides:
+            print("every run: " + " ".join(Run("", grid.overrides).cli_args()))
+        for run in runs:
+            own = {k: v for k, v in run.overrides.items() if k not in grid.overrides}
+            print(f"{run.name}: {' '.join(Run(run.name, own).cli_args())}")
+        if runs:
+            print("command: " + shlex.join(fit_command(grid, runs[0], args.root)))
+        return
+    code = LocalSweep(grid, runs, args.root, parallel=args.parallel, retry_failed=args.retry_failed).run()
+    if code:
+        raise SystemExit(code)

@@ -1,0 +1,200 @@
+"""Where a sweep keeps its runs and its own records, and what a rerun does with each run.
+
+``<root>/<grid>/<run>/`` is a plain ``lnstab fit`` run directory (:mod:`lnstab.rundir`). Beside the runs, the sweep
+keeps its own records in ``<root>/<grid>/.sweep/`` (hidden, so reports and TensorBoard skip it)::
+
+    manifest.json           {"grid", "base", "runs": [{"name", "overrides"}, …]}: what each run name means, in
+                            the grid's order (reports list runs, and count the ones not started, from it)
+    journal.jsonl           one line per launch: run, action, exit code, status, wall time, log
+    logs/<run>.log          the output of every attempt of the run (appended)
+    locks/<run>.lock        held (flock) by the sweep and its child while the run trains
+    attempts/<run>.<k>/     a run killed before its first checkpoint, moved aside before it starts again
+
+A rerun decides per run (:func:`plan`): ``completed`` and ``diverged`` runs are results and are skipped; ``failed``
+runs are skipped unless retried; a run with a complete checkpoint resumes from it; one without (killed before its
+first checkpoint) is moved aside and starts again; a run whose lock is held is running and is left alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import fcntl
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lnstab.rundir import (
+    SUMMARY_FILE,
+    atomic_write_text,
+    read_json,
+    read_summary,
+    write_json,
+)
+from lnstab.sweep.grid import Grid, GridError, Run
+
+SWEEP_DIR = ".sweep"
+DONE = ("completed", "diverged")
+
+
+def grid_dir(root: str | Path, grid: Grid) -> Path:
+    """``<root>/<grid name>``."""
+    return Path(root) / grid.name
+
+
+def run_directory(root: str | Path, grid: Grid, run: Run) -> Path:
+    """``<root>/<grid name>/<run name>``."""
+    return grid_dir(root, grid) / run.name
+
+
+def sweep_dir(root: str | Path, grid: Grid) -> Path:
+    """The sweep's own records, ``<root>/<grid name>/.sweep``."""
+    return grid_dir(root, grid) / SWEEP_DIR
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the state of a run directory is, and what running the sweep again does with it."""
+
+    status: str  # pending | running | completed | diverged | interrupted | failed | unknown
+    action: str  # start | resume | restart | skip
+    reason: str = ""
+
+
+def plan(directory: Path, *, locked: bool = False, retry_failed: bool = False) -> Plan:
+    """The :class:`Plan` for the run in ``directory`` (``locked``: another process holds its lock)."""
+    if locked:  # checked first: a run just launched may not have written its directory yet
+        return Plan("running", "skip", "its lock is held by another sweep")
+    if not directory.exists() or not any(directory.iterdir()):
+        return Plan("pending", "start")
+    summary = read_summary(directory) if (directory / SUMMARY_FILE).is_file() else {}
+    status = summary.get("status") or "unknown"
+    if status in DONE:
+        return Plan(status, "skip", "a result")
+    if status == "failed" and not retry_failed:
+        return Plan(status, "skip", "failed (rerun with --retry-failed)")
+    from lnstab.checkpoint import newest_checkpoint  # imports torch: only when a run may resume
+
+    stale = "no local sweep holds it: killed, or running on another machine" if status == "running" else ""
+    if newest_checkpoint(directory) is not None:
+        return Plan(status, "resume", stale)
+    return Plan(status, "restart", stale or "no checkpoint to resume: the old directory is moved aside")
+
+
+def move_aside(root: str | Path, grid: Grid, run: Run) -> Path:
+    """Move a run directory that cannot be resumed to ``.sweep/attempts/<run>.<k>``; returns where it went."""
+    attempts = sweep_dir(root, grid) / "attempts"
+    attempts.mkdir(parents=True, exist_ok=True)
+    k = 1
+    while (attempts / f"{run.name}.{k}").exists():
+        k += 1
+    target = attempts / f"{run.name}.{k}"
+    os.replace(run_directory(root, grid, run), target)
+    return target
+
+
+def record_manifest(root: str | Path, grid: Grid, runs: list[Run]) -> None:
+    """Add ``runs`` (all of the grid's, so a report counts the ones not started) to the grid's manifest, refusing a
+    run name that already means other overrides.
+
+    Raises:
+        GridError: A run of this name was launched before with different overrides (the grid changed under the
+            same names); nothing is written.
+    """
+    path = sweep_dir(root, grid) / "manifest.json"
+    base = str(Path(grid.base).resolve())
+    manifest = read_json(path) or {"grid": str(Path(grid.path).resolve()), "base": base, "runs": []}
+    known = dict(manifest_runs(manifest))
+    for run in runs:
+        before = known.get(run.name)
+        if before is not None and _jsonable(before) != _jsonable(run.overrides):
+            changed = sorted(k for k in set(before) | set(run.overrides) if before.get(k) != run.overrides.get(k))
+            raise GridError(
+                f"grid {grid.path}: run {run.name!r} in {grid_dir(root, grid)} was launched with other overrides "
+                f"(differs in {', '.join(changed)}); use another --root or grid name, or move the old runs away"
+            )
+    if base != manifest.get("base") and known:
+        raise GridError(f"grid {grid.path}: base {base} is not allowed; the runs in {grid_dir(root, grid)} were "
+                        f"launched from base {manifest.get('base')}")
+    names = {r.name for r in runs}
+    manifest["runs"] = [{"name": r.name, "overrides": _jsonable(r.overrides)} for r in runs] + [
+        {"name": n, "overrides": o} for n, o in known.items() if n not in names]
+    write_json(path, manifest)
+
+
+def read_manifest(grid_directory: str | Path) -> dict[str, Any] | None:
+    """The manifest of a sweep's grid directory (``None`` when the directory was not made by a sweep)."""
+    return read_json(Path(grid_directory) / SWEEP_DIR / "manifest.json")
+
+
+def manifest_runs(manifest: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """``[(run name, overrides), …]`` of a manifest, in the grid's order."""
+    return [(e["name"], e.get("overrides") or {}) for e in manifest.get("runs") or [] if isinstance(e, dict)]
+
+
+def _jsonable(obj: Any) -> Any:
+    return json.loads(json.dumps(obj, sort_keys=True, default=str))
+
+
+def journal(root: str | Path, grid: Grid, **entry: Any) -> None:
+    """Append one record to the sweep's journal (``time`` added)."""
+    path = sweep_dir(root, grid) / "journal.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    entry = {"time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **entry}
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(entry, default=str) + "\n")
+
+
+def read_journal(root: str | Path, grid: Grid) -> list[dict[str, Any]]:
+    """The journal's records, oldest first."""
+    path = sweep_dir(root, grid) / "journal.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def lock_path(root: str | Path, grid: Grid, run: Run) -> Path:
+    """``.sweep/locks/<run>.lock``."""
+    return sweep_dir(root, grid) / "locks" / f"{run.name}.lock"
+
+
+@contextlib.contextmanager
+def run_lock(root: str | Path, grid: Grid, run: Run) -> Iterator[int | None]:
+    """Hold the run's lock: yields its file descriptor (pass it to the child so the lock outlives this process
+    while the child trains), or ``None`` when another process holds it."""
+    path = lock_path(root, grid, run)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield None
+            return
+        try:
+            yield fd
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def is_locked(root: str | Path, grid: Grid, run: Run) -> bool:
+    """Whether some process holds the run's lock (it is training under a local sweep)."""
+    path = lock_path(root, grid, run)
+    if not path.is_file():
+        return False
+    with run_lock(root, grid, run) as fd:
+        return fd is None
+
+
+def write_log_header(path: Path, text: str) -> None:
+    """Start an attempt's section in a run's log file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        atomic_write_text(path, "")
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(f"\n===== {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')} {text}\n")

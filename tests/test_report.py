@@ -1,0 +1,210 @@
+"""``lnstab report``: tables computed from fixture run directories (a diverged, an interrupted and a missing run
+among them), figures written, resumed TensorBoard logs, and one-line errors for what is not an lnstab run."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lnstab.cli import main
+from lnstab.report import collect, divergence_table, performance_table, stability_table
+from lnstab.report.collect import read_scalars
+from lnstab.report.tables import mean_std
+from lnstab.rundir import write_json
+
+TAGS = ["embed", "L00_attn", "L00_mlp", "L01_attn", "L01_mlp", "final"]
+STEPS = [0, 50, 100]
+SCORES = ("rouge1", "rouge2", "rougeL", "bertscore_precision", "bertscore_recall", "bertscore_f1")
+
+
+def write_scalars(directory: Path, scalars: dict[str, list[tuple[int, float]]], name: str) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(log_dir=str(directory / "tmp"))
+    for tag, points in scalars.items():
+        for step, value in points:
+            writer.add_scalar(tag, value, step)
+    writer.close()
+    (written,) = (directory / "tmp").glob("events.out.tfevents.*")
+    written.rename(directory / f"events.out.tfevents.{name}")  # names fix the order in which files are read
+    (directory / "tmp").rmdir()
+
+
+def make_run(grid: Path, name: str, placement: str, seed: int, status: str, *, val_loss: float | None = None,
+             score: float | None = None, ma: float = 1.0, diverged_step: int | None = None, sens_power: float = 1.0,
+             slack: tuple[float, ...] = ()) -> Path:
+    """A run directory as lnstab fit leaves it, with values derived from ``ma``, ``score`` and ``sens_power``."""
+    d = grid / name
+    d.mkdir(parents=True)
+    config = {"seed_everything": seed, "model": {"norm_placement": placement, "residual_scale": 1.0},
+              "trainer": {"max_steps": 100, "logger": {"class_path": "TensorBoardLogger",
+                                                       "init_args": {"save_dir": str(grid), "version": name}}},
+              "data": {"init_args": {"seed": seed}}}
+    (d / "config.yaml").write_text(yaml.safe_dump(config))
+    summary = {"status": status, "final_step": diverged_step or 100, "diverged_step": diverged_step}
+    if val_loss is not None:
+        summary["val"] = {"loss": val_loss, "step": 100}
+    write_json(d / "summary.json", summary)
+    if score is not None:
+        metrics = {"loss": val_loss + 0.5, "ppl_exp_mean_loss": math.exp(val_loss + 0.5),
+                   "ppl_mean_seq": math.exp(val_loss + 0.5) + 1, **{k: score for k in SCORES}}
+        write_json(d / "eval.json", {"schema": 1, "metrics": metrics})
+    depth = {tag: i for i, tag in enumerate(TAGS)}
+    last = [math.nan] if diverged_step else []
+    stats = {stat: {tag: [factor * ma * (1 + depth[tag]) * (s + 1) / 101 for s in STEPS] + last for tag in TAGS}
+             for stat, factor in (("mean_abs", 1.0), ("var_entry", 2.0), ("var_data", 0.5), ("max_abs", 10.0))}
+    write_json(d / "hidden_stats.json", {"tags": TAGS, "steps": STEPS + ([101] if diverged_step else []),
+                                         "stats": stats})
+    scalars = {"train/loss": [(s, 6.0 - s / 50) for s in STEPS], "growth/exp_rate": [(0, 0.1), (100, 0.3)],
+               "growth/exp_r2": [(100, 0.9)]}
+    if val_loss is not None:
+        scalars["val/loss"] = [(50, val_loss + 1), (100, val_loss)]
+    if slack:
+        scalars["bound/slack"] = list(zip(STEPS, slack, strict=True))
+        scalars["bound/violations"] = [(s, 0.0) for s in STEPS]
+        scalars["bound/ma_bound"] = [(s, 50.0) for s in STEPS]
+        scalars["bound/ma_final"] = [(s, 50.0 - v) for s, v in zip(STEPS, slack, strict=True)]
+    for layer, scale in (("L00", 2.0), ("L01", 8.0)):
+        scalars[f"jacobian/act_scale/{layer}"] = [(0, scale), (100, scale * 4)]
+        scalars[f"jacobian/sensitivity/{layer}"] = [(0, 3 * scale**sens_power), (100, 3 * (scale * 4) ** sens_power)]
+    write_scalars(d, scalars, "1")
+    return d
+
+
+@pytest.fixture
+def grid(tmp_path) -> Path:
+    """Three configurations (placement pre / peri / none) over seeds; peri_s2 was planned but never started."""
+    g = tmp_path / "runs" / "fixture"
+    make_run(g, "pre_s0", "pre", 0, "completed", val_loss=3.0, score=0.25, ma=100.0, sens_power=0.5)
+    make_run(g, "pre_s1", "pre", 1, "completed", val_loss=3.4, score=0.35, ma=300.0, sens_power=0.5)
+    make_run(g, "pre_s2", "pre", 2, "interrupted", val_loss=3.9, ma=200.0, sens_power=0.5)
+    make_run(g, "peri_s0", "peri", 0, "completed", val_loss=3.1, score=0.5, ma=2.0, sens_power=-1.0,
+             slack=(4.0, 1.5, 2.0))
+    make_run(g, "peri_s1", "peri", 1, "completed", val_loss=3.3, score=0.5, ma=4.0, sens_power=-1.0,
+             slack=(3.0, 2.5, 0.5))
+    make_run(g, "none_s0", "none", 0, "diverged", val_loss=9.0, score=0.01, ma=1e5, diverged_step=17)
+    make_run(g, "none_s1", "none", 1, "completed", val_loss=4.0, score=0.2, ma=50.0)
+    runs = [{"name": f"{p}_s{s}", "overrides": {"model.norm_placement": p, "seed_everything": s}}
+            for p in ("pre", "peri", "none") for s in range(3) if (p, s) != ("none", 2)]
+    write_json(g / ".sweep" / "manifest.json", {"grid": "fixture.yaml", "base": "base.yaml", "runs": runs})
+    return g
+
+
+def rows_by_placement(table) -> dict[str, dict]:
+    return {row["norm_placement"]: row for row in table.rows}
+
+
+def test_divergence_table_counts_finished_runs_and_lists_steps(grid) -> None:
+    records = collect([grid])
+    assert [r.status for r in records if r.name == "peri_s2"] == ["missing"]
+    assert [r.name for r in records] == ["pre_s0", "pre_s1", "pre_s2", "peri_s0", "peri_s1", "peri_s2", "none_s0",
+                                         "none_s1"]  # the grid's order (from the manifest), not the directory's
+    rows = rows_by_placement(divergence_table(records))
+    assert set(rows) == {"pre", "peri", "none"}  # seeds are not configurations; the logger is not a difference
+    assert (rows["none"]["diverged"], rows["none"]["finished"], rows["none"]["divergence_steps"]) == (1, 2, "17")
+    assert (rows["pre"]["runs"], rows["pre"]["finished"], rows["pre"]["unfinished"]) == (3, 2, "1 interrupted")
+    assert (rows["peri"]["runs"], rows["peri"]["finished"], rows["peri"]["unfinished"]) == (3, 2, "1 missing")
+    markdown = divergence_table(records).to_markdown()
+    assert "| none | 1/2 | 17 | 2 | – |" in markdown and "| peri | 0/2 | – | 3 | 1 missing |" in markdown
+
+
+def test_performance_table_is_mean_and_std_over_completed_runs(grid) -> None:
+    rows = rows_by_placement(performance_table(collect([grid])))
+    pre, none = rows["pre"], rows["none"]
+    assert (pre["n"], pre["runs"]) == (2, 3)  # the interrupted run has no score and counts only in runs
+    assert pre["val_loss_mean"] == pytest.approx((3.0 + 3.4) / 2)
+    assert pre["val_loss_std"] == pytest.approx(abs(3.4 - 3.0) / math.sqrt(2))
+    assert pre["rouge1_mean"] == pytest.approx(0.3) and pre["bertscore_f1_std"] == pytest.approx(0.1 / math.sqrt(2))
+    assert pre["eval_loss_mean"] == pytest.approx(3.7)
+    assert pre["ppl_exp_mean_loss_mean"] == pytest.approx((math.exp(3.5) + math.exp(3.9)) / 2)
+    assert pre["ppl_mean_seq_mean"] == pytest.approx((math.exp(3.5) + math.exp(3.9)) / 2 + 1)
+    assert (none["n"], none["val_loss_mean"], none["rouge2_mean"]) == (1, 4.0, 0.2)  # the diverged run left out
+    assert math.isnan(none["val_loss_std"]) and rows["peri"]["rougeL_std"] == 0.0
+    table = performance_table(collect([grid]))
+    assert "| pre | 2/3 | 3.2 ± 0.28 |" in table.to_markdown()
+    header, *lines = table.to_csv().splitlines()
+    assert header.startswith("norm_placement,n,runs,val_loss_mean,val_loss_std,eval_loss_mean")
+    by_name = {line.split(",")[0]: line for line in lines}
+    assert by_name["pre"].startswith("pre,2,3,3.2") and by_name["none"].startswith("none,1,2,4.0,,")  # no std: empty
+
+
+def test_stability_table_from_hidden_series_and_scalars(grid) -> None:
+    rows = rows_by_placement(stability_table(collect([grid])))
+    pre, peri, none = rows["pre"], rows["peri"], rows["none"]
+    last_depth = len(TAGS)  # "final": factor (1 + 5) at step 100 -> (100 + 1) / 101 = 1
+    assert pre["ma_last_mean"] == pytest.approx(statistics.fmean([100.0 * last_depth, 300.0 * last_depth,
+                                                                   200.0 * last_depth]))
+    assert pre["var_entry_last_mean"] == pytest.approx(2 * 200.0 * last_depth)
+    assert peri["var_data_last_std"] == pytest.approx(statistics.stdev([0.5 * 2 * 6, 0.5 * 4 * 6]))
+    assert none["ma_last_mean"] == pytest.approx((1e5 * 6 + 50.0 * 6) / 2)  # the diverged run: last finite value
+    assert none["max_abs_mean"] == pytest.approx((10 * 1e5 * 6 + 10 * 50 * 6) / 2)
+    assert (none["over_fp16"], pre["over_fp16"], peri["over_fp16"]) == (1, 0, 0)
+    assert peri["thm4_slack_min_mean"] == pytest.approx((1.5 + 0.5) / 2) and peri["thm4_violations_mean"] == 0
+    assert math.isnan(pre["thm4_slack_min_mean"])  # no bound for Pre-LN
+    assert pre["growth_exp_rate_mean"] == pytest.approx(0.3) and pre["growth_exp_r2_mean"] == pytest.approx(0.9)
+    assert pre["jacobian_scale_slope_mean"] == pytest.approx(0.5)
+    assert peri["jacobian_scale_slope_mean"] == pytest.approx(-1.0)
+    assert peri["jacobian_sensitivity_max_mean"] == pytest.approx(3 * 8.0**-1)  # max over layers at the last probe
+    assert (pre["n"], peri["n"]) == (3, 2)  # every run with data, missing ones not
+
+
+def test_report_command_writes_tables_and_figures(grid, tmp_path, capsys) -> None:
+    out = tmp_path / "report"
+    main(["report", str(grid), "--out", str(out)])
+    assert "lnstab report: 8 runs -> " in capsys.readouterr().out  # the missing run counts too
+    for name in ("depth_profile.png", "last_layer_steps.png", "jacobian_scale.png", "theorem4_bound.png",
+                 "loss_curves.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
+    report = (out / "report.md").read_text()
+    assert "8 runs in 3 configuration(s): 5 completed, 1 diverged, 1 interrupted, 1 missing." in report
+    for name in ("divergence", "performance", "stability", "runs"):
+        assert (out / f"{name}.csv").read_text() and (out / f"{name}.md").read_text() in report
+    with pytest.raises(SystemExit) as info:  # nothing is overwritten
+        main(["report", str(grid), "--out", str(out)])
+    assert info.value.code == 2 and "already holds a report (report.md)" in capsys.readouterr().err
+    main(["report", str(grid / "pre_s0"), str(grid / "peri_s0"), "--out", str(out), "--overwrite"])
+    assert "2 runs in 2 configuration(s)" in (out / "report.md").read_text()
+
+
+def test_resumed_tensorboard_logs_keep_the_latest_value_per_step(tmp_path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    write_scalars(run, {"train/loss": [(0, 5.0), (1, 4.0), (2, 3.0), (3, 99.0)]}, "1")
+    write_scalars(run, {"train/loss": [(2, 2.5), (3, 2.0), (4, 1.5)]}, "2")  # resumed from the step-2 checkpoint
+    assert read_scalars(run)["train/loss"] == [(0, 5.0), (1, 4.0), (2, 2.5), (3, 2.0), (4, 1.5)]
+
+
+def test_what_is_not_an_lnstab_run_is_one_line(grid, tmp_path, capsys) -> None:
+    (grid / "notes").mkdir()
+    (grid / "notes" / "todo.txt").write_text("x")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for paths, expected in (([grid], f"{grid / 'notes'} is not an lnstab run directory"),
+                            ([empty], f"{empty} is not an lnstab run directory, nor a directory of runs"),
+                            ([tmp_path / "absent"], "is not a directory")):
+        with pytest.raises(SystemExit) as info:
+            main(["report", *map(str, paths), "--out", str(tmp_path / "out")])
+        err = capsys.readouterr().err.strip()
+        assert info.value.code == 2 and expected in err and "\n" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_mean_std_conventions() -> None:
+    assert mean_std([2.0, 4.0]) == (3.0, math.sqrt(2.0))
+    assert math.isnan(mean_std([1.0])[1]) and all(math.isnan(v) for v in mean_std([]))
+
+
+def test_keys_that_vary_together_name_a_configuration_once(grid) -> None:
+    from lnstab.report.tables import varying_keys
+
+    records = collect([grid])
+    for r in records:  # a grid that sets a callback list together with the placement, and the data seed per seed
+        r.config["trainer.callbacks"] = [{"class_path": "X", "placement": r.config["model.norm_placement"]}]
+        r.config["data.init_args.seed"] = r.config.get("seed_everything")
+        r.config["trainer.max_steps"] = 100 if r.config["model.norm_placement"] == "pre" else 200
+    assert varying_keys(records) == ["model.norm_placement", "trainer.max_steps"]  # scalars are always shown

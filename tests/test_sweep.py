@@ -1,0 +1,306 @@
+"""``lnstab sweep``: grid expansion, bad grids as one-line errors, rerun decisions, SLURM and torchrun launch."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lnstab.cli import main
+from lnstab.errors import LNStabError
+from lnstab.rundir import write_json
+from lnstab.sweep.cli import prepare
+from lnstab.sweep.grid import GridError, cli_value, load_grid
+from lnstab.sweep.runner import fit_command
+from lnstab.sweep.slurm import sbatch_script, slurm_settings, torchrun_commands
+from lnstab.sweep.state import is_locked, move_aside, plan, record_manifest, run_lock
+
+ROOT = Path(__file__).resolve().parents[1]
+GRIDS = sorted((ROOT / "experiments" / "grids").glob("*.yaml"))
+QUICKSTART = str(ROOT / "experiments" / "quickstart.yaml")
+
+
+def write_grid(tmp_path: Path, spec: dict, name: str = "g.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump({"base": QUICKSTART, **spec}, sort_keys=False))
+    return path
+
+
+def sweep(*args: str) -> None:
+    main(["sweep", *args])
+
+
+# ----------------------------------------------------------------------------------------------- grid expansion
+def test_axes_expand_in_order_with_readable_names_and_overrides(tmp_path) -> None:
+    grid = load_grid(write_grid(tmp_path, {
+        "overrides": {"trainer.max_steps": 5},
+        "axes": {"model.norm_placement": ["pre", "peri"], "model.residual_scale": [1.0, 0.1],
+                 "model.weight_decay": [0.1, 0.0], "seed_everything": [0, 3]},
+    }))
+    names = [r.name for r in grid.runs]
+    assert len(names) == 16 and names[:3] == ["pre_dt1_wd0.1_s0", "pre_dt1_wd0.1_s3", "pre_dt1_wd0_s0"]
+    assert names[-1] == "peri_dt0.1_wd0_s3"
+    run = grid.run("pre_dt0.1_wd0_s3")
+    assert run.overrides == {"trainer.max_steps": 5, "model.norm_placement": "pre", "model.residual_scale": 0.1,
+                             "model.weight_decay": 0.0, "seed_everything": 3}
+    assert run.cli_args() == ["--trainer.max_steps", "5", "--model.norm_placement", "pre", "--model.residual_scale",
+                              "0.1", "--model.weight_decay", "0.0", "--seed_everything", "3"]
+    assert load_grid(grid.path).runs == grid.runs  # stable: the same file gives the same runs
+
+
+def test_exclude_include_labels_and_compound_axes(tmp_path) -> None:
+    grid = load_grid(write_grid(tmp_path, {
+        "axes": {
+            "model.norm_placement": ["pre", "none"],
+            "seed_everything": {"label": "seed", "values": [0, 1]},
+            "recipe": {"values": {"slow": {"model.learning_rate": 1e-3},
+                                  "fast": {"model.learning_rate": 1e-2, "model.warmup_steps": 5}}},
+        },
+        "exclude": [{"model.norm_placement": "none", "recipe": "slow"}, {"seed_everything": 1, "recipe": "fast"}],
+        "include": [{"model.norm_placement": "pre", "seed_everything": 0, "recipe": "fast",
+                     "model.dropout": 0.1}],
+    }))
+    assert [r.name for r in grid.runs] == ["pre_seed0_slow", "pre_seed0_fast", "pre_seed1_slow", "none_seed0_fast",
+                                           "pre_seed0_fast_dropout0.1"]
+    assert grid.run("none_seed0_fast").overrides == {"model.norm_placement": "none", "seed_everything": 0,
+                                                     "model.learning_rate": 1e-2, "model.warmup_steps": 5}
+    assert grid.run("pre_seed0_fast_dropout0.1").overrides["model.dropout"] == 0.1
+
+
+def test_cli_values_read_back_as_the_same_yaml() -> None:
+    for value in (1e-5, 0.1, 3, True, None, "bf16-mixed", [0.9, 0.95], 6.0e-4):
+        assert yaml.safe_load(cli_value(value)) == value
+
+
+# ----------------------------------------------------------------------------------------------- bad grids
+BAD = [
+    ({"axes": {"model.colour": ["red"]}}, "run 'red': lnstab fit refuses it: unrecognized arguments: --model.colour"),
+    ({"axes": {"model.residual_scale": ["abc"]}}, 'Parser key "model.residual_scale"'),
+    ({"axes": {"model.norm_placement": []}}, "axis 'model.norm_placement' values=[] is not allowed"),
+    ({"axes": {}}, "axes={} is not allowed"),
+    ({"axes": {"model.residual_scale": {"label": "x", "values": [0.1, 0.10]}}}, "two runs are named 'x0.1'"),
+    ({"axes": {"model.norm_placement": ["pre"], "seed_everything": [1]}, "include": [{"model.norm_placement": "pre",
+      "seed_everything": 1}]}, "two runs are named 'pre_s1'"),
+    ({"axes": {"model.norm_placement": ["pre"]}, "exclude": [{"model.norm_placement": "peri"}]},
+     "exclude[0] model.norm_placement='peri' is not allowed"),
+    ({"axes": {"model.norm_placement": ["pre"], "seed_everything": [0]}, "include": [{"seed_everything": 0}]},
+     "include[0] is not allowed without axis 'model.norm_placement'"),
+    ({"axes": {"trainer.logger.init_args.save_dir": ["x"]}}, "the sweep sets where runs live"),
+    ({"axes": {"model.norm_placement": ["pre"]}, "overrides": {"model.norm_placement": "peri"}},
+     "key 'model.norm_placement' is set by both overrides and axis"),
+    ({"axis": {"model.norm_placement": ["pre"]}}, "field 'axis' is not allowed"),
+]
+
+
+@pytest.mark.parametrize(("spec", "expected"), BAD, ids=[f"bad{i}" for i in range(len(BAD))])
+def test_bad_grid_is_one_line_exit_2_and_writes_nothing(spec, expected, tmp_path, capsys) -> None:
+    root = tmp_path / "runs"
+    with pytest.raises(SystemExit) as info:
+        sweep(str(write_grid(tmp_path, spec)), "--root", str(root))
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lnstab: error: grid ") and expected in err and "\n" not in err, err
+    assert not root.exists()
+
+
+def test_missing_grid_file_and_bad_options_are_one_line(tmp_path, capsys) -> None:
+    for args, expected in (([str(tmp_path / "nope.yaml")], "is not a file"),
+                           ([QUICKSTART, "--parallel", "0"], "--parallel 0 is not allowed"),
+                           ([str(GRIDS[0]), "--set", "nokey"], "--set 'nokey' is not allowed")):
+        with pytest.raises(SystemExit) as info:
+            sweep(*args)
+        assert info.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert expected in err and "\n" not in err, err
+
+
+@pytest.mark.parametrize("path", GRIDS, ids=lambda p: p.stem)
+def test_every_shipped_grid_validates(path, tmp_path, capsys) -> None:
+    sweep(str(path), "--dry-run", "--root", str(tmp_path / "runs"))
+    out = capsys.readouterr().out
+    grid = load_grid(path)
+    assert f"{len(grid.runs)} run(s)" in out and not (tmp_path / "runs").exists()
+    expected = {"gpt2_divergence": 30, "gpt2_perf": 12, "gpt2-large_perf": 4, "gpt2-xl_perf": 4, "mini": 17,
+                "mini-smoke": 3}
+    assert len(grid.runs) == expected[path.stem]
+
+
+def test_paper_divergence_grid_names() -> None:
+    grid = load_grid(ROOT / "experiments" / "grids" / "gpt2_divergence.yaml")
+    names = {r.name for r in grid.runs}
+    assert {f"{p}_wd{wd}_s{s}" for p in ("pre", "peri", "none") for wd in ("0.1", "0") for s in range(5)} == names
+
+
+# ----------------------------------------------------------------------------------------------- rerun decisions
+def make_run(directory: Path, status: str | None, checkpoint: bool = False) -> Path:
+    directory.mkdir(parents=True)
+    (directory / "config.yaml").write_text("model: {}\n")
+    if status:
+        write_json(directory / "summary.json", {"status": status, "final_step": 7})
+    if checkpoint:
+        (directory / "checkpoints").mkdir()
+        with zipfile.ZipFile(directory / "checkpoints" / "last.ckpt", "w") as z:
+            z.writestr("archive/data.pkl", b"x")
+    return directory
+
+
+@pytest.mark.parametrize(("status", "checkpoint", "retry", "expected"), [
+    ("completed", True, False, "skip"),
+    ("diverged", False, False, "skip"),
+    ("failed", True, False, "skip"),
+    ("failed", True, True, "resume"),
+    ("interrupted", True, False, "resume"),
+    ("running", True, False, "resume"),  # a stale "running": nobody holds its lock
+    ("running", False, False, "restart"),  # killed before its first checkpoint
+    (None, False, False, "restart"),
+])
+def test_plan_for_each_state(status, checkpoint, retry, expected, tmp_path) -> None:
+    directory = make_run(tmp_path / "r", status, checkpoint)
+    assert plan(directory, retry_failed=retry).action == expected
+    assert plan(tmp_path / "absent").action == "start"
+    assert plan(tmp_path / "absent", locked=True).action == "skip"  # launched by another sweep, no directory yet
+    assert plan(directory, locked=True).action == "skip"  # another sweep holds its lock: it is training
+
+
+def test_a_run_killed_before_its_first_checkpoint_is_moved_aside_not_lost(tmp_path, capsys) -> None:
+    grid = load_grid(write_grid(tmp_path, {"axes": {"seed_everything": [0, 1]}}))
+    root = tmp_path / "runs"
+    run = grid.runs[0]
+    old = make_run(root / grid.name / run.name, "running")
+    (old / "events.out.tfevents.1").write_text("log")
+    assert prepare(grid, run, str(root), retry_failed=False) == "start"
+    assert not old.exists()
+    kept = root / grid.name / ".sweep" / "attempts" / f"{run.name}.1"
+    assert (kept / "events.out.tfevents.1").read_text() == "log" and (kept / "config.yaml").is_file()
+    make_run(old, "running")
+    assert move_aside(root, grid, run).name == f"{run.name}.2"  # a second attempt never replaces the first
+    make_run(old, "interrupted", checkpoint=True)
+    assert prepare(grid, run, str(root), retry_failed=False) == "resume" and old.is_dir()
+
+
+def test_manifest_refuses_a_changed_run_under_the_same_name(tmp_path) -> None:
+    root = tmp_path / "runs"
+    grid = load_grid(write_grid(tmp_path, {"axes": {"seed_everything": [0]}, "overrides": {"trainer.max_steps": 5}}))
+    record_manifest(root, grid, grid.runs)
+    record_manifest(root, grid, grid.runs)  # the same runs again: fine
+    changed = load_grid(write_grid(tmp_path, {"axes": {"seed_everything": [0]},
+                                              "overrides": {"trainer.max_steps": 6}}))
+    with pytest.raises(GridError, match="was launched with other overrides .differs in trainer.max_steps"):
+        record_manifest(root, changed, changed.runs)
+
+
+def test_a_held_lock_means_running(tmp_path) -> None:
+    grid = load_grid(write_grid(tmp_path, {"axes": {"seed_everything": [0]}}))
+    run = grid.runs[0]
+    with run_lock(tmp_path, grid, run) as fd:
+        assert fd is not None and is_locked(tmp_path, grid, run)
+    assert not is_locked(tmp_path, grid, run)
+
+
+# ----------------------------------------------------------------------------------------------- cluster launch
+def test_slurm_array_script_runs_one_lnstab_fit_per_element(tmp_path) -> None:
+    path = ROOT / "experiments" / "grids" / "gpt2_divergence.yaml"
+    grid = load_grid(path)
+    script = sbatch_script(grid, grid.runs, "runs", slurm_settings(grid), grid_file=str(path))
+    assert "#SBATCH --array=0-29\n" in script and "#SBATCH --nodes=1\n" in script
+    assert "#SBATCH --ntasks-per-node=8\n" in script and "#SBATCH --gpus-per-node=8\n" in script
+    assert script.count("FIT=(lnstab fit ") == 30
+    for i, run in enumerate(grid.runs):
+        fit = fit_command(grid, run, "runs", extra={"trainer.accelerator": "gpu", "trainer.num_nodes": 1,
+                                                    "trainer.devices": 8})
+        assert f"  {i}) RUN={run.name}\n     FIT=({' '.join(fit)}) ;;" in script
+    # Element 7 under a fake srun/lnstab: the decision step runs first, then srun starts the run's own command.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("lnstab", 'echo "lnstab $*" >> "$LOG"; [ "$1" = sweep ] && echo "$ACTION" || true'),
+                       ("srun", 'echo "srun $*" >> "$LOG"')):
+        tool = bin_dir / name
+        tool.write_text(f"#!/bin/bash\n{body}\n")
+        tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    run = grid.runs[7]
+    for action in ("resume", "start", "skip"):
+        log = tmp_path / f"{action}.log"
+        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_ARRAY_TASK_ID": "7",
+               "SLURM_CPUS_PER_TASK": "12", "LOG": str(log), "ACTION": action}
+        done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        calls = log.read_text().splitlines()
+        assert calls[0] == f"lnstab sweep {path} --root runs --prepare {run.name}"
+        if action == "skip":
+            assert len(calls) == 1 and "finished already" in done.stdout
+            continue
+        assert len(calls) == 2
+        assert calls[1].startswith(f"srun --kill-on-bad-exit=1 lnstab fit --config experiments/gpt2_pre_dt1.yaml "
+                                   f"--run_dir runs/gpt2_divergence/{run.name} ")
+        tail = (f"--seed_everything {run.overrides['seed_everything']} --trainer.accelerator gpu "
+                f"--trainer.num_nodes 1 --trainer.devices 8")
+        assert calls[1].endswith(tail + (" --ckpt_path last" if action == "resume" else ""))
+
+
+def test_slurm_and_torchrun_follow_nodes_and_gpus(tmp_path, capsys) -> None:
+    path = ROOT / "experiments" / "grids" / "gpt2-xl_perf.yaml"
+    grid = load_grid(path)
+    settings = slurm_settings(grid, nodes=2, gpus_per_node=4)
+    script = sbatch_script(grid, grid.runs, "runs", settings)
+    assert "#SBATCH --nodes=2\n" in script and "#SBATCH --ntasks-per-node=4\n" in script
+    assert "--trainer.num_nodes 2 --trainer.devices 4" in script and "#SBATCH --time=48:00:00" in script
+    commands = torchrun_commands(grid, grid.runs, "runs", settings)
+    lines = [x for x in commands.splitlines() if x.startswith("torchrun")]
+    assert len(lines) == 4 and all("--nnodes=2 --nproc-per-node=4 --node-rank=$NODE_RANK" in x for x in lines)
+    assert "--no-python lnstab fit --config experiments/gpt2-xl_pre_dt1.yaml --run_dir runs/gpt2-xl_perf/" in lines[0]
+    sweep(str(path), "--slurm", "--root", str(tmp_path / "runs"), "--no-validate", "--nodes", "2",
+          "--set", "trainer.accumulate_grad_batches=2")
+    script = capsys.readouterr().out
+    assert script.startswith("#!/bin/bash\n") and script.count("--trainer.accumulate_grad_batches 2") == 4
+    # the decision step repeats --set, so it finds the runs as they were launched
+    assert "--set=trainer.accumulate_grad_batches=2 --prepare \"$RUN\")" in script
+    assert (tmp_path / "runs" / "gpt2-xl_perf" / ".sweep" / "slurm").is_dir()  # sbatch's --output directory
+    with pytest.raises(LNStabError, match="slurm nodes=0 is not allowed"):
+        slurm_settings(grid, nodes=0)
+
+
+# ----------------------------------------------------------------------------------------------- local execution
+FAKE_FIT = '''
+import json, os, sys, time
+args = sys.argv[2:]
+run_dir = args[args.index("--run_dir") + 1]
+seed = int(args[args.index("--seed_everything") + 1])
+os.makedirs(run_dir)
+open(os.path.join(run_dir, "config.yaml"), "w").write("seed_everything: %d\\n" % seed)
+open(os.path.join(run_dir, "span"), "w").write("%f " % time.time())
+time.sleep(1.0)
+status = ["completed", "failed", "diverged"][seed]
+json.dump({"status": status, "final_step": 5, "diverged_step": 3 if status == "diverged" else None},
+          open(os.path.join(run_dir, "summary.json"), "w"))
+open(os.path.join(run_dir, "span"), "a").write("%f" % time.time())
+sys.exit(1 if status == "failed" else 0)
+'''
+
+
+def test_parallel_children_record_failures_and_the_sweep_goes_on(tmp_path, monkeypatch) -> None:
+    from lnstab.sweep import runner
+
+    fake = tmp_path / "fake_fit.py"
+    fake.write_text(FAKE_FIT)
+    monkeypatch.setattr(runner, "lnstab_program", lambda: (sys.executable, str(fake)))
+    grid = load_grid(write_grid(tmp_path, {"axes": {"seed_everything": [0, 1, 2]}}))
+    root = tmp_path / "runs"
+    lines: list[str] = []
+    code = runner.LocalSweep(grid, grid.runs, root, parallel=3, echo=lines.append).run()
+    assert code == 1  # one run failed; the others still ran
+    statuses = {r.name: r for r in grid.runs}
+    spans = [tuple(map(float, (root / grid.name / n / "span").read_text().split())) for n in statuses]
+    assert max(start for start, _ in spans) < min(end for _, end in spans)  # all three ran at once
+    assert any(line.startswith("[2/3] s1: failed (exit 1)") for line in lines), lines
+    assert any(line.startswith("[3/3] s2: diverged at step 3") for line in lines), lines
+    lines.clear()
+    assert runner.LocalSweep(grid, grid.runs, root, echo=lines.append).run() == 0  # all settled: nothing to do
+    assert [line.split(": ", 1)[1] for line in lines] == ["completed, skipped (a result)",
+                                                          "failed, skipped (failed (rerun with --retry-failed))",
+                                                          "diverged, skipped (a result)"]
