@@ -41,7 +41,8 @@ class RunStatus(Callback):
     scheduler's or ``kill``'s stop, SIGUSR1 = SLURM's requeue signal) only set a flag; at the end of the next
     optimizer step (every rank agrees through ``trainer.strategy.reduce_boolean_decision``) the run saves
     ``checkpoints/last.ckpt`` — resumable exactly, like any step checkpoint — records ``status: interrupted``,
-    ``interrupted_step`` and ``signal``, skips the final evaluation and stops. Under SLURM, SLURM's requeue signal is
+    ``interrupted_step`` and ``signal``, skips the validation Lightning would run on stopping and the final
+    evaluation, and stops. Under SLURM, SLURM's requeue signal is
     then passed on to Lightning's own handler, which requeues the job (``scontrol requeue``). A second Ctrl-C stops
     at once (``KeyboardInterrupt``, no checkpoint). ``lnstab fit`` exits with ``128 + signal number`` after an
     interruption.
@@ -70,6 +71,7 @@ class RunStatus(Callback):
         self._started = time.monotonic()
         self._wall_before = 0.0
         self._step_at_batch_start = 0
+        self._val_limit: int | float | None = None
 
     # ------------------------------------------------------------------ summary
     @override
@@ -90,6 +92,8 @@ class RunStatus(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._restore_signals()
+        if self._val_limit is not None:
+            trainer.limit_val_batches, self._val_limit = self._val_limit, None
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -171,6 +175,8 @@ class RunStatus(Callback):
             trainer.save_checkpoint(path)
             rank_zero_info(f"lnstab: saved {path} at step {trainer.global_step}; resume with --ckpt_path last")
         trainer.should_stop = True
+        # Lightning validates when a run is asked to stop; a signalled run must be quick (SLURM's grace period)
+        self._val_limit, trainer.limit_val_batches = trainer.limit_val_batches, 0
         previous = self._previous.get(signum)
         if signum == signal.SIGUSR1 and SLURMEnvironment.detect() and callable(previous):
             previous(signum, None)  # Lightning's SLURM handler: requeue the job, now that the state is saved

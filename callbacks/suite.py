@@ -30,6 +30,7 @@ class Instruments:
         every_n_steps: Cadence of the hidden-state statistics, growth bound and gradient statistics.
         jacobian_every_n_steps: Cadence of the Jacobian probe (``0``: no probe).
         jacobian_probe_size: Sequences in the Jacobian probe.
+        jacobian_n_iter: Power iterations per spectral norm (the probe's cost on a CPU grows with it).
         divergence_every_n_steps: Cadence of the divergence checks (1: every step).
         divergence_policy: ``stop``, ``skip`` or ``continue`` (see :class:`DivergenceMonitor`).
         fatal_kinds: Event kinds the divergence policy acts on.
@@ -49,6 +50,7 @@ class Instruments:
         every_n_steps: int = 100,
         jacobian_every_n_steps: int = 1000,
         jacobian_probe_size: int = 2,
+        jacobian_n_iter: int = 20,
         divergence_every_n_steps: int = 1,
         divergence_policy: str = "stop",
         fatal_kinds: list[str] | tuple[str, ...] = FATAL,
@@ -58,6 +60,7 @@ class Instruments:
         self.every_n_steps = check.positive_int("instruments.every_n_steps", every_n_steps)
         self.jacobian_every_n_steps = check.integer("instruments.jacobian_every_n_steps", jacobian_every_n_steps, 0)
         self.jacobian_probe_size = check.positive_int("instruments.jacobian_probe_size", jacobian_probe_size)
+        self.jacobian_n_iter = check.positive_int("instruments.jacobian_n_iter", jacobian_n_iter)
         self.divergence_every_n_steps = check.positive_int(
             "instruments.divergence_every_n_steps", divergence_every_n_steps
         )
@@ -80,7 +83,7 @@ class Instruments:
         ]
         if self.jacobian_every_n_steps:
             out.append(JacobianSensitivity(every_n_steps=self.jacobian_every_n_steps,
-                                           probe_size=self.jacobian_probe_size))
+                                           probe_size=self.jacobian_probe_size, n_iter=self.jacobian_n_iter))
         out.append(
             DivergenceMonitor(
                 policy=self.divergence_policy,

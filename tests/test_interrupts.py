@@ -52,6 +52,7 @@ def test_sigterm_stops_at_a_step_boundary_and_resumes_exactly(tmp_path) -> None:
     assert summary["status"] == "interrupted" and summary["signal"] == "SIGTERM" and summary["final_step"] == step
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == step
     assert not (run / "eval.json").exists()  # an interrupted run is resumed, not evaluated
+    assert summary.get("val", {}).get("step") != step  # nor validated on the way out (SLURM's grace is short)
     target = str(step + 3)
     fit("--config", str(cfg), "--run_dir", str(run), "--ckpt_path", "last", "--trainer.max_steps", target)
     fit("--config", str(cfg), "--run_dir", str(tmp_path / "straight"), "--trainer.max_steps", target)
