@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     pro.add_argument("--grad-clip", type=float, default=1.0, help="Gradient-norm clipping, 0 for none.")
     pro.add_argument("--batch-size", type=int, default=8)
     pro.add_argument("--seq-len", type=int, default=64, help="Tokens per sequence (at most the context).")
-    pro.add_argument("--measure-every", type=int, default=10, help="Steps between hidden-state measurements.")
+    pro.add_argument("--measure-every", type=int, help="Steps between hidden-state measurements; must divide --steps "
+                                                       "(default: the largest divisor up to a third of them).")
     pro.add_argument("--jacobian-iters", type=int, default=8, help="Power iterations per Jacobian norm.")
     pro.add_argument("--probe-size", type=int, default=2, help="Sequences in the Jacobian probe.")
     pro.add_argument("--data.path", dest="data_path", help="Text to train on (e.g. the OpenWebText sample).")
@@ -113,7 +114,7 @@ def split_model_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
             key, eq, value = arg[len("--model."):].partition("=")
             if not eq:
                 if i + 1 >= len(argv):
-                    raise LNStabError(f"lnstab check: {arg} needs a value")
+                    raise LNStabError(f"{arg} needs a value")
                 value, i = argv[i + 1], i + 1
             model[key.replace("-", "_")] = parse_value(value)
         else:
@@ -127,13 +128,13 @@ def checked_subject(args: argparse.Namespace, model_args: dict[str, Any]) -> tup
     given = [name for name, on in (("--model.*", bool(model_args)), ("--hf", bool(args.hf)),
                                    ("--factory", bool(args.factory))) if on]
     if len(given) != 1:
-        raise LNStabError("lnstab check: give the model to check as exactly one of --model.KEY VALUE (lnstab's GPT), "
+        raise LNStabError("give the model to check as exactly one of --model.KEY VALUE (lnstab's GPT), "
                           f"--hf PATH_OR_NAME or --factory package.module:function (got {', '.join(given) or 'none'})")
     if args.hf_init and not args.hf:
-        raise LNStabError("lnstab check: --hf-init needs --hf PATH_OR_NAME")
+        raise LNStabError("--hf-init needs --hf PATH_OR_NAME")
     patterns = ("layer_pattern", "module_types", "embed_pattern", "final_pattern", "norm_pattern")
     if not args.factory and any(getattr(args, p) for p in patterns):
-        raise LNStabError("lnstab check: --layer-pattern, --module-types, --embed-pattern, --final-pattern and "
+        raise LNStabError("--layer-pattern, --module-types, --embed-pattern, --final-pattern and "
                           "--norm-pattern describe a --factory model")
     if model_args:
         return lnstab_subject(model_args)
@@ -146,7 +147,7 @@ def checked_subject(args: argparse.Namespace, model_args: dict[str, Any]) -> tup
 def make_protocol(args: argparse.Namespace, extra: dict[str, Any]) -> Protocol:
     """The :class:`Protocol` of the flags, ``--model.*`` optimisation arguments filling unset ones."""
     if "learning_rate" in extra and args.lrs:
-        raise LNStabError("lnstab check: give --lrs or --model.learning_rate, not both")
+        raise LNStabError("give --lrs or --model.learning_rate, not both")
     lrs = args.lrs or ((float(extra["learning_rate"]),) if "learning_rate" in extra else Protocol.lrs)
     default = Optimisation()
     pick = lambda flag, key, fallback: flag if flag is not None else extra.get(key, fallback)  # noqa: E731
@@ -159,8 +160,11 @@ def make_protocol(args: argparse.Namespace, extra: dict[str, Any]) -> Protocol:
         eps=extra.get("eps", default.eps),
         grad_clip=args.grad_clip,
     )
+    every = args.measure_every
+    if every is None:  # measured at initialisation, about three times during training, and after it
+        every = max(d for d in range(1, max(1, args.steps // 3) + 1) if args.steps % d == 0) if args.steps > 0 else 1
     return Protocol(lrs=tuple(lrs), seeds=args.seeds or Protocol.seeds, batch_size=args.batch_size,
-                    seq_len=args.seq_len, measure_every=args.measure_every, jacobian_iters=args.jacobian_iters,
+                    seq_len=args.seq_len, measure_every=every, jacobian_iters=args.jacobian_iters,
                     probe_size=args.probe_size, optimisation=optimisation, data_source=args.data_source,
                     data_path=args.data_path, accelerator=args.accelerator)
 
@@ -170,7 +174,7 @@ def run_directory(args: argparse.Namespace, name: str) -> Path:
     if args.out:
         out = Path(args.out)
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise LNStabError(f"lnstab check: --out {out} already exists and is not empty; a check never overwrites")
+            raise LNStabError(f"--out {out} already exists and is not empty; a check never overwrites")
         out.mkdir(parents=True, exist_ok=True)
         return out
     DEFAULT_ROOT.mkdir(parents=True, exist_ok=True)
@@ -181,7 +185,7 @@ def run_directory(args: argparse.Namespace, name: str) -> Path:
             return out
         except FileExistsError:
             continue
-    raise LNStabError(f"lnstab check: no free run directory for {name!r} under {DEFAULT_ROOT}")
+    raise LNStabError(f"no free run directory for {name!r} under {DEFAULT_ROOT}")
 
 
 def describe(subject: Subject, seq_len: int) -> str:
@@ -193,37 +197,53 @@ def describe(subject: Subject, seq_len: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of ``lnstab check`` (called by ``lnstab``'s console script with the arguments after ``check``)."""
+    """Entry point of ``lnstab check`` (called by ``lnstab``'s console script with the arguments after ``check``).
+
+    Raises:
+        LNStabError: A usage error (``lnstab`` prints it as one line, exit status 2).
+        SystemExit: With status 1 when a criterion fails.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
-    started = time.perf_counter()
     model_args, rest = split_model_args(argv)
     args = build_parser().parse_args(rest)
+    threads = torch.get_num_threads()
     if args.threads is not None:
         torch.set_num_threads(validation.positive_int("--threads", args.threads))
+    try:
+        card = run_check(args, model_args, "lnstab check " + shlex.join(argv))
+    finally:
+        torch.set_num_threads(threads)
+    sys.stdout.write(terminal(card))
+    if card["exit_code"]:
+        raise SystemExit(card["exit_code"])
+
+
+def run_check(args: argparse.Namespace, model_args: dict[str, Any], command: str) -> dict[str, Any]:
+    """Validate everything, then train, grade and write the card into a new run directory; the card."""
+    started = time.perf_counter()
     subject, extra = checked_subject(args, model_args)
     protocol = make_protocol(args, extra)
     thresholds = load_thresholds(args.thresholds)
     seq_len = context_length(subject, protocol.seq_len)
     subjects = [subject] + ([] if args.no_reference else references(subject, seq_len))
     tokens, data = load_tokens(protocol, subject.shape.vocab_size, seq_len)
-    out = run_directory(args, args.name or subject.name)
+    out = run_directory(args, args.name or subject.name)  # only now: a usage error leaves nothing behind
     runs = run_ladder(subjects, protocol, tokens, out / "tb", progress=not args.no_progress)
     summaries = {s.key: summarise(runs[s.key], protocol.optimisation.steps) for s in subjects}
     rows = build_rows(summaries, thresholds, {"norm_pattern": subject.sites.norm_pattern})
-    labels = {s.key: s.label for s in subjects}
-    figures = write_figures(out, summaries, runs, labels, list(protocol.lrs))
+    figures = write_figures(out, summaries, runs, {s.key: s.label for s in subjects}, list(protocol.lrs))
     verdict = overall([r["status"] for r in rows])
     opt = protocol.optimisation
     card = {
         "name": out.name,
         "out": str(out),
-        "command": "lnstab check " + shlex.join(argv),
+        "command": command,
         "status": verdict,
         "exit_code": 1 if verdict == "fail" else 0,
-        "wall_s": time.perf_counter() - started,
         "model": {"label": subject.label, "description": describe(subject, seq_len), "shape": vars(subject.shape),
                   "sites": vars(subject.sites)},
-        "references": {s.key: {"label": s.label, "short": s.label.split()[0], "description": describe(s, seq_len)
+        "references": {s.key: {"label": s.label, "short": s.label.split()[0], "shape": vars(s.shape),
+                               "description": describe(s, seq_len)
                                + (" (the checked model itself: its runs are reused)" if s.same_as else ""),
                                "same_as": s.same_as} for s in subjects if s.key != "checked"},
         "protocol": protocol.as_dict(),
@@ -241,10 +261,9 @@ def main(argv: list[str] | None = None) -> None:
         "summaries": summaries,
         "runs": [run_record(r, out) for s in subjects if s.same_as is None for r in runs[s.key]],
     }
+    card["wall_s"] = time.perf_counter() - started
     write_report(out, card, thresholds)
-    sys.stdout.write(terminal(card))
-    if card["exit_code"]:
-        raise SystemExit(card["exit_code"])
+    return card
 
 
 def run_record(run: Any, out: Path) -> dict[str, Any]:

@@ -169,7 +169,9 @@ def evaluate_expression(text: Any, names: dict[str, float]) -> float | None:
 
     try:
         return ev(tree)
-    except (ValueError, ZeroDivisionError, OverflowError):
+    except LNStabError:  # a ValueError too, but a user's mistake rather than arithmetic
+        raise
+    except (ValueError, ZeroDivisionError, OverflowError):  # log10 of a negative reference, division by zero
         return math.nan
 
 

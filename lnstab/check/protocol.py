@@ -84,6 +84,8 @@ class Protocol:
         validation.choice("--data.source", self.data_source, ("auto", "files", "synthetic"))
         if self.data_source == "files" and not self.data_path:
             raise LNStabError("--data.source files needs --data.path FILE")
+        if self.data_source == "synthetic" and self.data_path:
+            raise LNStabError(f"--data.path {self.data_path} is not used with --data.source synthetic; drop one")
         validation.choice("--accelerator", self.accelerator, ("cpu", "gpu", "cuda", "mps", "auto"))
 
     @property
