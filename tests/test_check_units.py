@@ -64,6 +64,7 @@ def test_thresholds_follow_the_references_and_fall_back_without_them() -> None:
     missing = resolve(spec, {"pre-ln": (math.nan, math.nan), "peri-ln": (0.8, 0.05)})
     assert missing["fail"] == 2 and missing["fail_source"] == "absolute" and missing["warn_source"] == "relative"
     assert resolve(spec, None)["warn"] == 1 and resolve(DEFAULT_THRESHOLDS["loss"], refs)["fail"] is None
+    assert resolve(DEFAULT_THRESHOLDS["growth_init"], refs)["fail"] is None  # growth at initialisation only warns
     # When the references come in the other order the pass band ends at Peri-LN, the fail band above both.
     swapped = resolve(spec, {"pre-ln": (0.2, 0.0), "peri-ln": (0.6, 0.0)})
     assert swapped["warn"] == swapped["fail"] == pytest.approx(0.6)
@@ -98,7 +99,8 @@ def test_relation_names_the_nearest_reference() -> None:
     assert relation("growth_trained", 3.0, 0.0, refs) == "grows faster than both references"
     assert relation("growth_trained", 0.0, 0.0, refs) == "grows slower than both references"
     assert relation("growth_trained", 1.0, 0.0, refs) == "between Peri-LN and Pre-LN"
-    assert relation("sensitivity", 0.52, 0.0, refs) == "as insensitive to scale as Peri-LN"
+    assert relation("sensitivity", 0.52, 0.0, refs) == "as insensitive as Peri-LN to activation scale"
+    assert relation("sensitivity", 1.52, 0.0, refs) == "as sensitive as Pre-LN to activation scale"
     assert relation("divergence", 0.0, 0.0, {"pre-ln": (0.0, 0.0), "peri-ln": (0.0, 0.0)}).endswith("both references")
     assert relation("growth_trained", 1.0, 0.0, {}) == ""
 

@@ -16,7 +16,7 @@ PHRASES: dict[str, tuple[str, str, str]] = {
     "growth_trained": ("grows like {ref}", "grows slower than both references",
                        "grows faster than both references"),
     "overflow": ("peaks like {ref}", "peaks lower than both references", "peaks higher than both references"),
-    "sensitivity": ("as insensitive to scale as {ref}", "loses sensitivity with scale faster than both references",
+    "sensitivity": ("{insensitive} to activation scale", "loses sensitivity with scale faster than both references",
                     "keeps more sensitivity at large scale than both references"),
     "grad_spread": ("spreads gradients like {ref}", "spreads gradients less than both references",
                     "spreads gradients more than both references"),
@@ -36,7 +36,10 @@ def relation(cid: str, value: float, sd: float, refs: dict[str, tuple[float, flo
     distance = {k: abs(value - v[0]) for k, v in finite.items()}
     close = sorted((k for k in finite if distance[k] <= tolerance), key=distance.get)
     if close:
-        return near.format(ref="both references" if len(close) == 2 else LABELS[close[0]])
+        ref = "both references" if len(close) == 2 else LABELS[close[0]]
+        insensitive = {"both references": "responds like both references", "Pre-LN": "as sensitive as Pre-LN",
+                       "Peri-LN": "as insensitive as Peri-LN"}[ref]
+        return near.format(ref=ref, insensitive=insensitive)
     if value < min(v[0] for v in finite.values()):
         return low
     if value > max(v[0] for v in finite.values()):

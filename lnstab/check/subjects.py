@@ -107,6 +107,8 @@ def lnstab_subject(args: dict[str, Any]) -> tuple[Subject, dict[str, Any]]:
     for key in args:
         if key not in allowed:
             raise LNStabError(f"--model.{key} is not allowed; GPTModule takes: {', '.join(allowed)}")
+        if key == "compile":
+            raise LNStabError("--model.compile is not used by lnstab check; its short runs are eager")
         if key in UNUSED_ARGS:
             raise LNStabError(
                 f"--model.{key} is not used by lnstab check; its runs warm up for --warmup-steps and decay by cosine "
