@@ -4,7 +4,7 @@ Every criterion is one number that is *worse when larger* (see :data:`CRITERIA`)
 thresholds are expressions over what the references measured in the same check, so the defaults need no
 hand-picked constants: ``peri``/``pre`` are the Peri-LN and Pre-LN references' values, ``peri_sd``/``pre_sd`` their
 spread over seeds (the standard error for a fitted slope) and ``sd`` the larger of the two; ``fp16_max``,
-``bf16_max`` and ``max``, ``min``, ``abs``, ``log10`` are available too. A value above ``fail`` fails, above
+``bf16_max`` and ``max``, ``min``, ``abs``, ``log``, ``log10`` are available too. A value above ``fail`` fails, above
 ``warn`` warns, else passes; ``null`` never triggers. ``absolute`` gives the thresholds used with
 ``--no-reference`` (or where a reference has no value); those are the only constants, and they are documented here.
 A ``--thresholds FILE.yaml`` holds any subset of this mapping and overrides it key by key.
@@ -88,7 +88,8 @@ def _nan_aware(fn: Any) -> Any:
     return apply
 
 
-FUNCTIONS = {"max": _nan_aware(max), "min": _nan_aware(min), "abs": _nan_aware(abs), "log10": _nan_aware(math.log10)}
+FUNCTIONS = {"max": _nan_aware(max), "min": _nan_aware(min), "abs": _nan_aware(abs), "log": _nan_aware(math.log),
+             "log10": _nan_aware(math.log10)}
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
 

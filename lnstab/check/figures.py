@@ -9,6 +9,13 @@ from typing import Any
 from lnstab.check.training import RunResult
 
 COLORS = {"checked": "tab:red", "pre-ln": "tab:blue", "peri-ln": "tab:green"}
+# The checked model is drawn last, dashed / hollow, so it stays visible on top of a reference identical to it.
+LINE = {"checked": {"ls": "--", "lw": 1.6, "zorder": 3}}
+
+
+def ordered(items: dict[str, Any]) -> list[tuple[str, Any]]:
+    """``items`` with the references first and ``checked`` last."""
+    return sorted(items.items(), key=lambda kv: kv[0] == "checked")
 STATS = {"mean_abs": "mean |x| (MA)", "var_entry": "entry-wise variance", "var_data": "data-wise variance"}
 
 
@@ -47,13 +54,14 @@ def growth_figure(summaries: dict[str, dict[str, Any]], labels: dict[str, str], 
     for row, when in enumerate(("init", "trained")):
         for col, (stat, title) in enumerate(STATS.items()):
             ax = axes[row][col]
-            for key, summary in summaries.items():
+            for key, summary in ordered(summaries):
                 profiles = summary["profiles"]["init"] if when == "init" else (
                     summary["profiles"]["trained"].get(lrs[key] or "", {}))
                 if stat in profiles:
                     depths, values = profiles[stat]
                     suffix = f" (lr {float(lrs[key]):g})" if when == "trained" and lrs[key] else ""
-                    ax.plot(depths, values, marker="o", ms=3, color=COLORS.get(key), label=labels[key] + suffix)
+                    ax.plot(depths, values, marker="o", ms=3, color=COLORS.get(key), label=labels[key] + suffix,
+                            **LINE.get(key, {}))
             ax.set_yscale("log")
             ax.set_xlabel("depth (layers)")
             ax.set_title(f"{title}, {'initialisation' if when == 'init' else 'after stress training'}", fontsize=9)
@@ -67,7 +75,7 @@ def sensitivity_figure(summaries: dict[str, dict[str, Any]], labels: dict[str, s
     """Each block's Jacobian sensitivity against its input's mean |x| (log–log) with the fitted slope."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 5))
-    for key, summary in summaries.items():
+    for key, summary in ordered(summaries):
         sens = summary["sensitivity"]
         points = sens["points"]
         if not points:
@@ -75,13 +83,16 @@ def sensitivity_figure(summaries: dict[str, dict[str, Any]], labels: dict[str, s
         xs, ys = [p[0] for p in points], [p[1] for p in points]
         slope = sens["slope"]
         label = labels[key] + (f" (slope {slope:+.2f})" if math.isfinite(slope) else " (slope n/a)")
-        ax.scatter(xs, ys, s=12, alpha=0.6, color=COLORS.get(key), label=label)
+        if key == "checked":
+            ax.scatter(xs, ys, s=36, facecolors="none", edgecolors=COLORS[key], linewidths=1.2, label=label, zorder=3)
+        else:
+            ax.scatter(xs, ys, s=12, alpha=0.6, color=COLORS.get(key), label=label)
         if math.isfinite(slope):
             lx = [math.log(x) for x in xs]
             mx, my = sum(lx) / len(lx), sum(math.log(y) for y in ys) / len(ys)
             ends = [min(lx), max(lx)]
             ax.plot([math.exp(e) for e in ends], [math.exp(my + slope * (e - mx)) for e in ends],
-                    color=COLORS.get(key), lw=1.2)
+                    color=COLORS.get(key), **{"lw": 1.2, **LINE.get(key, {})})
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("activation scale: mean |x| at the block's input")
@@ -98,12 +109,12 @@ def loss_figure(runs: dict[str, list[RunResult]], labels: dict[str, str], lrs: l
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(lrs), figsize=(4.2 * len(lrs), 3.6), squeeze=False)
     for ax, lr in zip(axes[0], lrs, strict=True):
-        for key, subject_runs in runs.items():
+        for key, subject_runs in ordered(runs):
             for i, run in enumerate(r for r in subject_runs if r.lr == lr):
                 finite = [(s, v) for s, v in enumerate(run.losses) if math.isfinite(v)]
                 if finite:
-                    ax.plot(*zip(*finite, strict=True), color=COLORS.get(key), lw=1, alpha=0.8,
-                            label=labels[key] if i == 0 else None)
+                    ax.plot(*zip(*finite, strict=True), color=COLORS.get(key), alpha=0.8,
+                            label=labels[key] if i == 0 else None, **{"lw": 1, **LINE.get(key, {})})
                 if run.diverged:
                     step = run.diverged_step if run.diverged_step is not None else len(run.losses) - 1
                     y = finite[-1][1] if finite else 0.0
