@@ -19,6 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lnstab.check.criteria import IDS
 from lnstab.cli import main
+from lnstab.rundir import read_summary
 
 TESTS = Path(__file__).parent
 TINY = ["--steps", "6", "--measure-every", "3", "--batch-size", "4", "--seq-len", "16", "--seeds", "0",
@@ -87,7 +88,7 @@ def test_hugging_face_gpt2_directory_runs_end_to_end(tmp_path) -> None:
     checked = report["summaries"]["checked"]
     assert checked["profiles"]["init"]["mean_abs"][0] == [1.0, 2.0]  # one site per Hugging Face block
     assert len(checked["sensitivity"]["points"]) == 4 and rows(report)["bound"]["status"] == "n/a"
-    assert (out / "tb" / "checked" / "lr0.01_seed0" / "summary.json").is_file()
+    assert read_summary(out / "tb" / "checked" / "lr0.01_seed0")["status"] == "completed"
 
 
 def test_hugging_face_directory_loads_its_trained_weights(tmp_path) -> None:
@@ -129,6 +130,7 @@ def test_no_norm_model_at_a_high_learning_rate_fails_divergence(tmp_path) -> Non
     first = [r["first_bad"] for r in report["runs"] if r["subject"] == "checked"]
     assert all(fb is not None and fb["step"] < 10 for fb in first)
     assert all(not r["diverged"] for r in report["runs"] if r["subject"] != "checked")
+    assert read_summary(tmp_path / "card" / "tb" / "checked" / "lr0.3_seed0")["status"] == "diverged"
 
 
 def test_blocks_that_triple_the_residual_fail_the_growth_law(tmp_path) -> None:

@@ -1,6 +1,6 @@
-"""``lnstab check``: a stability report card for a Transformer, measured beside Pre-LN and Peri-LN references.
+"""A stability report card for any Transformer, measured beside Pre-LN and Peri-LN references of its shape.
 
-Examples::
+``lnstab check`` examples::
 
     lnstab check --model.preset mini --model.norm_placement output --data.path owt-sample.jsonl.gz
     lnstab check --hf ./my-gpt2 --hf-init

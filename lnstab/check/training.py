@@ -27,6 +27,7 @@ from lnstab.callbacks import (
     GrowthBoundMonitor,
     HiddenStateStatistics,
     JacobianSensitivity,
+    RunStatus,
     StabilityLayout,
 )
 from lnstab.module import lr_at
@@ -235,7 +236,8 @@ def stress_run(
         callbacks.append(jac)
         instruments.append(jac)
     monitor = DivergenceMonitor(policy="stop", layer_pattern=sites.hidden_pattern)
-    callbacks += [monitor, Recorder(instruments)]
+    status = RunStatus(signals=(), save_on_interrupt=False)  # summary.json status only; Ctrl-C ends the whole check
+    callbacks += [monitor, status, Recorder(instruments)]
     logger = TensorBoardLogger(save_dir=str(log_root), name=subject, version=f"lr{lr:g}_seed{seed}")
     trainer = pl.Trainer(
         accelerator=accelerator,
