@@ -151,7 +151,9 @@ class Recorder(pl.Callback):
         self._collect(trainer.global_step)  # the Jacobian probe measures in its on_train_batch_start
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, out: Any, batch: Any, i: int):
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, out: Any, batch: Any, i: int
+    ) -> None:
         self._collect(trainer.global_step - 1)  # growth and gradient statistics of the step that just ended
 
 
@@ -237,7 +239,8 @@ def stress_run(
         instruments.append(jac)
     monitor = DivergenceMonitor(policy="stop", layer_pattern=sites.hidden_pattern)
     status = RunStatus(signals=(), save_on_interrupt=False)  # summary.json status only; Ctrl-C ends the whole check
-    callbacks += [monitor, status, Recorder(instruments)]
+    recorder = Recorder(instruments)
+    callbacks += [monitor, status, recorder]
     logger = TensorBoardLogger(save_dir=str(log_root), name=subject, version=f"lr{lr:g}_seed{seed}")
     trainer = pl.Trainer(
         accelerator=accelerator,
@@ -270,11 +273,7 @@ def stress_run(
         hidden_tags=list(hidden.tags),
         hidden_steps=list(hidden.steps),
         hidden={s: {t: list(v) for t, v in by_tag.items()} for s, by_tag in hidden.values.items()},
-        metrics=recorder_metrics(callbacks[-1]),
+        metrics=dict(recorder.by_step),
         wall_s=time.perf_counter() - started,
     )
 
-
-def recorder_metrics(recorder: pl.Callback) -> dict[int, dict[str, float]]:
-    """The :class:`Recorder`'s evaluations by step."""
-    return dict(recorder.by_step) if isinstance(recorder, Recorder) else {}
