@@ -40,6 +40,7 @@ EXTRA_COMMANDS: dict[str, str] = {
     "prepare": "lnstab.datamodules.prepare:main",
     "sweep": "lnstab.sweep.cli:main",
     "report": "lnstab.report.cli:main",
+    "check": "lnstab.check.cli:main",
 }
 COMMAND_HELP = {
     "fit": "Train an experiment (resume with --ckpt_path last)",

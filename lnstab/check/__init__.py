@@ -1,0 +1,13 @@
+"""``lnstab check``: a stability report card for any Transformer, measured beside Pre-LN and Peri-LN references.
+
+The check trains the model and its references of the same width, depth and context over a learning-rate ladder ×
+seeds with lnstab's instruments attached, and grades it on divergence, growth over depth (Theorems 3/4), overflow
+headroom, Jacobian sensitivity against activation scale (Propositions 7/8), Theorem 4's bound and gradient spread.
+Entry point: :func:`lnstab.check.cli.main`; thresholds: :mod:`lnstab.check.criteria`.
+"""
+
+from lnstab.check.criteria import CRITERIA, DEFAULT_THRESHOLDS, load_thresholds
+from lnstab.check.protocol import Protocol
+from lnstab.check.training import Optimisation, Sites, StressModule
+
+__all__ = ["CRITERIA", "DEFAULT_THRESHOLDS", "Optimisation", "Protocol", "Sites", "StressModule", "load_thresholds"]

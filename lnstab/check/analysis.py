@@ -1,0 +1,225 @@
+"""From the stress runs of one subject to the numbers its criteria judge (pure functions, plain floats).
+
+Depth is counted in layers: the residual stream after half-step ``k`` of a two-half-step block sits at depth
+``(k + 1) / 2``, after block ``k`` of a one-site block at ``k + 1``. The growth law is measured over those sites (X_0
+is left out: the embedding's scale is arbitrary next to the updates', so a jump from X_0 would read as growth), as
+the doublings of the mean |x| over the deeper half of the depth (:func:`deep_doublings`), with exponential and
+linear fits beside it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+from lnstab.check.training import RunResult
+
+FP16_MAX = 65504.0
+BF16_MAX = 3.3895313892515355e38
+
+
+def fit_line(x: list[float], y: list[float]) -> dict[str, float]:
+    """Least squares ``y = a + b·x``: ``slope``, ``intercept``, ``r2`` and the slope's standard error ``se``."""
+    pts = [(a, b) for a, b in zip(x, y, strict=True) if math.isfinite(a) and math.isfinite(b)]
+    n = len(pts)
+    nan = {"slope": math.nan, "intercept": math.nan, "r2": math.nan, "se": math.nan, "n": n}
+    if n < 2:
+        return nan
+    mx, my = sum(a for a, _ in pts) / n, sum(b for _, b in pts) / n
+    sxx = sum((a - mx) ** 2 for a, _ in pts)
+    if sxx <= 0:
+        return nan
+    sxy = sum((a - mx) * (b - my) for a, b in pts)
+    syy = sum((b - my) ** 2 for _, b in pts)
+    slope = sxy / sxx
+    sse = max(0.0, syy - slope * sxy)
+    r2 = 1.0 - sse / syy if syy > 0 else 1.0
+    se = math.sqrt(sse / (n - 2) / sxx) if n > 2 else 0.0
+    return {"slope": slope, "intercept": my - slope * mx, "r2": r2, "se": se, "n": n}
+
+
+def layer_depths(tags: list[str]) -> dict[str, float]:
+    """Depth in layers of every layer site (tags ``L00``, ``L00_attn`` …; ``embed``/``final`` left out)."""
+    layers = [t for t in tags if t.startswith("L")]
+    n_layers = len({t.split("_")[0] for t in layers}) or 1
+    per_layer = len(layers) / n_layers
+    return {t: (k + 1) / per_layer for k, t in enumerate(layers)}
+
+
+def profile(run: RunResult, stat: str, index: int) -> tuple[list[float], list[float]]:
+    """Depths and values of ``stat`` at the ``index``-th measurement of ``run`` over its layer sites."""
+    depths = layer_depths(run.hidden_tags)
+    values = run.hidden.get(stat, {})
+    xs = [d for t, d in depths.items() if t in values and len(values[t]) > index]
+    ys = [values[t][index] for t, d in depths.items() if t in values and len(values[t]) > index]
+    return xs, ys
+
+
+def interpolate(depths: list[float], values: list[float], at: float) -> float:
+    """``values`` linearly interpolated at depth ``at`` (``nan`` outside the measured depths)."""
+    for (d0, v0), (d1, v1) in zip(zip(depths, values, strict=True), zip(depths[1:], values[1:], strict=True),
+                                  strict=False):
+        if d0 <= at <= d1:
+            return v0 if d1 == d0 else v0 + (v1 - v0) * (at - d0) / (d1 - d0)
+    return values[0] if depths and at == depths[0] else math.nan
+
+
+def deep_doublings(depths: list[float], values: list[float]) -> float:
+    """``log2(MA(D) / MA(D/2))``: how often the profile doubles over the deeper half of the depth ``D``.
+
+    Any linear law ``a + b·depth`` with ``a ≥ 0`` (Theorem 4's envelope) gives at most 1, ``√depth`` gives 0.5,
+    a quadratic 2, and an exponential ``e^(r·depth)`` gives ``r·D / (2 ln 2)``, which grows with depth.
+    """
+    if len(depths) < 2:
+        return math.nan
+    top, mid = values[-1], interpolate(depths, values, depths[-1] / 2)
+    return math.log2(top / mid) if mid > 0 and top > 0 and math.isfinite(top) else math.nan
+
+
+def growth_fit(depths: list[float], values: list[float]) -> dict[str, Any]:
+    """Doublings over the deeper half, exponential (per-layer rate of ``log y``) and linear fits of a profile,
+    and which of the two laws fits better."""
+    logs = [math.log(v) if v > 0 and math.isfinite(v) else math.nan for v in values]
+    exp, lin = fit_line(depths, logs), fit_line(depths, values)
+    law = "n/a"
+    if math.isfinite(exp["r2"]) and math.isfinite(lin["r2"]):
+        law = "exponential" if exp["r2"] > lin["r2"] else "linear"
+    return {"doublings": deep_doublings(depths, values), "exp_rate": exp["slope"], "exp_r2": exp["r2"],
+            "lin_slope": lin["slope"], "lin_r2": lin["r2"], "law": law}
+
+
+def law(fits: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean per-layer exponential rate, mean R² of both fits and the law that fits better on average."""
+    mean = lambda key: mean_sd([f[key] for f in fits])[0]  # noqa: E731
+    exp_r2, lin_r2 = mean("exp_r2"), mean("lin_r2")
+    better = "n/a" if not (math.isfinite(exp_r2) and math.isfinite(lin_r2)) else (
+        "exponential" if exp_r2 > lin_r2 else "linear")
+    return {"exp_rate": mean("exp_rate"), "exp_r2": exp_r2, "lin_r2": lin_r2, "law": better}
+
+
+def measured_index(run: RunResult, step: int) -> int | None:
+    """Position of ``step`` in the run's hidden-state series, or ``None``."""
+    return run.hidden_steps.index(step) if step in run.hidden_steps else None
+
+
+def jacobian_points(run: RunResult, step: int) -> list[tuple[float, float]]:
+    """``(act_scale, sensitivity)`` of every block measured at ``step``."""
+    metrics = run.metrics.get(step, {})
+    points = []
+    for key, value in metrics.items():
+        if key.startswith("jacobian/sensitivity/"):
+            scale = metrics.get("jacobian/act_scale/" + key.rsplit("/", 1)[1], math.nan)
+            points.append((scale, value))
+    return points
+
+
+def grad_spread(run: RunResult) -> float:
+    """Median over steps of ``log10(max / min)`` of the per-layer gradient norms (``nan`` without them)."""
+    spreads = []
+    for metrics in run.metrics.values():
+        norms = [v for k, v in metrics.items() if k.startswith("grad/norm/L")]
+        if len(norms) >= 2 and all(math.isfinite(v) for v in norms) and min(norms) > 0:
+            spreads.append(math.log10(max(norms) / min(norms)))
+    return statistics.median(spreads) if spreads else math.nan
+
+
+def first_bad(run: RunResult) -> dict[str, Any] | None:
+    """Step, kind and layer of the first fatal divergence event of a diverged run."""
+    if not run.diverged:
+        return None
+    fatal = [e for e in run.events if e["kind"].startswith("nonfinite") or e["kind"] in ("grad_explosion", "remote")]
+    if not fatal:
+        step = next((i for i, v in enumerate(run.losses) if not math.isfinite(v)), run.diverged_step)
+        return {"step": step, "kind": "nonfinite_loss", "layer": None}
+    step = min(e["step"] for e in fatal)
+    at_step = [e for e in fatal if e["step"] == step]
+    layer = next((e["layer"] for e in at_step if e.get("layer")), None)
+    return {"step": step, "kind": at_step[0]["kind"], "layer": layer}
+
+
+def mean_sd(values: list[float]) -> tuple[float, float]:
+    """Mean and population standard deviation of the finite ``values`` (``nan`` when there are none)."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return math.nan, math.nan
+    return statistics.fmean(finite), statistics.pstdev(finite) if len(finite) > 1 else 0.0
+
+
+def by_lr(runs: list[RunResult], value: Any, completed_only: bool = True) -> dict[float, tuple[float, float]]:
+    """``{lr: (mean, sd)}`` of ``value(run)`` over the seeds of each learning rate."""
+    out: dict[float, tuple[float, float]] = {}
+    for lr in sorted({r.lr for r in runs}):
+        values = [value(r) for r in runs if r.lr == lr and not (completed_only and r.diverged)]
+        out[lr] = mean_sd(values)
+    return out
+
+
+def worst(per_lr: dict[float, tuple[float, float]], pick: Any = max) -> tuple[float, float, float | None]:
+    """The largest (``pick=min``: smallest) finite mean over learning rates, its sd and its learning rate."""
+    finite = {lr: v for lr, v in per_lr.items() if math.isfinite(v[0])}
+    if not finite:
+        return math.nan, math.nan, None
+    lr = pick(finite, key=lambda k: finite[k][0])
+    return finite[lr][0], finite[lr][1], lr
+
+
+def mean_profiles(runs: list[RunResult], step: int) -> dict[str, list[list[float]]]:
+    """``{stat: [depths, mean values]}`` over ``runs`` (those that measured ``step``) for MA and both variances."""
+    out: dict[str, list[list[float]]] = {}
+    for stat in ("mean_abs", "var_entry", "var_data"):
+        rows = [profile(r, stat, i) for r in runs if (i := measured_index(r, step)) is not None]
+        rows = [r for r in rows if r[0]]
+        if rows and all(len(r[0]) == len(rows[0][0]) for r in rows):
+            out[stat] = [rows[0][0], [statistics.fmean(vals) for vals in zip(*(r[1] for r in rows), strict=True)]]
+    return out
+
+
+def summarise(runs: list[RunResult], steps: int) -> dict[str, Any]:
+    """Every number the criteria and figures need for one subject (see the module docstring for depth)."""
+    first_lr = min(r.lr for r in runs)
+    init_runs = [r for r in runs if r.lr == first_lr]
+
+    def fit_at(run: RunResult, step: int) -> dict[str, Any] | None:
+        index = measured_index(run, step)
+        return None if index is None else growth_fit(*profile(run, "mean_abs", index))
+
+    init_fits = [f for r in init_runs if (f := fit_at(r, 0)) is not None]
+    growth_init = {**dict(zip(("mean", "sd"), mean_sd([f["doublings"] for f in init_fits]), strict=True)),
+                   **law(init_fits)}
+    completed = [r for r in runs if not r.diverged]
+    trained = {id(r): fit_at(r, steps) or growth_fit([], []) for r in completed}
+    growth_trained = dict(zip(("mean", "sd", "lr"), worst(by_lr(completed, lambda r: trained[id(r)]["doublings"])),
+                              strict=True))
+    growth_trained.update(law([trained[id(r)] for r in completed if r.lr == growth_trained["lr"]]))
+    max_abs = max((v for r in completed for vals in r.hidden.get("max_abs", {}).values() for v in vals
+                   if math.isfinite(v)), default=math.nan)
+    points = [p for r in init_runs for p in jacobian_points(r, 0)]
+    points += [p for r in completed for p in jacobian_points(r, steps)]
+    points = [(s, j) for s, j in points if s > 0 and j > 0 and math.isfinite(s) and math.isfinite(j)]
+    logs = [math.log(s) for s, _ in points]
+    spread_ok = len(points) >= 3 and max(logs) - min(logs) >= 0.1
+    slope = fit_line(logs, [math.log(j) for _, j in points]) if spread_ok else fit_line([], [])
+    bound_runs = [r.metrics[max(r.metrics)] for r in runs if r.metrics and any(
+        "bound/violations" in m for m in r.metrics.values())]
+    violations = sum(int(m.get("bound/violations", 0)) for m in bound_runs) if bound_runs else math.nan
+    slacks = [m["bound/slack"] for r in runs for m in r.metrics.values() if "bound/slack" in m]
+    final_loss = lambda r: r.losses[-1] if r.losses else math.nan  # noqa: E731
+    return {
+        "runs": len(runs),
+        "diverged": sum(r.diverged for r in runs),
+        "first_bad": [{"lr": r.lr, "seed": r.seed, **fb} for r in runs if (fb := first_bad(r)) is not None],
+        "growth_init": growth_init,
+        "growth_trained": growth_trained,
+        "max_abs": max_abs,
+        "sensitivity": {"slope": slope["slope"], "se": slope["se"], "r2": slope["r2"], "points": points},
+        "bound": {"violations": violations, "min_slack": min(slacks) if slacks else math.nan},
+        "grad_spread": dict(zip(("mean", "sd", "lr"), worst(by_lr(runs, grad_spread)), strict=True)),
+        "loss": dict(zip(("mean", "sd", "lr"), worst(by_lr(runs, final_loss), pick=min), strict=True)),
+        "profiles": {
+            "init": mean_profiles(init_runs, 0),
+            "trained": {str(lr): mean_profiles([r for r in completed if r.lr == lr], steps)
+                        for lr in sorted({r.lr for r in completed})},
+        },
+        "loss_init": mean_sd([r.losses[0] for r in init_runs if r.losses])[0],
+    }

@@ -1,0 +1,143 @@
+"""The rows of the report card: each criterion's value, the references' values, thresholds, status and why."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from lnstab.check.analysis import BF16_MAX, FP16_MAX
+from lnstab.check.criteria import CRITERIA, criterion_value, resolve, status
+
+# How each criterion reads when the checked model sits near a reference, below both, above both.
+PHRASES: dict[str, tuple[str, str, str]] = {
+    "divergence": ("diverges as often as {ref}", "diverges less often than both references",
+                   "diverges more often than both references"),
+    "growth_init": ("grows like {ref}", "grows slower than both references", "grows faster than both references"),
+    "growth_trained": ("grows like {ref}", "grows slower than both references",
+                       "grows faster than both references"),
+    "overflow": ("peaks like {ref}", "peaks lower than both references", "peaks higher than both references"),
+    "sensitivity": ("{insensitive} to activation scale", "loses sensitivity with scale faster than both references",
+                    "keeps more sensitivity at large scale than both references"),
+    "grad_spread": ("spreads gradients like {ref}", "spreads gradients less than both references",
+                    "spreads gradients more than both references"),
+    "loss": ("learns like {ref}", "learns faster than both references", "learns slower than both references"),
+}
+LABELS = {"pre-ln": "Pre-LN", "peri-ln": "Peri-LN"}
+
+
+def relation(cid: str, value: float, sd: float, refs: dict[str, tuple[float, float]]) -> str:
+    """``grows like Pre-LN`` / ``… than both references`` / ``between Peri-LN and Pre-LN`` (empty without refs)."""
+    finite = {k: v for k, v in refs.items() if math.isfinite(v[0])}
+    if cid not in PHRASES or not finite or not math.isfinite(value):
+        return ""
+    near, low, high = PHRASES[cid]
+    margin = 2 * max([0.0] + [v[1] for v in finite.values() if math.isfinite(v[1])])  # as the default thresholds
+    tolerance = max(margin, 1e-12 * max(1.0, abs(value)))
+    distance = {k: abs(value - v[0]) for k, v in finite.items()}
+    close = sorted((k for k in finite if distance[k] <= tolerance), key=distance.get)
+    if close:
+        ref = "both references" if len(close) == 2 else LABELS[close[0]]
+        insensitive = {"both references": "responds like both references", "Pre-LN": "as sensitive as Pre-LN",
+                       "Peri-LN": "as insensitive as Peri-LN"}[ref]
+        return near.format(ref=ref, insensitive=insensitive)
+    if value < min(v[0] for v in finite.values()):
+        return low
+    if value > max(v[0] for v in finite.values()):
+        return high
+    return "between " + " and ".join(LABELS[k] for k in sorted(finite, key=lambda k: finite[k][0]))
+
+
+def fmt(value: float, digits: int = 3) -> str:
+    """A short number (``n/a`` for ``nan``)."""
+    if value is None or not math.isfinite(value):
+        return "n/a"
+    return f"{value:.{digits}g}"
+
+
+def _refs_text(cid: str, refs: dict[str, dict[str, Any]], show: Any) -> str:
+    parts = [f"{LABELS[k]} {show(s)}" for k, s in refs.items()]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def why(cid: str, s: dict[str, Any], refs: dict[str, dict[str, Any]], value: float, sd: float,
+        rel: str, sites: dict[str, Any]) -> str:
+    """One sentence saying what was measured and how it compares."""
+    tail = f"; {rel}" if rel else ""
+    if cid == "divergence":
+        text = f"{s['diverged']} of {s['runs']} runs diverged"
+        if s["first_bad"]:
+            fb = min(s["first_bad"], key=lambda f: (f["lr"], f["step"] if f["step"] is not None else 1 << 30))
+            where = f" in {fb['layer']}" if fb.get("layer") else ""
+            text += f", first at lr {fb['lr']:g} (seed {fb['seed']}) step {fb['step']}{where} ({fb['kind']})"
+        return text + tail + _refs_text(cid, refs, lambda r: f"{r['diverged']}/{r['runs']}")
+    if cid in ("growth_init", "growth_trained"):
+        g = s[cid]
+        if not math.isfinite(value):
+            return ("every run diverged" if cid == "growth_trained" and s["diverged"] == s["runs"]
+                    else "fewer than two layer sites to fit a growth law over depth")
+        at = f" at lr {g['lr']:g}" if cid == "growth_trained" and g.get("lr") is not None else ""
+        text = (f"mean |x| grows ×{2 ** value:.3g} over the deeper half{at} (linear from 0: ×2); "
+                f"{g['law']} law fits better (R² {fmt(g['exp_r2'], 2)} exponential at ×{fmt(math.exp(g['exp_rate']))}"
+                f"/layer, {fmt(g['lin_r2'], 2)} linear)")
+        return text + tail + _refs_text(cid, refs, lambda r: f"×{fmt(2 ** r[cid]['mean'])}")
+    if cid == "overflow":
+        if not math.isfinite(value):
+            return "no run completed, so no finite activations to compare with fp16/bf16"
+        peak = value
+        head = (f"{FP16_MAX / peak:.3g}× below fp16's max" if peak < FP16_MAX else
+                f"{peak / FP16_MAX:.3g}× above fp16's max 65504")
+        text = f"largest |x| {peak:.3g}: {head}, {BF16_MAX / peak:.2g}× below bf16's"
+        return text + tail + _refs_text(cid, refs, lambda r: fmt(r["max_abs"]))
+    if cid == "sensitivity":
+        if not math.isfinite(value):
+            return ("no blocks were probed" if not s["sensitivity"]["points"] else
+                    "activation scale does not vary enough over layers to fit a slope")
+        n = len(s["sensitivity"]["points"])
+        text = (f"slope {value:+.2f} ± {fmt(sd, 2)} over {n} blocks×measurements "
+                "(−1: scale-invariant blocks, ≥ 0: sensitivity does not fall as activations grow)")
+        return text + tail + _refs_text(cid, refs, lambda r: f"{r['sensitivity']['slope']:+.2f}")
+    if cid == "bound":
+        if not math.isfinite(value):
+            return (f"no output norms matched {sites.get('norm_pattern') or 'the output-norm pattern'}, "
+                    "so Theorem 4 does not apply (it needs one output norm per residual update)")
+        slack = s["bound"]["min_slack"]
+        verdict = "holds, as Theorem 4 says" if value == 0 else "is violated"
+        return f"MA(X_D) ≤ RMS(X_0) + ΣΔt(γmax+βmax) {verdict}: {int(value)} violations, smallest slack {fmt(slack)}"
+    if cid == "grad_spread":
+        if not math.isfinite(value):
+            return "no per-layer gradient norms (block names need a numeric index, e.g. layers.3)"
+        text = f"per-layer gradient norms span ×{10 ** value:.3g} (median over steps, worst at lr {s[cid]['lr']:g})"
+        return text + tail + _refs_text(cid, refs, lambda r: f"×{fmt(10 ** r[cid]['mean'])}")
+    if cid == "loss":
+        if not math.isfinite(value):
+            return "every run diverged"
+        text = f"final loss {value:.3f} at lr {s['loss']['lr']:g} (from {fmt(s['loss_init'], 4)} at initialisation)"
+        return text + tail + _refs_text(cid, refs, lambda r: fmt(r["loss"]["mean"], 4))
+    raise KeyError(cid)
+
+
+def build_rows(summaries: dict[str, dict[str, Any]], thresholds: dict[str, dict[str, Any]],
+               sites: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per criterion for the subject ``checked`` against the others in ``summaries``."""
+    checked = summaries["checked"]
+    ref_summaries = {k: v for k, v in summaries.items() if k != "checked"}
+    rows = []
+    for criterion in CRITERIA:
+        cid = criterion.id
+        value, sd = criterion_value(cid, checked)
+        refs = {k: criterion_value(cid, v) for k, v in ref_summaries.items()}
+        limits = resolve(thresholds[cid], refs or None)
+        verdict = status(value, limits)
+        rel = relation(cid, value, sd, refs)
+        rows.append({
+            "id": cid,
+            "title": criterion.title,
+            "unit": criterion.unit,
+            "measured": value,
+            "sd": sd,
+            "references": {k: v[0] for k, v in refs.items()},
+            **limits,
+            "status": verdict,
+            "why": why(cid, checked, ref_summaries, value, sd, rel, sites),
+        })
+    return rows

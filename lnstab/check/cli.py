@@ -1,0 +1,279 @@
+"""A stability report card for any Transformer, measured beside Pre-LN and Peri-LN references of its shape.
+
+``lnstab check`` examples::
+
+    lnstab check --model.preset mini --model.norm_placement output --data.path owt-sample.jsonl.gz
+    lnstab check --hf ./my-gpt2 --hf-init
+    lnstab check --factory mypkg.models:build --layer-pattern 'blocks\\.(\\d+)$' --lrs 1e-3,1e-2
+
+Exit status: 0 when no criterion fails, 1 when one does, 2 for a usage error (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lnstab import validation
+from lnstab.check.analysis import summarise
+from lnstab.check.card import build_rows
+from lnstab.check.criteria import load_thresholds, overall
+from lnstab.check.figures import write_figures
+from lnstab.check.protocol import Protocol, load_tokens, plan, run_ladder
+from lnstab.check.report import terminal, write_report
+from lnstab.check.subjects import (
+    Subject,
+    context_length,
+    factory_subject,
+    hf_subject,
+    lnstab_subject,
+    parse_value,
+    references,
+)
+from lnstab.check.training import Optimisation
+from lnstab.errors import LNStabError
+
+DEFAULT_ROOT = Path("runs") / "check"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line through lnstab's LNStabError handler, exit 2
+        raise LNStabError(f"lnstab check: {message}")
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every option but ``--model.KEY VALUE`` (collected by :func:`split_model_args`)."""
+    p = _Parser(prog="lnstab check", description=__doc__.splitlines()[0], allow_abbrev=False,
+                epilog="--model.KEY VALUE: any lnstab GPTModule argument (preset, norm_placement, norm_type, "
+                       "residual_scale, n_layer, ...).")
+    src = p.add_argument_group("model to check (one of --model.*, --hf, --factory)")
+    src.add_argument("--hf", help="Hugging Face causal LM: local directory or hub name (never remote code).")
+    src.add_argument("--hf-init", action="store_true", help="Freshly initialise --hf from its config.")
+    src.add_argument("--factory", help="package.module:function: an nn.Module, token ids (B, T) -> logits (B, T, V).")
+    src.add_argument("--layer-pattern", help="Regex of the blocks' module names (first group: layer index).")
+    src.add_argument("--module-types", help="Comma-separated dotted classes of the blocks.")
+    src.add_argument("--embed-pattern", help="Regex of the module whose output is X_0 (default: first block input).")
+    src.add_argument("--final-pattern", help="Regex of the module whose input is X_D (e.g. the final norm).")
+    src.add_argument("--norm-pattern", help="Regex of the output norms, one per residual update (Theorem 4).")
+    pro = p.add_argument_group("protocol")
+    pro.add_argument("--lrs", type=_floats, help="Learning-rate ladder (default 1e-3,1e-2,1e-1).")
+    pro.add_argument("--seeds", type=_ints, help="Seeds (default 0,1).")
+    pro.add_argument("--steps", type=int, default=30, help="Optimizer steps per stress run.")
+    pro.add_argument("--warmup-steps", type=int, help="Linear warmup steps (default 3).")
+    pro.add_argument("--min-lr-ratio", type=float, default=0.1, help="Cosine end as a fraction of the rate.")
+    pro.add_argument("--weight-decay", type=float, help="AdamW decay on matrices (default 0.1).")
+    pro.add_argument("--grad-clip", type=float, default=1.0, help="Gradient-norm clipping, 0 for none.")
+    pro.add_argument("--batch-size", type=int, default=8)
+    pro.add_argument("--seq-len", type=int, default=64, help="Tokens per sequence (at most the context).")
+    pro.add_argument("--measure-every", type=int, help="Steps between hidden-state measurements; must divide --steps "
+                                                       "(default: the largest divisor up to a third of them).")
+    pro.add_argument("--jacobian-iters", type=int, default=8, help="Power iterations per Jacobian norm.")
+    pro.add_argument("--probe-size", type=int, default=2, help="Sequences in the Jacobian probe.")
+    pro.add_argument("--data.path", dest="data_path", help="Text to train on (e.g. the OpenWebText sample).")
+    pro.add_argument("--data.source", dest="data_source", default="auto", help="auto, files or synthetic.")
+    pro.add_argument("--accelerator", default="cpu", help="cpu (default), gpu or auto; always fp32.")
+    pro.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; 1 is fastest for tiny models "
+                                                 "on a busy machine).")
+    out = p.add_argument_group("output")
+    out.add_argument("--no-reference", action="store_true", help="Skip the Pre-LN and Peri-LN references.")
+    out.add_argument("--thresholds", help="YAML overriding the default thresholds (see lnstab.check.criteria).")
+    out.add_argument("--out", help="Run directory (default runs/check/<name>; never overwritten).")
+    out.add_argument("--name", help="Name of the default run directory.")
+    out.add_argument("--no-progress", action="store_true", help="No progress bar.")
+    return p
+
+
+def split_model_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """``--model.KEY VALUE`` / ``--model.KEY=VALUE`` pairs (values parsed as YAML) and the remaining arguments."""
+    model: dict[str, Any] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--model."):
+            key, eq, value = arg[len("--model."):].partition("=")
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise LNStabError(f"{arg} needs a value")
+                value, i = argv[i + 1], i + 1
+            model[key.replace("-", "_")] = parse_value(value)
+        else:
+            rest.append(arg)
+        i += 1
+    return model, rest
+
+
+def checked_subject(args: argparse.Namespace, model_args: dict[str, Any]) -> tuple[Subject, dict[str, Any]]:
+    """The model to check and the optimisation settings its ``--model.*`` arguments carry."""
+    given = [name for name, on in (("--model.*", bool(model_args)), ("--hf", bool(args.hf)),
+                                   ("--factory", bool(args.factory))) if on]
+    if len(given) != 1:
+        raise LNStabError("give the model to check as exactly one of --model.KEY VALUE (lnstab's GPT), "
+                          f"--hf PATH_OR_NAME or --factory package.module:function (got {', '.join(given) or 'none'})")
+    if args.hf_init and not args.hf:
+        raise LNStabError("--hf-init needs --hf PATH_OR_NAME")
+    patterns = ("layer_pattern", "module_types", "embed_pattern", "final_pattern", "norm_pattern")
+    if not args.factory and any(getattr(args, p) for p in patterns):
+        raise LNStabError("--layer-pattern, --module-types, --embed-pattern, --final-pattern and "
+                          "--norm-pattern describe a --factory model")
+    if model_args:
+        return lnstab_subject(model_args)
+    if args.hf:
+        return hf_subject(args.hf, args.hf_init), {}
+    return factory_subject(args.factory, args.layer_pattern, args.module_types, args.seq_len, args.embed_pattern,
+                           args.final_pattern, args.norm_pattern), {}
+
+
+def make_protocol(args: argparse.Namespace, extra: dict[str, Any]) -> Protocol:
+    """The :class:`Protocol` of the flags, ``--model.*`` optimisation arguments filling unset ones."""
+    if "learning_rate" in extra and args.lrs:
+        raise LNStabError("give --lrs or --model.learning_rate, not both")
+    lrs = args.lrs or ((float(extra["learning_rate"]),) if "learning_rate" in extra else Protocol.lrs)
+    default = Optimisation()
+    pick = lambda flag, key, fallback: flag if flag is not None else extra.get(key, fallback)  # noqa: E731
+    optimisation = Optimisation(
+        steps=args.steps,
+        warmup_steps=pick(args.warmup_steps, "warmup_steps", default.warmup_steps),
+        min_lr_ratio=args.min_lr_ratio,
+        weight_decay=pick(args.weight_decay, "weight_decay", default.weight_decay),
+        betas=tuple(extra.get("betas", default.betas)),
+        eps=extra.get("eps", default.eps),
+        grad_clip=args.grad_clip,
+    )
+    every = args.measure_every
+    if every is None:  # measured at initialisation, about three times during training, and after it
+        every = max(d for d in range(1, max(1, args.steps // 3) + 1) if args.steps % d == 0) if args.steps > 0 else 1
+    return Protocol(lrs=tuple(lrs), seeds=args.seeds or Protocol.seeds, batch_size=args.batch_size,
+                    seq_len=args.seq_len, measure_every=every, jacobian_iters=args.jacobian_iters,
+                    probe_size=args.probe_size, optimisation=optimisation, data_source=args.data_source,
+                    data_path=args.data_path, accelerator=args.accelerator)
+
+
+def run_directory(args: argparse.Namespace, name: str) -> Path:
+    """A new, empty run directory: ``--out`` (refused if it holds anything) or ``runs/check/<name>[-N]``."""
+    if args.out:
+        out = Path(args.out)
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise LNStabError(f"--out {out} already exists and is not empty; a check never overwrites")
+        out.mkdir(parents=True, exist_ok=True)
+        return out
+    DEFAULT_ROOT.mkdir(parents=True, exist_ok=True)
+    for n in range(10_000):
+        out = DEFAULT_ROOT / (name if n == 0 else f"{name}-{n}")
+        try:
+            out.mkdir()
+            return out
+        except FileExistsError:
+            continue
+    raise LNStabError(f"no free run directory for {name!r} under {DEFAULT_ROOT}")
+
+
+def describe(subject: Subject, seq_len: int) -> str:
+    """Shape and origin of a subject in words."""
+    s = subject.shape
+    ctx = f"context {s.block_size}" if s.block_size else "context unknown"
+    return (f"{subject.label}: {s.n_layer} layers × {s.n_embd} wide, {ctx}, vocabulary {s.vocab_size}; "
+            f"trained on sequences of {seq_len}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of ``lnstab check`` (called by ``lnstab``'s console script with the arguments after ``check``).
+
+    Raises:
+        LNStabError: A usage error (``lnstab`` prints it as one line, exit status 2).
+        SystemExit: With status 1 when a criterion fails.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    model_args, rest = split_model_args(argv)
+    args = build_parser().parse_args(rest)
+    threads = torch.get_num_threads()
+    if args.threads is not None:
+        torch.set_num_threads(validation.positive_int("--threads", args.threads))
+    try:
+        card = run_check(args, model_args, "lnstab check " + shlex.join(argv))
+    finally:
+        torch.set_num_threads(threads)
+    sys.stdout.write(terminal(card))
+    if card["exit_code"]:
+        raise SystemExit(card["exit_code"])
+
+
+def run_check(args: argparse.Namespace, model_args: dict[str, Any], command: str) -> dict[str, Any]:
+    """Validate everything, then train, grade and write the card into a new run directory; the card."""
+    started = time.perf_counter()
+    subject, extra = checked_subject(args, model_args)
+    protocol = make_protocol(args, extra)
+    thresholds = load_thresholds(args.thresholds)
+    seq_len = context_length(subject, protocol.seq_len)
+    subjects = [subject] + ([] if args.no_reference else references(subject, seq_len))
+    tokens, data = load_tokens(protocol, subject.shape.vocab_size, seq_len)
+    out = run_directory(args, args.name or subject.name)  # only now: a usage error leaves nothing behind
+    runs = run_ladder(subjects, protocol, tokens, out / "tb", progress=not args.no_progress)
+    summaries = {s.key: summarise(runs[s.key], protocol.optimisation.steps) for s in subjects}
+    rows = build_rows(summaries, thresholds, {"norm_pattern": subject.sites.norm_pattern})
+    figures = write_figures(out, summaries, runs, {s.key: s.label for s in subjects}, list(protocol.lrs))
+    verdict = overall([r["status"] for r in rows])
+    opt = protocol.optimisation
+    card = {
+        "name": out.name,
+        "out": str(out),
+        "command": command,
+        "status": verdict,
+        "exit_code": 1 if verdict == "fail" else 0,
+        "model": {"label": subject.label, "description": describe(subject, seq_len), "shape": vars(subject.shape),
+                  "sites": vars(subject.sites)},
+        "references": {s.key: {"label": s.label, "short": s.label.split()[0], "shape": vars(s.shape),
+                               "description": describe(s, seq_len)
+                               + (" (the checked model itself: its runs are reused)" if s.same_as else ""),
+                               "same_as": s.same_as} for s in subjects if s.key != "checked"},
+        "protocol": protocol.as_dict(),
+        "protocol_text": (f"{len(plan(subjects, protocol))} stress runs: lr {', '.join(f'{x:g}' for x in protocol.lrs)}"
+                          f" × seeds {', '.join(map(str, protocol.seeds))}, {opt.steps} steps of "
+                          f"{protocol.batch_size}×{seq_len} tokens, warmup {opt.warmup_steps}, clip {opt.grad_clip:g}, "
+                          f"fp32 on {protocol.accelerator}"),
+        "data": data,
+        "data_text": (f"{data['windows']} windows of {seq_len + 1} GPT-2 tokens from {data['path']}"
+                      if data["source"] == "files" else
+                      f"{data['windows']} windows of {seq_len + 1} tokens of lnstab's synthetic Markov stream "
+                      f"(vocabulary {data['vocab_size']}; no text)"),
+        "criteria": rows,
+        "figures": figures,
+        "summaries": summaries,
+        "runs": [run_record(r, out) for s in subjects if s.same_as is None for r in runs[s.key]],
+    }
+    card["wall_s"] = time.perf_counter() - started
+    write_report(out, card, thresholds)
+    return card
+
+
+def run_record(run: Any, out: Path) -> dict[str, Any]:
+    """One stress run for ``report.json`` (its losses, divergence and where its TensorBoard logs are)."""
+    from lnstab.check.analysis import first_bad
+
+    return {
+        "subject": run.subject, "lr": run.lr, "seed": run.seed, "diverged": run.diverged, "first_bad": first_bad(run),
+        "loss_init": run.losses[0] if run.losses else float("nan"),
+        "loss_final": run.losses[-1] if run.losses else float("nan"),
+        "losses": run.losses, "events": run.events, "wall_s": run.wall_s,
+        "log_dir": str(Path(run.log_dir).relative_to(out)) if Path(run.log_dir).is_relative_to(out) else run.log_dir,
+    }

@@ -1,0 +1,138 @@
+"""The card's PNG figures: growth over depth, Jacobian sensitivity against activation scale, loss curves per rate."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from lnstab.check.training import RunResult
+
+COLORS = {"checked": "tab:red", "pre-ln": "tab:blue", "peri-ln": "tab:green"}
+# The checked model is drawn last, dashed / hollow, so it stays visible on top of a reference identical to it.
+LINE = {"checked": {"ls": "--", "lw": 1.6, "zorder": 3}}
+
+
+def ordered(items: dict[str, Any]) -> list[tuple[str, Any]]:
+    """``items`` with the references first and ``checked`` last."""
+    return sorted(items.items(), key=lambda kv: kv[0] == "checked")
+STATS = {"mean_abs": "mean |x| (MA)", "var_entry": "entry-wise variance", "var_data": "data-wise variance"}
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+    return path.name
+
+
+def common_lr(summaries: dict[str, dict[str, Any]]) -> dict[str, str | None]:
+    """Per subject, the learning rate whose trained profile is drawn: the largest rate every subject completed,
+    else each subject's own largest completed rate."""
+    done = {k: set(s["profiles"]["trained"]) for k, s in summaries.items()}
+    shared = set.intersection(*done.values()) if done else set()
+    if shared:
+        lr = max(shared, key=float)
+        return {k: lr for k in summaries}
+    return {k: (max(v, key=float) if v else None) for k, v in done.items()}
+
+
+def growth_figure(summaries: dict[str, dict[str, Any]], labels: dict[str, str], path: Path) -> str:
+    """MA and both variances over depth, at initialisation and after training (log scale)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7), squeeze=False)
+    lrs = common_lr(summaries)
+    for row, when in enumerate(("init", "trained")):
+        for col, (stat, title) in enumerate(STATS.items()):
+            ax = axes[row][col]
+            for key, summary in ordered(summaries):
+                profiles = summary["profiles"]["init"] if when == "init" else (
+                    summary["profiles"]["trained"].get(lrs[key] or "", {}))
+                if stat in profiles:
+                    depths, values = profiles[stat]
+                    suffix = f" (lr {float(lrs[key]):g})" if when == "trained" and lrs[key] else ""
+                    ax.plot(depths, values, marker="o", ms=3, color=COLORS.get(key), label=labels[key] + suffix,
+                            **LINE.get(key, {}))
+            ax.set_yscale("log")
+            ax.set_xlabel("depth (layers)")
+            ax.set_title(f"{title}, {'initialisation' if when == 'init' else 'after stress training'}", fontsize=9)
+            ax.grid(alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def sensitivity_figure(summaries: dict[str, dict[str, Any]], labels: dict[str, str], path: Path) -> str:
+    """Each block's Jacobian sensitivity against its input's mean |x| (log–log) with the fitted slope."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 5))
+    for key, summary in ordered(summaries):
+        sens = summary["sensitivity"]
+        points = sens["points"]
+        if not points:
+            continue
+        xs, ys = [p[0] for p in points], [p[1] for p in points]
+        slope = sens["slope"]
+        label = labels[key] + (f" (slope {slope:+.2f})" if math.isfinite(slope) else " (slope n/a)")
+        if key == "checked":
+            ax.scatter(xs, ys, s=36, facecolors="none", edgecolors=COLORS[key], linewidths=1.2, label=label, zorder=3)
+        else:
+            ax.scatter(xs, ys, s=12, alpha=0.6, color=COLORS.get(key), label=label)
+        if math.isfinite(slope):
+            lx = [math.log(x) for x in xs]
+            mx, my = sum(lx) / len(lx), sum(math.log(y) for y in ys) / len(ys)
+            ends = [min(lx), max(lx)]
+            ax.plot([math.exp(e) for e in ends], [math.exp(my + slope * (e - mx)) for e in ends],
+                    color=COLORS.get(key), **{"lw": 1.2, **LINE.get(key, {})})
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("activation scale: mean |x| at the block's input")
+    ax.set_ylabel("sensitivity Δt·‖∂f/∂X‖₂")
+    ax.set_title("Jacobian sensitivity against activation scale", fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    if ax.collections:
+        ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def loss_figure(runs: dict[str, list[RunResult]], labels: dict[str, str], lrs: list[float], path: Path) -> str:
+    """Training loss per step, one panel per learning rate, one line per subject and seed (× marks divergence)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(lrs), figsize=(4.2 * len(lrs), 3.6), squeeze=False)
+    for ax, lr in zip(axes[0], lrs, strict=True):
+        for key, subject_runs in ordered(runs):
+            for i, run in enumerate(r for r in subject_runs if r.lr == lr):
+                finite = [(s, v) for s, v in enumerate(run.losses) if math.isfinite(v)]
+                if finite:
+                    ax.plot(*zip(*finite, strict=True), color=COLORS.get(key), alpha=0.8,
+                            label=labels[key] if i == 0 else None, **{"lw": 1, **LINE.get(key, {})})
+                if run.diverged:
+                    step = run.diverged_step if run.diverged_step is not None else len(run.losses) - 1
+                    y = finite[-1][1] if finite else 0.0
+                    ax.plot([step], [y], marker="x", ms=9, color=COLORS.get(key))
+        ax.set_title(f"lr {lr:g}", fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def write_figures(out: Path, summaries: dict[str, dict[str, Any]], runs: dict[str, list[RunResult]],
+                  labels: dict[str, str], lrs: list[float]) -> list[str]:
+    """All three figures into ``out``; their file names."""
+    return [
+        growth_figure(summaries, labels, out / "growth.png"),
+        sensitivity_figure(summaries, labels, out / "sensitivity.png"),
+        loss_figure(runs, labels, lrs, out / "loss.png"),
+    ]

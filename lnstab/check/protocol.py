@@ -1,0 +1,189 @@
+"""The check's protocol: its settings, the cached token windows every run trains on, and the ladder of runs."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import warnings
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lnstab import validation
+from lnstab.check.subjects import Subject
+from lnstab.check.training import Optimisation, RunResult, stress_run
+from lnstab.errors import LNStabError
+
+GPT2_VOCAB = 50257
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """Every number of the check (defaults: a few minutes on a 2-core CPU for a 4-layer, 128-wide model).
+
+    Attributes:
+        lrs: The learning-rate ladder; every subject trains once per rate and seed.
+        seeds: Seeds of initialisation and of the batch order.
+        batch_size: Sequences per step.
+        seq_len: Tokens per sequence (at most the model's context).
+        measure_every: Hidden-state statistics and growth fits every N steps (N must divide ``steps``).
+        jacobian_iters: Power iterations per Jacobian norm (measured at initialisation and after training).
+        probe_size: Sequences of the Jacobian probe.
+        optimisation: Steps, warmup, decay, AdamW settings, clipping.
+        data_source: ``auto`` (``files`` when ``data_path`` is given, else ``synthetic``), ``files`` or ``synthetic``.
+        data_path: Text for ``files`` (``.jsonl``/``.txt``/``.parquet``, gzip too), e.g. the OpenWebText sample.
+        accelerator: Lightning accelerator (``cpu``, ``gpu``, ``auto``); the runs are fp32 everywhere.
+    """
+
+    lrs: tuple[float, ...] = (1e-3, 1e-2, 1e-1)
+    seeds: tuple[int, ...] = (0, 1)
+    batch_size: int = 8
+    seq_len: int = 64
+    measure_every: int = 10
+    jacobian_iters: int = 8
+    probe_size: int = 2
+    optimisation: Optimisation = field(default_factory=Optimisation)
+    data_source: str = "auto"
+    data_path: str | None = None
+    accelerator: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if not self.lrs:
+            raise LNStabError("--lrs is empty; give at least one learning rate")
+        for lr in self.lrs:
+            validation.number("--lrs", lr, 0, low_open=True)
+        if not self.seeds:
+            raise LNStabError("--seeds is empty; give at least one seed")
+        for seed in self.seeds:
+            validation.integer("--seeds", seed, 0)
+        validation.positive_int("--batch-size", self.batch_size)
+        validation.integer("--seq-len", self.seq_len, 2)
+        validation.positive_int("--measure-every", self.measure_every)
+        validation.positive_int("--jacobian-iters", self.jacobian_iters)
+        validation.positive_int("--probe-size", self.probe_size)
+        opt = self.optimisation
+        validation.positive_int("--steps", opt.steps)
+        validation.integer("--warmup-steps", opt.warmup_steps, 0)
+        validation.number("--min-lr-ratio", opt.min_lr_ratio, 0, 1)
+        validation.number("--weight-decay", opt.weight_decay, 0)
+        validation.number("--grad-clip", opt.grad_clip, 0)
+        validation.number("--eps", opt.eps, 0, low_open=True)
+        if len(opt.betas) != 2 or not all(isinstance(b, int | float) and 0 <= b < 1 for b in opt.betas):
+            raise LNStabError(f"--model.betas={opt.betas!r} is not allowed; give two numbers in [0, 1)")
+        if opt.steps % self.measure_every:
+            raise LNStabError(f"--measure-every={self.measure_every} is not allowed with --steps={opt.steps}; "
+                              "it must divide the number of steps (the last measurement is after training)")
+        if self.probe_size > self.batch_size:
+            raise LNStabError(f"--probe-size={self.probe_size} is not allowed; it must be <= --batch-size="
+                              f"{self.batch_size}")
+        validation.choice("--data.source", self.data_source, ("auto", "files", "synthetic"))
+        if self.data_source == "files" and not self.data_path:
+            raise LNStabError("--data.source files needs --data.path FILE")
+        if self.data_source == "synthetic" and self.data_path:
+            raise LNStabError(f"--data.path {self.data_path} is not used with --data.source synthetic; drop one")
+        validation.choice("--accelerator", self.accelerator, ("cpu", "gpu", "cuda", "mps", "auto"))
+
+    @property
+    def source(self) -> str:
+        """The data source in use."""
+        return "files" if self.data_source == "files" or (self.data_source == "auto" and self.data_path) else (
+            "synthetic")
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready settings."""
+        return {**asdict(self), "source": self.source}
+
+
+def load_tokens(protocol: Protocol, vocab_size: int, seq_len: int) -> tuple[torch.Tensor, dict[str, Any]]:
+    """``batch_size × (steps + 1)`` windows ``(N, seq_len + 1)`` of token ids, and what they are.
+
+    ``files`` streams GPT-2 tokens of ``data_path`` through :class:`lnstab.datamodules.OpenWebTextDataModule` (the
+    model must predict GPT-2's 50257 tokens); ``synthetic`` is lnstab's seeded Markov stream over the model's
+    vocabulary (:class:`lnstab.datamodules.SyntheticDataModule`). Every run takes the same windows, each seed in
+    its own order.
+    """
+    n = protocol.batch_size * (protocol.optimisation.steps + 1)
+    if protocol.source == "synthetic":
+        from lnstab.datamodules import SyntheticDataModule
+
+        stream = SyntheticDataModule.markov_stream(n * (seq_len + 1), vocab_size, 1234, 0)
+        return stream.view(n, seq_len + 1), {"source": "synthetic", "vocab_size": vocab_size, "windows": n}
+    from lnstab.datamodules import OpenWebTextDataModule
+
+    if vocab_size < GPT2_VOCAB:
+        raise LNStabError(f"--data.path {protocol.data_path} holds GPT-2 tokens (50257), but the model predicts only "
+                          f"{vocab_size}; use --data.source synthetic or a model with GPT-2's vocabulary")
+    path = os.path.expanduser(protocol.data_path or "")
+    dm = OpenWebTextDataModule(block_size=seq_len, batch_size=protocol.batch_size, source="files", path=path,
+                               val_tokens=seq_len + 1, num_workers=0, tokenizer_threads=1)
+    windows: list[torch.Tensor] = []
+    with quiet():
+        for x, y in dm.train_dataloader():
+            windows.append(torch.cat([x, y[:, -1:]], dim=1))  # (B, T + 1)
+            if sum(w.size(0) for w in windows) >= n:
+                break
+    tokens = torch.cat(windows)[:n] if windows else torch.empty(0, seq_len + 1, dtype=torch.long)
+    if tokens.size(0) < n:
+        raise LNStabError(f"--data.path {protocol.data_path} holds {tokens.size(0)} windows of {seq_len + 1} tokens; "
+                          f"the check needs {n} (--batch-size × (--steps + 1))")
+    return tokens, {"source": "files", "path": str(protocol.data_path), "windows": n,
+                    "validation_documents_skipped": int(dm.hparams.val_tokens)}
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Lightning's per-fit chatter (devices, tips, ``max_steps`` reached) and routine warnings, silenced."""
+    loggers = [logging.getLogger(n) for n in ("lightning", "lightning.pytorch", "lightning.fabric", "lnstab")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+def plan(subjects: list[Subject], protocol: Protocol) -> list[tuple[Subject, float, int]]:
+    """The runs in order: every subject that is not a copy of another, every learning rate, every seed."""
+    return [(s, lr, seed) for s in subjects if s.same_as is None for lr in protocol.lrs for seed in protocol.seeds]
+
+
+def run_ladder(subjects: list[Subject], protocol: Protocol, tokens: torch.Tensor, log_root: Path,
+               progress: bool = True) -> dict[str, list[RunResult]]:
+    """Train every planned run (a progress bar across runs on stderr); ``{subject key: runs}``, copies included."""
+    from tqdm.auto import tqdm
+
+    runs = plan(subjects, protocol)
+    results: dict[str, list[RunResult]] = {s.key: [] for s in subjects}
+    bar = tqdm(total=len(runs), desc="lnstab check", unit="run", disable=not progress, dynamic_ncols=True)
+    try:
+        for subject, lr, seed in runs:
+            bar.set_postfix_str(f"{subject.key} lr={lr:g} seed={seed}")
+            torch.manual_seed(seed)
+            model = subject.build()
+            with quiet():
+                result = stress_run(
+                    subject.key, model, subject.sites, tokens, lr=lr, seed=seed, batch_size=protocol.batch_size,
+                    optimisation=protocol.optimisation, measure_every=protocol.measure_every,
+                    jacobian_iters=protocol.jacobian_iters, probe_size=protocol.probe_size, log_root=log_root,
+                    accelerator=protocol.accelerator,
+                )
+            results[subject.key].append(result)
+            last = result.losses[-1] if result.losses else math.nan
+            bar.set_postfix_str(f"{subject.key} lr={lr:g} seed={seed} loss={last:.3g}"
+                                + (" diverged" if result.diverged else ""))
+            bar.update()
+    finally:
+        bar.close()
+    for subject in subjects:
+        if subject.same_as is not None:
+            results[subject.key] = results[subject.same_as]
+    return results

@@ -1,0 +1,279 @@
+"""One stress run of the check: a Lightning fit of any token-ids → logits model with lnstab's instruments attached.
+
+Every subject of a check (the checked model and its references) is trained by the same :class:`StressModule`
+(AdamW with decay on matrices only, linear warmup then cosine to a tenth of the peak, as
+:class:`lnstab.module.GPTModule`) on the same cached batches, so two subjects differ only in their architecture.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import override
+
+from lnstab.callbacks import (
+    DivergenceMonitor,
+    GradientStatistics,
+    GrowthBoundMonitor,
+    HiddenStateStatistics,
+    JacobianSensitivity,
+    RunStatus,
+    StabilityLayout,
+)
+from lnstab.module import lr_at
+
+
+@dataclass(frozen=True)
+class Optimisation:
+    """The stress run's optimiser settings (shared by every subject and rung of the ladder).
+
+    Attributes:
+        steps: Optimizer updates per run; the hidden states and Jacobians are measured once more after the last.
+        warmup_steps: Linear warmup to the rung's learning rate, then cosine to ``min_lr_ratio`` of it at ``steps``.
+        min_lr_ratio: End of the cosine as a fraction of the peak learning rate.
+        weight_decay: AdamW decoupled decay on ≥ 2-D weights.
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        grad_clip: Gradient-norm clipping (``0`` for none).
+    """
+
+    steps: int = 30
+    warmup_steps: int = 3
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+
+class StressModule(pl.LightningModule):
+    """Next-token loss of ``model`` (token ids ``(B, T)`` → logits ``(B, T, V)``) under :class:`Optimisation`.
+
+    The wrapped model stays in eval mode while it trains (dropout off), so every measurement is a function of the
+    weights and the batch alone. The training loss of every step is kept in :attr:`losses`.
+
+    Args:
+        model: The network to train; its modules are reachable as ``model.<name>`` (hooks find them by suffix).
+        learning_rate: Peak learning rate.
+        optimisation: The schedule and optimiser settings.
+    """
+
+    def __init__(self, model: nn.Module, learning_rate: float, optimisation: Optimisation) -> None:
+        super().__init__()
+        self.model = model
+        self.learning_rate = learning_rate
+        self.optimisation = optimisation
+        self.losses: list[float] = []
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.model.eval()  # Lightning puts the module in train mode at fit start; the check measures without dropout
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch  # (B, T), (B, T)
+        logits = self(x)  # (B, T, V)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+        self.losses.append(loss.item())
+        self.log("train/loss", loss)
+        return loss
+
+    @override
+    def configure_optimizers(self) -> dict[str, Any]:
+        opt = self.optimisation
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": opt.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=self.learning_rate, betas=opt.betas, eps=opt.eps, foreach=True)
+        peak, warmup = self.learning_rate, max(1, opt.warmup_steps)
+
+        def scale(step: int) -> float:
+            lr = lr_at(step, max_lr=peak, min_lr=peak * opt.min_lr_ratio, warmup_steps=warmup, decay_steps=opt.steps)
+            return lr / peak if peak > 0 else 0.0
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, scale)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+@dataclass(frozen=True)
+class Sites:
+    """Where the instruments look in one model (regexes searched in module/parameter names; see lnstab.callbacks).
+
+    Attributes:
+        hidden_pattern: Residual-stream sites (half-steps or blocks); the first group, if any, is the layer index
+            (without groups the matches are numbered in module order).
+        embed_pattern: The module whose output is X_0 (``None``: the first block's input).
+        final_pattern: The module whose input is X_D (``None``: the last block's output).
+        block_pattern: Whole blocks for the Jacobian probe, first group the layer index.
+        param_pattern: Parameters of one block, first group the layer index (``None``: no per-layer gradients).
+        norm_pattern: Output norms of Theorem 4, one per residual update (``None``: none).
+    """
+
+    hidden_pattern: str
+    embed_pattern: str | None = None
+    final_pattern: str | None = None
+    block_pattern: str | None = None
+    param_pattern: str | None = None
+    norm_pattern: str | None = None
+
+
+class Recorder(pl.Callback):
+    """Keeps every evaluation of the instruments' ``.last`` dicts by step (placed after them in the callback list)."""
+
+    def __init__(self, instruments: list[Any]) -> None:
+        self.instruments = instruments
+        self.seen: list[int] = [id(i.last) for i in instruments]
+        self.by_step: dict[int, dict[str, float]] = {}
+
+    def _collect(self, step: int) -> None:
+        for k, inst in enumerate(self.instruments):
+            if id(inst.last) != self.seen[k] and inst.last:
+                self.seen[k] = id(inst.last)
+                self.by_step.setdefault(step, {}).update(inst.last)
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
+        self._collect(trainer.global_step)  # the Jacobian probe measures in its on_train_batch_start
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, out: Any, batch: Any, i: int
+    ) -> None:
+        self._collect(trainer.global_step - 1)  # growth and gradient statistics of the step that just ended
+
+
+@dataclass
+class RunResult:
+    """What one stress run measured (plain numbers, JSON-ready)."""
+
+    subject: str
+    lr: float
+    seed: int
+    log_dir: str
+    losses: list[float]
+    diverged: bool
+    diverged_step: int | None
+    events: list[dict[str, Any]]
+    hidden_tags: list[str]
+    hidden_steps: list[int]
+    hidden: dict[str, dict[str, list[float]]]
+    metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+
+def batches(tokens: torch.Tensor, seed: int, batch_size: int) -> DataLoader:
+    """The cached windows ``tokens`` ``(N, T + 1)`` in a seeded order, as ``(x, y)`` batches."""
+    order = torch.randperm(tokens.size(0), generator=torch.Generator().manual_seed(seed))
+    data = tokens[order]
+    return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=batch_size, shuffle=False, drop_last=True)
+
+
+def stress_run(
+    subject: str,
+    model: nn.Module,
+    sites: Sites,
+    tokens: torch.Tensor,
+    *,
+    lr: float,
+    seed: int,
+    batch_size: int,
+    optimisation: Optimisation,
+    measure_every: int,
+    jacobian_iters: int,
+    probe_size: int,
+    log_root: Path,
+    accelerator: str = "cpu",
+) -> RunResult:
+    """Train ``model`` for ``optimisation.steps`` updates at ``lr`` with every instrument attached.
+
+    The hidden states are measured every ``measure_every`` steps from step 0 (initialisation) to step
+    ``optimisation.steps`` (after the last update), the Jacobians at both ends; TensorBoard logs, the hidden-state
+    series, divergence events and ``summary.json`` go to ``log_root/<subject>/lr<lr>_seed<seed>/``.
+    """
+
+    started = time.perf_counter()
+    hidden = HiddenStateStatistics(
+        every_n_steps=measure_every,
+        layer_pattern=sites.hidden_pattern,
+        embed_pattern=sites.embed_pattern,
+        final_pattern=sites.final_pattern,
+        log_heatmap=False,
+    )
+    growth_kwargs: dict[str, Any] = {}
+    if sites.norm_pattern is not None:
+        growth_kwargs["norm_pattern"] = sites.norm_pattern
+    growth = GrowthBoundMonitor(
+        every_n_steps=measure_every,
+        layer_pattern=sites.hidden_pattern,
+        embed_pattern=sites.embed_pattern or r"(?!)",  # none: X_0 is the first layer's input
+        final_pattern=sites.final_pattern,
+        **growth_kwargs,
+    )
+    instruments: list[Any] = [growth]
+    callbacks: list[pl.Callback] = [StabilityLayout(), hidden, growth]
+    if sites.param_pattern is not None:
+        grads = GradientStatistics(every_n_steps=1, layer_pattern=sites.param_pattern)
+        callbacks.append(grads)
+        instruments.append(grads)
+    if sites.block_pattern is not None:
+        jac = JacobianSensitivity(
+            every_n_steps=optimisation.steps, probe_size=probe_size, n_iter=jacobian_iters,
+            layer_pattern=sites.block_pattern,
+        )
+        callbacks.append(jac)
+        instruments.append(jac)
+    monitor = DivergenceMonitor(policy="stop", layer_pattern=sites.hidden_pattern)
+    status = RunStatus(signals=(), save_on_interrupt=False)  # summary.json status only; Ctrl-C ends the whole check
+    recorder = Recorder(instruments)
+    callbacks += [monitor, status, recorder]
+    logger = TensorBoardLogger(save_dir=str(log_root), name=subject, version=f"lr{lr:g}_seed{seed}")
+    trainer = pl.Trainer(
+        accelerator=accelerator,
+        devices=1,
+        precision="32-true",
+        logger=logger,
+        callbacks=callbacks,
+        max_steps=optimisation.steps + 1,
+        gradient_clip_val=optimisation.grad_clip or None,
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        deterministic=False,
+    )
+    module = StressModule(model, lr, optimisation)
+    trainer.fit(module, train_dataloaders=batches(tokens, seed, batch_size))
+    diverged = monitor.diverged_step is not None or not all(math.isfinite(v) for v in module.losses)
+    return RunResult(
+        subject=subject,
+        lr=lr,
+        seed=seed,
+        log_dir=str(logger.log_dir),
+        losses=module.losses,
+        diverged=diverged,
+        diverged_step=monitor.diverged_step,
+        events=list(monitor.events),
+        hidden_tags=list(hidden.tags),
+        hidden_steps=list(hidden.steps),
+        hidden={s: {t: list(v) for t, v in by_tag.items()} for s, by_tag in hidden.values.items()},
+        metrics=dict(recorder.by_step),
+        wall_s=time.perf_counter() - started,
+    )
+

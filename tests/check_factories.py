@@ -1,0 +1,85 @@
+"""Model factories for the tests of ``lnstab check --factory`` (no tests here; imported as ``check_factories``).
+
+Each function returns a fresh ``nn.Module`` mapping token ids ``(B, T)`` to logits ``(B, T, V)``, or, for the
+bad-input tests, something that does not.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+VOCAB, WIDTH, LAYERS = 128, 32, 2
+
+
+class EncoderLM(nn.Module):
+    """Token + position embedding, ``nn.TransformerEncoder`` under a causal mask, linear head."""
+
+    def __init__(self, norm_first: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.pos = nn.Embedding(64, WIDTH)
+        layer = nn.TransformerEncoderLayer(WIDTH, 2, 4 * WIDTH, dropout=0.0, batch_first=True, norm_first=norm_first)
+        self.encoder = nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.size(1)
+        x = self.embed(idx) + self.pos(torch.arange(T, device=idx.device))  # (B, T, C)
+        mask = nn.Transformer.generate_square_subsequent_mask(T, device=idx.device)  # (T, T)
+        return self.head(self.encoder(x, mask=mask, is_causal=True))  # (B, T, V)
+
+
+class TriplingBlock(nn.Module):
+    """A Pre-LN encoder layer whose residual stream is multiplied by 3: ``3·x + f(x)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(WIDTH, 2, 4 * WIDTH, dropout=0.0, batch_first=True, norm_first=True)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.layer(x, src_mask=mask, is_causal=True) + 2 * x  # (B, T, C): 3·x + attention and MLP updates
+
+
+class TriplingLM(nn.Module):
+    """Four :class:`TriplingBlock` s between an embedding and a head."""
+
+    def __init__(self, layers: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList([TriplingBlock() for _ in range(layers)])
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)  # (B, T, C)
+        mask = nn.Transformer.generate_square_subsequent_mask(idx.size(1), device=idx.device)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(x)  # (B, T, V)
+
+
+class PooledLM(EncoderLM):
+    """Returns one logit vector per sequence, ``(B, V)``: the wrong shape."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return super().forward(idx).mean(dim=1)
+
+
+def encoder_lm() -> nn.Module:
+    """Post-LN ``nn.TransformerEncoder`` language model (PyTorch's default layer)."""
+    return EncoderLM()
+
+
+def tripling_lm() -> nn.Module:
+    """A model whose blocks multiply the residual stream by 3."""
+    return TriplingLM()
+
+
+def pooled_lm() -> nn.Module:
+    """A model with logits of the wrong shape."""
+    return PooledLM()
+
+
+def not_a_module() -> int:
+    """Not a model at all."""
+    return 3

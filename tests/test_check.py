@@ -1,0 +1,236 @@
+"""``lnstab check`` end to end at a tiny size: every input form, the verdicts on constructed cases, bad input.
+
+Each check runs in-process through ``lnstab.cli.main`` (so the one-line error handling and exit codes are the
+console script's) with a few optimizer steps of tiny models on the synthetic stream, one thread.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lnstab.check.criteria import IDS
+from lnstab.cli import main
+from lnstab.rundir import read_summary
+
+TESTS = Path(__file__).parent
+TINY = ["--steps", "6", "--measure-every", "3", "--batch-size", "4", "--seq-len", "16", "--seeds", "0",
+        "--threads", "1", "--no-progress", "--data.source", "synthetic"]
+GPT = ["--model.preset", "tiny", "--model.vocab_size", "128", "--model.block_size", "32"]
+ENCODER = ["--factory", "check_factories:encoder_lm", "--layer-pattern", r"layers\.(\d+)$"]
+
+
+def check(out: Path, *args: str) -> tuple[int, dict]:
+    """Run ``lnstab check … --out out``; its exit status and ``report.json``."""
+    try:
+        main(["check", *args, "--out", str(out)])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    report = json.loads((out / "report.json").read_text()) if (out / "report.json").is_file() else {}
+    return code, report
+
+
+def rows(report: dict) -> dict[str, dict]:
+    return {r["id"]: r for r in report["criteria"]}
+
+
+def scalar_tags(run_dir: Path) -> set[str]:
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return set(events.Tags()["scalars"])
+
+
+def test_lnstab_peri_ln_runs_end_to_end_and_passes_the_bound(tmp_path, capsys) -> None:
+    out = tmp_path / "card"
+    code, report = check(out, *GPT, "--model.norm_placement", "peri", "--lrs", "1e-2", *TINY)
+    assert code == report["exit_code"] == (1 if report["status"] == "fail" else 0)
+    assert [r["id"] for r in report["criteria"]] == list(IDS)
+    bound = rows(report)["bound"]
+    assert bound["status"] == "pass" and bound["measured"] == 0 and "holds" in bound["why"]
+    # The Peri-LN reference is the checked model itself: its runs are reused, the Pre-LN reference ran.
+    assert report["references"]["peri-ln"]["same_as"] == "checked"
+    assert [(r["subject"], r["lr"], r["seed"]) for r in report["runs"]] == [("checked", 0.01, 0), ("pre-ln", 0.01, 0)]
+    for name in ("report.md", "thresholds.yaml"):
+        assert (out / name).read_text().strip()
+    for name in ("growth.png", "sensitivity.png", "loss.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    tags = scalar_tags(out / "tb" / "checked" / "lr0.01_seed0")
+    assert {"train/loss", "hidden/mean_abs/L01_mlp", "bound/violations", "jacobian/sensitivity/L01",
+            "grad/norm/L00", "growth/exp_rate"} <= tags
+    assert "bound/violations" not in scalar_tags(out / "tb" / "pre-ln" / "lr0.01_seed0")
+    printed = capsys.readouterr().out
+    assert printed.startswith("lnstab check: ") and all(r["title"] in printed for r in report["criteria"])
+    depths = report["summaries"]["checked"]["profiles"]["init"]["mean_abs"][0]
+    assert depths == [0.5, 1.0, 1.5, 2.0]  # half-steps of two layers
+
+
+def test_hugging_face_gpt2_directory_runs_end_to_end(tmp_path) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=32, bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    out = tmp_path / "card"
+    code, report = check(out, "--hf", str(tmp_path / "gpt2"), "--hf-init", "--lrs", "1e-2", *TINY)
+    assert code == report["exit_code"]
+    assert report["model"]["shape"] == {"n_layer": 2, "n_embd": 32, "block_size": 32, "vocab_size": 128, "n_head": 2}
+    for ref in ("pre-ln", "peri-ln"):  # references of the checked model's width, depth and context
+        assert report["references"][ref]["shape"] == report["model"]["shape"]
+        assert report["references"][ref]["same_as"] is None
+    checked = report["summaries"]["checked"]
+    assert checked["profiles"]["init"]["mean_abs"][0] == [1.0, 2.0]  # one site per Hugging Face block
+    assert len(checked["sensitivity"]["points"]) == 4 and rows(report)["bound"]["status"] == "n/a"
+    assert read_summary(out / "tb" / "checked" / "lr0.01_seed0")["status"] == "completed"
+
+
+def test_hugging_face_directory_loads_its_trained_weights(tmp_path) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from lnstab.check.subjects import hf_subject
+
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0)
+    saved = GPT2LMHeadModel(config)
+    saved.save_pretrained(tmp_path / "gpt2")
+    loaded = hf_subject(str(tmp_path / "gpt2"), init=False).build().hf.state_dict()
+    fresh = hf_subject(str(tmp_path / "gpt2"), init=True).build().hf.state_dict()
+    key = "transformer.h.0.attn.c_attn.weight"
+    torch.testing.assert_close(loaded[key], saved.state_dict()[key])
+    assert not torch.equal(fresh[key], saved.state_dict()[key])
+
+
+def test_factory_transformer_encoder_runs_end_to_end(tmp_path) -> None:
+    out = tmp_path / "card"
+    code, report = check(out, *ENCODER, "--lrs", "1e-2", *TINY)
+    assert code == report["exit_code"]
+    assert report["model"]["shape"]["n_layer"] == 2 and report["model"]["shape"]["n_embd"] == 32
+    assert report["model"]["shape"]["vocab_size"] == 128  # read off the logits
+    checked = report["summaries"]["checked"]
+    assert len(checked["sensitivity"]["points"]) == 4
+    assert rows(report)["grad_spread"]["status"] != "n/a"  # per-layer gradients found from layers.<i>
+    assert {"hidden/mean_abs/L01", "jacobian/residual/L00", "grad/norm/L01"} <= scalar_tags(
+        out / "tb" / "checked" / "lr0.01_seed0")
+
+
+def test_no_norm_model_at_a_high_learning_rate_fails_divergence(tmp_path) -> None:
+    args = [*GPT, "--model.norm_placement", "none", "--lrs", "0.3", *TINY, "--seeds", "0,1", "--steps", "10",
+            "--measure-every", "5"]
+    code, report = check(tmp_path / "card", *args)
+    divergence = rows(report)["divergence"]
+    assert divergence["status"] == "fail" and code == 1
+    assert divergence["measured"] > max(divergence["references"].values())
+    assert "more often than both references" in divergence["why"]
+    first = [r["first_bad"] for r in report["runs"] if r["subject"] == "checked"]
+    assert all(fb is not None and fb["step"] < 10 for fb in first)
+    assert all(not r["diverged"] for r in report["runs"] if r["subject"] != "checked")
+    assert read_summary(tmp_path / "card" / "tb" / "checked" / "lr0.3_seed0")["status"] == "diverged"
+
+
+def test_blocks_that_triple_the_residual_fail_the_growth_law(tmp_path) -> None:
+    args = ["--factory", "check_factories:tripling_lm", "--module-types", "check_factories.TriplingBlock",
+            "--lrs", "1e-2", *TINY]
+    code, report = check(tmp_path / "card", *args)
+    growth = rows(report)["growth_trained"]
+    assert growth["status"] == "fail" and code == 1
+    assert growth["measured"] > growth["fail"] >= max(growth["references"].values())
+    assert "faster than both references" in growth["why"] and "exponential law fits better" in growth["why"]
+    init = rows(report)["growth_init"]  # at initialisation exactly ×3 per layer: ×9 over the deeper 2 of 4 layers
+    assert init["measured"] == pytest.approx(2 * math.log2(3), rel=0.02) and init["status"] == "warn"
+
+
+def test_a_thresholds_file_changes_a_verdict(tmp_path) -> None:
+    args = [*GPT, "--model.norm_placement", "pre", "--lrs", "1e-2", "--no-reference", *TINY]
+    code, report = check(tmp_path / "default", *args)
+    default = rows(report)["growth_init"]
+    assert default["status"] != "fail" and default["fail_source"] == "absolute"
+    stricter = default["measured"] - 0.1 * abs(default["measured"]) - 1e-3
+    thresholds = tmp_path / "strict.yaml"
+    thresholds.write_text(f"growth_init:\n  absolute: {{warn: null, fail: {stricter!r}}}\n")
+    code, report = check(tmp_path / "strict", *args, "--thresholds", str(thresholds))
+    strict = rows(report)["growth_init"]
+    assert strict["measured"] == pytest.approx(default["measured"])  # same seed, same model: same measurement
+    assert strict["status"] == "fail" and strict["fail"] == pytest.approx(stricter) and code == 1
+    assert f"{stricter!r}" in (tmp_path / "strict" / "thresholds.yaml").read_text()
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--factory", "no_such_module_xyz.models:build"], "cannot be imported"),
+        (["--factory", "check_factories:pooled_lm"], "it must map token ids (B, T) to logits (B, T, V)"),
+        ([*ENCODER[:2], "--layer-pattern", r"nomatch\.(\d+)$"], "matched no module"),
+        (["--factory", "check_factories:not_a_module"], "it must return a torch.nn.Module"),
+        (["--factory", "check_factories:encoder_lm", "--layer-pattern", "(unclosed"], "not a valid regular expression"),
+        (["--hf", "/no/such/dir/gpt2"], "cannot be loaded"),
+        ([], "exactly one of"),
+        ([*GPT, "--hf", "x"], "exactly one of"),
+        ([*GPT, "--model.norm_placement", "sideways"], "norm_placement='sideways' is not allowed"),
+        ([*GPT, "--model.min_lr", "1e-4"], "--model.min_lr is not used"),
+        ([*GPT, "--measure-every", "4"], "it must divide the number of steps"),
+        ([*GPT, "--lrs", "abc"], "is not a comma-separated list of numbers"),
+        ([*GPT, "--data.source", "auto", "--data.path", "owt.jsonl.gz"], "holds GPT-2 tokens"),
+        ([*GPT, "--data.path", "owt.jsonl.gz"], "is not used with --data.source synthetic"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, expected) -> None:
+    out = tmp_path / "card"
+    with pytest.raises(SystemExit) as info:
+        main(["check", *TINY, *args, "--out", str(out)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lnstab: error: ") and expected in err and "\n" not in err, err
+    assert not out.exists()
+
+
+def test_bad_thresholds_and_an_existing_run_directory_are_refused(tmp_path, capsys) -> None:
+    bad = tmp_path / "bad.yaml"
+    for text, expected in (("growth: {fail: 1}\n", "criterion 'growth' is not allowed"),
+                           ("loss: {warn: __import__('os')}\n", "loss.warn="),
+                           ("loss: {warn: 'pre +'}\n", "it is not an expression")):
+        bad.write_text(text)
+        with pytest.raises(SystemExit) as info:
+            main(["check", *GPT, *TINY, "--thresholds", str(bad), "--out", str(tmp_path / "card")])
+        err = capsys.readouterr().err.strip()
+        assert info.value.code == 2 and expected in err and "\n" not in err, err
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "report.md").write_text("an earlier card\n")
+    with pytest.raises(SystemExit) as info:
+        main(["check", *GPT, *TINY, "--out", str(tmp_path / "used")])
+    assert info.value.code == 2 and "never overwrites" in capsys.readouterr().err
+    assert (tmp_path / "used" / "report.md").read_text() == "an earlier card\n"
+
+
+def test_default_run_directories_are_never_overwritten(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    args = ["check", *GPT, "--lrs", "1e-2", "--no-reference", *TINY]
+    for _ in range(2):
+        try:
+            main(args)
+        except SystemExit as exc:
+            assert exc.code == 1
+    names = sorted(p.name for p in (tmp_path / "runs" / "check").iterdir())
+    assert names == ["tiny-pre-layernorm-dt1", "tiny-pre-layernorm-dt1-1"]
+    assert all((tmp_path / "runs" / "check" / n / "report.json").is_file() for n in names)
+
+
+@pytest.mark.slow
+def test_console_script_exit_status(tmp_path) -> None:
+    """``lnstab check`` as a CI gate: exit 1 when a criterion fails, 2 with one line on misuse."""
+    exe = Path(sys.executable).with_name("lnstab")
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "HF_HUB_OFFLINE": "1"}
+    cmd = [str(exe), "check", *GPT, "--model.norm_placement", "none", "--lrs", "0.3", "--no-reference", *TINY,
+           "--out", str(tmp_path / "card")]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Divergence rate" in done.stdout and "FAIL" in done.stdout
+    assert json.loads((tmp_path / "card" / "report.json").read_text())["exit_code"] == 1
+    done = subprocess.run([str(exe), "check", "--factory", "check_factories:pooled_lm", *TINY], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "lnstab: error:" in done.stderr
