@@ -140,7 +140,7 @@ def default_stats() -> tuple[str, ...]:
 
 
 def _count(view: SiteView) -> torch.Tensor:
-    return torch.tensor(float(view.batch), device=view.x.device)
+    return torch.full((), float(view.batch), device=view.x.device)  # a fill, not a host-to-device copy
 
 
 def _entry_moments(view: SiteView) -> Moments:

@@ -221,7 +221,7 @@ class GrowthBoundMonitor(TapCallback):
             ma_d, var_d = xd_ma.double(), xd_var.double()
             tol = self.tolerance
             violations = (ma_d > bound * (1 + tol)).sum() + (var_d > bound.square() * (1 + tol)).sum()
-            count = torch.tensor(float(bound.numel()), device=bound.device, dtype=torch.float64)
+            count = torch.full((), float(bound.numel()), device=bound.device, dtype=torch.float64)
             sums = torch.stack([count, bound.sum(), ma_d.sum(), bound.square().sum(), var_d.sum(), violations.double()])
             neg_slack = torch.stack([(ma_d - bound).max(), (var_d - bound.square()).max()])
             all_reduce_(sums, "sum", trainer)
