@@ -51,23 +51,27 @@ class SiteView:
 
     @cached_property
     def seq_var_mean(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Population variance and mean over the entries of each sequence, ``(B,)`` each."""
-        return torch.var_mean(self.flat, dim=1, correction=0)
+        """Population variance and mean over the entries of each sequence, ``(B,)`` each (two-pass: centred)."""
+        mean = self.flat.mean(dim=1)
+        return (self.flat - mean[:, None]).square_().mean(dim=1), mean
 
     @cached_property
     def seq_mean_abs(self) -> torch.Tensor:
         """Mean ``|x|`` of each sequence, ``(B,)``."""
-        return torch.linalg.vector_norm(self.flat, ord=1, dim=1) / self.entries
+        return self.flat.abs().sum(dim=1) / self.entries
 
     @cached_property
-    def entry_var_mean(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Population variance and mean of each entry across the ``B`` samples, ``(N,)`` each."""
-        return torch.var_mean(self.flat, dim=0, correction=0)
+    def entry_mean_m2(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean of each entry across the ``B`` samples ``(N,)``, and Σ over entries of the centred sums of squares
+        (a 0-dim float64): the per-entry moments the data-wise variance needs."""
+        mean = self.flat.mean(dim=0)
+        return mean, (self.flat - mean).square_().sum().double()
 
     @cached_property
     def max_abs(self) -> torch.Tensor:
-        """``max |x|`` as a float32 0-dim tensor; NaN when any entry is NaN."""
-        return torch.linalg.vector_norm(self.x, ord=math.inf).float()
+        """``max |x|`` as a float32 0-dim tensor; NaN when any entry is NaN (one pass, no temporary)."""
+        low, high = torch.aminmax(self.x)
+        return torch.maximum(high, low.neg()).float()
 
 
 @dataclass
@@ -144,8 +148,8 @@ def _count(view: SiteView) -> torch.Tensor:
 
 
 def _entry_moments(view: SiteView) -> Moments:
-    var, mean = view.entry_var_mean
-    return Moments(float(view.batch), mean, var.sum(dtype=torch.float64) * view.batch)
+    mean, m2 = view.entry_mean_m2
+    return Moments(float(view.batch), mean, m2)
 
 
 register(Statistic(

@@ -24,7 +24,7 @@ from lnstab.callbacks import (
     unsharded,
 )
 from lnstab.model import Block
-from lnstab.rundir import read_summary
+from lnstab.rundir import read_summary, run_dir
 
 GLOBAL_BATCH, STEPS = 8, 3
 PROBE = (torch.arange(12)[None] * 7) % 100
@@ -141,6 +141,11 @@ class NaNOnRankOne(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.at = (trainer.global_step, batch_idx % 2)
 
+    def on_train_end(self, trainer, pl_module):
+        finite = DivergenceMonitor.params_finite(pl_module, trainer)  # every rank's shard, reduced
+        if trainer.is_global_zero:
+            (run_dir(trainer) / "finite.json").write_text(json.dumps(finite))
+
 
 @pytest.mark.slow
 def test_fsdp_ranks_agree_to_stop_on_a_nan_only_one_rank_saw(tmp_path):
@@ -165,5 +170,6 @@ def test_fsdp_ranks_agree_to_stop_on_a_nan_only_one_rank_saw(tmp_path):
     # rank 0's record: the NaN reached its gradient shard through the reduce-scatter (not fatal here), and it stopped
     # because rank 1's fatal activation was summed into the step's one collective
     assert [(e["step"], e["kind"]) for e in events] == [(1, "nonfinite_grad"), (1, "remote")]
+    assert json.loads((run / "finite.json").read_text()) is True  # the NaN update was dropped on every shard
     summary = read_summary(run)
     assert summary["status"] == "diverged" and summary["diverged_step"] == 1 and summary["final_step"] == 2
