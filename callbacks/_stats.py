@@ -19,7 +19,6 @@ is one :func:`register` call (and a test).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property

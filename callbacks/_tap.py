@@ -114,13 +114,14 @@ class Subscription:
             packed_max = packed_max.masked_fill(packed[packed.numel() - len(maxes):] > 0, float("nan"))
             sums = list(packed[: packed.numel() - len(maxes)].split([t.numel() for t in sums]))
             maxes = list(packed_max.unbind())
-        out = {n: torch.full((len(self.sites),), float("nan"), dtype=torch.float64, device=device) for n in names}
+        finished: dict[tuple[int, str], torch.Tensor] = {}
         it_sum, it_max = iter(sums), iter(maxes)
         for i, n in cells:
             stat = _stats.REGISTRY[n]
             raw = next(it_sum) if stat.kind == "sum" else next(it_max) if stat.kind == "max" else moments[(i, n)]
-            out[n][i] = stat.finish(raw).to(torch.float64)
-        return out
+            finished[(i, n)] = stat.finish(raw).to(torch.float64).reshape(())
+        missing = torch.full((), float("nan"), dtype=torch.float64, device=device)
+        return {n: torch.stack([finished.get((i, n), missing) for i in range(len(self.sites))]) for n in names}
 
     def close(self) -> None:
         """Stop watching; hooks no subscription needs any more are removed."""
@@ -131,7 +132,7 @@ class Subscription:
 def _reduce_moments(m: _stats.Moments, trainer: Any) -> _stats.Moments:
     """Moments over every rank: μ = Σ n·mean / Σ n (one all-reduce of ``N + 1`` values), then
     Σ M2 = Σ_r [M2_r + n_r·‖mean_r − μ‖²] (one scalar all-reduce); deviations from μ, so nothing cancels."""
-    packed = torch.cat([m.mean * m.n, m.mean.new_tensor([m.n])])
+    packed = torch.cat([m.mean * m.n, m.mean.new_full((1,), m.n)])
     all_reduce_(packed, "sum", trainer)
     n = packed[-1]
     mean = packed[:-1] / n
