@@ -6,10 +6,10 @@ share one tap per model and read the statistics registry (:class:`Statistic`, :f
 :func:`unsharded` gives any callback a full-parameter view of the model under every served strategy.
 """
 
-from .checkpoint import RunCheckpoint
 from ._stats import SiteView, Statistic
 from ._stats import register as register_statistic
 from ._strategy import unsharded
+from .checkpoint import RunCheckpoint
 from .divergence import DivergenceMonitor, NonFiniteCheckpointError
 from .grad_stats import GradientStatistics
 from .growth_bound import GrowthBoundMonitor

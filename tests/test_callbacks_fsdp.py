@@ -21,6 +21,7 @@ from lnstab.callbacks import (
     GrowthBoundMonitor,
     HiddenStateStatistics,
     JacobianSensitivity,
+    RunStatus,
     unsharded,
 )
 from lnstab.model import Block
@@ -90,7 +91,7 @@ def fit(tmp_path: Path, name: str, **kwargs) -> tuple[dict, dict]:
         enable_model_summary=False,
         enable_checkpointing=False,
         max_steps=STEPS,
-        callbacks=[*instruments, DivergenceMonitor(), recorder],
+        callbacks=[*instruments, DivergenceMonitor(), RunStatus(), recorder],
         use_distributed_sampler=False,
         accumulate_grad_batches=accumulate,
         **kwargs,
@@ -159,7 +160,7 @@ def test_fsdp_ranks_agree_to_stop_on_a_nan_only_one_rank_saw(tmp_path):
         enable_model_summary=False,
         enable_checkpointing=False,
         max_steps=STEPS,
-        callbacks=[NaNOnRankOne(), DivergenceMonitor(policy="stop", fatal_kinds="nonfinite_activation")],
+        callbacks=[NaNOnRankOne(), DivergenceMonitor(policy="stop", fatal_kinds="nonfinite_activation"), RunStatus()],
         use_distributed_sampler=False,
         accumulate_grad_batches=2,
     )
