@@ -138,9 +138,28 @@ def test_a_new_row_drives_model_export_and_bound(extra_row) -> None:
     assert model.output_norms() == []  # the post norm renormalises: the bound's form does not hold
     with pytest.raises(ConfigError, match="norm_placement='sandwich'.*'pre' or 'pre_again'"):
         gpt_to_hf(model)
-    pytest.importorskip("transformers")
     torch.manual_seed(0)
     ours = GPT(tiny(norm_placement="pre_again")).eval()
     idx = torch.randint(0, 97, (1, 8))
     with torch.no_grad():
         torch.testing.assert_close(gpt_to_hf(ours).eval()(idx).logits, ours(idx), rtol=0, atol=1e-5)
+
+
+def test_a_new_row_with_normalised_updates_gets_the_growth_bound(extra_row) -> None:
+    from lnstab.callbacks import GrowthBoundMonitor
+
+    extra_row(Placement("peri_bare", input=True, output=True, post=False, final=False, doc="Peri-LN, no ln_f (test)."))
+    torch.manual_seed(0)
+    model = GPT(tiny(norm_placement="peri_bare", residual_scale=0.5))
+    randomize(model)
+    bound = GrowthBoundMonitor(every_n_steps=1)
+    bound.setup(None, model, "fit")
+    assert [m for m, _ in bound.norms] == [m for m, _ in model.output_norms()] and len(bound.norms) == 4
+    bound.subscription.active = True
+    model(torch.randint(0, 97, (3, 16)))
+    metrics = bound.evaluate(type("T", (), {"world_size": 1, "loggers": []})(), 0)
+    assert metrics["bound/violations"] == 0 and metrics["bound/slack"] > 0
+    growth = sum(0.5 * (m.weight.abs().max() + m.bias.abs().max()).item() for m, _ in model.output_norms())
+    rms_x0 = bound.subscription.local("seq_rms_var", [0])[0][0].double().mean().item()  # mean RMS(X_0)
+    assert metrics["bound/ma_bound"] == pytest.approx(rms_x0 + growth, rel=1e-5)  # RMS(X_0) + Σ Δt(γmax + βmax)
+    bound.teardown(None, model, "fit")
