@@ -16,8 +16,11 @@ Two measurements, each printing ratios against a reference measured in the same 
    rounds. Printed: median wall time per configuration, the ratio of medians and the median of the per-round ratios
    to none. Goal: ``paper`` ≤ 1.02×.
 
+Beside wall time both print the process CPU time (all threads) and its ratio: on a shared machine whose other tenants
+take the cores away at random, CPU time is the steadier measure of what the instruments add (on a GPU, read wall).
+
     python benchmarks/bench_callbacks.py [--preset mini] [--batch 8] [--seq 128] [--steps 96] \
-        [--run-steps 300] [--repeats 5] [--skip-per-step] [--skip-run]
+        [--run-steps 300] [--repeats 5] [--threads N] [--skip-per-step] [--skip-run]
 """
 
 from __future__ import annotations
@@ -106,7 +109,8 @@ class RoundRobin(pl.Callback):
     def __init__(self, gates: dict[str, Gate | None]) -> None:
         self.names, self.gates = list(gates), list(gates.values())
         self.times: dict[str, list[float]] = {name: [] for name in gates}
-        self.current, self.t0 = 0, 0.0
+        self.cpu: dict[str, list[float]] = {name: [] for name in gates}
+        self.current, self.t0, self.c0 = 0, 0.0, 0.0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.current = trainer.global_step % len(self.gates)
@@ -114,11 +118,12 @@ class RoundRobin(pl.Callback):
             if gate is not None:
                 gate.open = k == self.current
         synchronize()
-        self.t0 = time.perf_counter()
+        self.t0, self.c0 = time.perf_counter(), time.process_time()
 
     def stop(self, trainer) -> None:
         synchronize()
         self.times[self.names[self.current]].append(time.perf_counter() - self.t0)
+        self.cpu[self.names[self.current]].append(time.process_time() - self.c0)
 
 
 class StepEnd(pl.Callback):
@@ -206,12 +211,14 @@ def per_step(args, config: GPTConfig, x: torch.Tensor) -> None:
         jacobian_s = time.perf_counter() - t0
     skip = args.warmup // len(gates)
     med = {name: statistics.median(values[skip:]) for name, values in clock.times.items()}
+    cpu = {name: statistics.median(values[skip:]) for name, values in clock.cpu.items()}
     base = med["none"]
     print(f"\n1. per step: {args.steps} steps round-robin over {len(gates)} configurations "
           f"({time.perf_counter() - start:.0f} s)")
-    print(f"{'configuration':<16}{'median step ms':>16}{'ratio to none':>15}")
+    print(f"{'configuration':<16}{'median step ms':>16}{'ratio to none':>15}{'CPU ms':>10}{'CPU ratio':>11}")
     for name, value in med.items():
-        print(f"{name:<16}{1000 * value:>16.1f}{value / base:>15.3f}")
+        print(f"{name:<16}{1000 * value:>16.1f}{value / base:>15.3f}{1000 * cpu[name]:>10.1f}"
+              f"{cpu[name] / cpu['none']:>11.3f}")
     print(f"JacobianSensitivity.measure (probe 1x{args.seq}, 10 iterations): {1000 * jacobian_s:.0f} ms = "
           f"{jacobian_s / base:.1f} steps; amortised every 1000 steps: {1 + jacobian_s / base / 1000:.4f}")
 
@@ -219,6 +226,7 @@ def per_step(args, config: GPTConfig, x: torch.Tensor) -> None:
 def whole_run(args, config: GPTConfig, x: torch.Tensor) -> None:
     configs = paper_configurations(x[:2])
     walls: dict[str, list[float]] = {name: [] for name in configs}
+    cpus: dict[str, list[float]] = {name: [] for name in configs}
     start = time.perf_counter()
     n = args.batch * args.run_steps
     data = DataLoader(TensorDataset(x[:n], torch.roll(x[:n], -1, 1)), batch_size=args.batch)
@@ -229,18 +237,22 @@ def whole_run(args, config: GPTConfig, x: torch.Tensor) -> None:
                 trainer = make_trainer(args, tmp, args.run_steps, configs[name]())
                 module = Lit(config)
                 synchronize()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 trainer.fit(module, data)
                 synchronize()
                 if r:
                     walls[name].append(time.perf_counter() - t0)
-    med = {name: statistics.median(v) for name, v in walls.items()}
+                    cpus[name].append(time.process_time() - c0)
     print(f"\n2. whole run: {args.run_steps} steps per fit, {args.repeats} interleaved rounds "
           f"({time.perf_counter() - start:.0f} s)")
-    print(f"{'configuration':<16}{'median fit s':>14}{'ratio of medians':>18}{'median ratio':>14}")
-    for name, value in med.items():
+    print(f"{'configuration':<16}{'median fit s':>14}{'ratio of medians':>18}{'median ratio':>14}"
+          f"{'CPU s':>8}{'CPU ratio':>11}")
+    for name in configs:
+        wall, cpu = statistics.median(walls[name]), statistics.median(cpus[name])
         paired = statistics.median(a / b for a, b in zip(walls[name], walls["none"], strict=True))
-        print(f"{name:<16}{value:>14.2f}{value / med['none']:>18.3f}{paired:>14.3f}")
+        ratio = wall / statistics.median(walls["none"])
+        print(f"{name:<16}{wall:>14.2f}{ratio:>18.3f}{paired:>14.3f}{cpu:>8.1f}"
+              f"{cpu / statistics.median(cpus['none']):>11.3f}")
 
 
 def main() -> None:
@@ -255,10 +267,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--skip-per-step", action="store_true")
     parser.add_argument("--skip-run", action="store_true")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     config = GPTConfig.preset(args.preset, vocab_size=args.vocab, block_size=args.seq, norm_placement="peri")
     g = torch.Generator().manual_seed(0)

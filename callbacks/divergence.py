@@ -126,6 +126,7 @@ class DivergenceMonitor(TapCallback):
         self._params_bad: torch.Tensor | None = None  # non-finite parameter count after the previous update
         self._checked_through = -1  # weights after this step's update have been checked
         self._acted = False
+        self._params: list[torch.nn.Parameter] = []
 
     @property
     @override
@@ -140,6 +141,15 @@ class DivergenceMonitor(TapCallback):
             self.subscribe(pl_module, self.sites, [("max_abs",)] * len(self.sites))
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._params = list(pl_module.parameters())  # after the strategy and configure_model set the model up
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().teardown(trainer, pl_module, stage)
+        self._params = []
+
+    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -150,7 +160,7 @@ class DivergenceMonitor(TapCallback):
         if not self._checking:
             return
         self._loss = None
-        self._params_bad = self._count_nonfinite(pl_module) if step > self._checked_through + 1 else None
+        self._params_bad = self._count_nonfinite(self._params) if step > self._checked_through + 1 else None
         if self.subscription is not None:
             self.subscription.reset()
             self.subscription.active = True
@@ -174,7 +184,7 @@ class DivergenceMonitor(TapCallback):
         step = trainer.global_step
         device = pl_module.device
         nan = torch.full((), math.nan, device=device, dtype=torch.float64)
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        grads = [p.grad for p in self._params or pl_module.parameters() if p.grad is not None]
         grad_sq = torch.stack(torch._foreach_norm(grads)).double().square().sum() if grads else nan.new_zeros(())
         loss = self._loss.double() if self._loss is not None else nan
         maxes = [m if m is not None else nan.new_zeros(()) for m in self._site_maxes()]
@@ -189,7 +199,8 @@ class DivergenceMonitor(TapCallback):
         }
         fatal = sum((v.double() for k, v in local.items() if k in self.fatal_kinds), nan.new_zeros(()))
         params_bad = self._params_bad if self._params_bad is not None else nan.new_zeros(())
-        shared = torch.stack([fatal, grad_sq if params_sharded(trainer) else nan.new_zeros(()), params_bad.double()])
+        grad_shared = grad_sq if params_sharded(trainer) else nan.new_zeros(())
+        shared = torch.stack([fatal, grad_shared, params_bad.to(device, torch.float64)])
         if distributed(trainer):
             all_reduce_(shared, "sum", trainer)  # the step's one collective: verdicts, sharded grad norm, weights
         values = torch.cat([torch.stack([loss, grad_sq]), shared, site_max]).tolist()  # the step's one host sync
@@ -251,17 +262,17 @@ class DivergenceMonitor(TapCallback):
         return statistics.fmean(self.losses) + self.spike_k * statistics.pstdev(self.losses)
 
     @staticmethod
-    def _count_nonfinite(pl_module: pl.LightningModule) -> torch.Tensor:
+    def _count_nonfinite(params: Any) -> torch.Tensor:
         """Parameters (this rank's shards) with a non-finite entry, as a device tensor (no host sync)."""
-        params = [p.detach() for p in pl_module.parameters()]
+        params = [p.detach() for p in params]
         if not params:
-            return torch.zeros((), device=pl_module.device)
+            return torch.zeros(())
         return (~torch.stack(torch._foreach_norm(params)).isfinite()).sum()
 
     @staticmethod
     def params_finite(pl_module: pl.LightningModule, trainer: Any = None) -> bool:
         """Whether every parameter is finite (one fused norm, one host sync; shards summed over ranks under FSDP)."""
-        bad = DivergenceMonitor._count_nonfinite(pl_module).float().reshape(1)
+        bad = DivergenceMonitor._count_nonfinite(pl_module.parameters()).float().reshape(1)
         if params_sharded(trainer):
             all_reduce_(bad, "sum", trainer)
         return bad.item() == 0
