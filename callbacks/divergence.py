@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 from collections import deque
 from typing import Any
 
@@ -127,6 +126,7 @@ class DivergenceMonitor(TapCallback):
         self._checked_through = -1  # weights after this step's update have been checked
         self._acted = False
         self._params: list[torch.nn.Parameter] = []
+        self._sharded = self._distributed = False
 
     @property
     @override
@@ -143,6 +143,7 @@ class DivergenceMonitor(TapCallback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._params = list(pl_module.parameters())  # after the strategy and configure_model set the model up
+        self._sharded, self._distributed = params_sharded(trainer), distributed(trainer)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -199,13 +200,13 @@ class DivergenceMonitor(TapCallback):
         }
         fatal = sum((v.double() for k, v in local.items() if k in self.fatal_kinds), nan.new_zeros(()))
         params_bad = self._params_bad if self._params_bad is not None else nan.new_zeros(())
-        grad_shared = grad_sq if params_sharded(trainer) else nan.new_zeros(())
+        grad_shared = grad_sq if self._sharded else nan.new_zeros(())
         shared = torch.stack([fatal, grad_shared, params_bad.to(device, torch.float64)])
-        if distributed(trainer):
+        if self._distributed:
             all_reduce_(shared, "sum", trainer)  # the step's one collective: verdicts, sharded grad norm, weights
         values = torch.cat([torch.stack([loss, grad_sq]), shared, site_max]).tolist()  # the step's one host sync
         loss_v, grad_local, fatal_all, grad_shared, bad_all, site_v = *values[:5], values[5:]
-        grad_v = math.sqrt(grad_shared if params_sharded(trainer) else grad_local)
+        grad_v = math.sqrt(grad_shared if self._sharded else grad_local)
         new: list[dict[str, Any]] = []
         if bad_all > 0 and step > 0:
             new.append(self._event(step - 1, "nonfinite_param", math.nan))
@@ -257,9 +258,11 @@ class DivergenceMonitor(TapCallback):
 
     def _spike_threshold(self) -> float:
         """Losses above this are spikes: window mean + ``spike_k``·std once 10 finite losses are known."""
-        if len(self.losses) < 10:
+        n = len(self.losses)
+        if n < 10:
             return math.inf
-        return statistics.fmean(self.losses) + self.spike_k * statistics.pstdev(self.losses)
+        mean = math.fsum(self.losses) / n
+        return mean + self.spike_k * math.sqrt(math.fsum((v - mean) ** 2 for v in self.losses) / n)
 
     @staticmethod
     def _count_nonfinite(params: Any) -> torch.Tensor:
