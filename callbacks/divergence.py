@@ -184,28 +184,31 @@ class DivergenceMonitor(TapCallback):
             sub.active = False
         step = trainer.global_step
         device = pl_module.device
-        nan = torch.full((), math.nan, device=device, dtype=torch.float64)
+        zero = torch.zeros((), device=device, dtype=torch.float64)
         grads = [p.grad for p in self._params or pl_module.parameters() if p.grad is not None]
-        grad_sq = torch.stack(torch._foreach_norm(grads)).double().square().sum() if grads else nan.new_zeros(())
-        loss = self._loss.double() if self._loss is not None else nan
-        maxes = [m if m is not None else nan.new_zeros(()) for m in self._site_maxes()]
-        site_max = torch.stack([m.to(device, torch.float64) for m in maxes]) if maxes else nan.new_zeros(0)
+        grad_sq = torch.stack(torch._foreach_norm(grads)).double().square().sum() if grads else zero
+        loss = self._loss.double() if self._loss is not None else torch.full_like(zero, math.nan)
+        maxes = [m if m is not None else zero for m in self._site_maxes()]
+        site_max = torch.stack(maxes).to(device, torch.float64) if maxes else zero.new_zeros(0)
+        params_bad = self._params_bad.to(device, torch.float64) if self._params_bad is not None else zero
         spike_at = self._spike_threshold()
         overflow_at = self.overflow_fraction * self._dtype_max()
-        local = {  # this rank's verdicts, on the device (no sync yet)
-            "nonfinite_loss": ~loss.isfinite(),
-            "nonfinite_activation": (~site_max.isfinite()).any(),
-            "loss_spike": loss.isfinite() & (loss > spike_at),
-            "activation_overflow": (site_max.isfinite() & (site_max > overflow_at)).any(),
-        }
-        fatal = sum((v.double() for k, v in local.items() if k in self.fatal_kinds), nan.new_zeros(()))
-        params_bad = self._params_bad if self._params_bad is not None else nan.new_zeros(())
-        grad_shared = grad_sq if self._sharded else nan.new_zeros(())
-        shared = torch.stack([fatal, grad_shared, params_bad.to(device, torch.float64)])
-        if self._distributed:
+        head = [loss, grad_sq, params_bad]
+        if self._distributed:  # every rank must agree: sum this rank's verdicts (on the device) over ranks
+            local = {
+                "nonfinite_loss": ~loss.isfinite(),
+                "nonfinite_activation": (~site_max.isfinite()).any(),
+                "loss_spike": loss.isfinite() & (loss > spike_at),
+                "activation_overflow": (site_max.isfinite() & (site_max > overflow_at)).any(),
+            }
+            fatal = sum((v.double() for k, v in local.items() if k in self.fatal_kinds), zero)
+            shared = torch.stack([fatal, grad_sq if self._sharded else zero, params_bad])
             all_reduce_(shared, "sum", trainer)  # the step's one collective: verdicts, sharded grad norm, weights
-        values = torch.cat([torch.stack([loss, grad_sq]), shared, site_max]).tolist()  # the step's one host sync
-        loss_v, grad_local, fatal_all, grad_shared, bad_all, site_v = *values[:5], values[5:]
+            head += list(shared.unbind())
+        values = torch.cat([torch.stack(head), site_max]).tolist()  # the step's one host sync
+        loss_v, grad_local, bad_all = values[:3]
+        fatal_all, grad_shared, bad_all = values[3:6] if self._distributed else (0.0, 0.0, bad_all)
+        site_v = values[6:] if self._distributed else values[3:]
         grad_v = math.sqrt(grad_shared if self._sharded else grad_local)
         new: list[dict[str, Any]] = []
         if bad_all > 0 and step > 0:
