@@ -24,11 +24,16 @@ PREFIXES = ("hidden/", "bound/", "growth/", "grad/", "jacobian/")
 
 
 class ListLogger(Logger):
-    """Keeps every ``log_metrics`` call as ``(step, metrics)``."""
+    """Keeps every ``log_metrics`` call as ``(step, metrics)``; the run directory is ``save_dir``."""
 
-    def __init__(self) -> None:
+    def __init__(self, save_dir) -> None:
         super().__init__()
         self.rows: list[tuple[int, dict[str, float]]] = []
+        self._save_dir = str(save_dir)
+
+    @property
+    def save_dir(self) -> str:
+        return self._save_dir
 
     @property
     def name(self) -> str:
@@ -53,7 +58,7 @@ class SGDLM(LitLM):
 
 
 def fit(tmp_path, name: str, batch_size: int, accumulate: int, steps: int = 3) -> ListLogger:
-    logger = ListLogger()
+    logger = ListLogger(tmp_path / name)
     callbacks = [
         HiddenStateStatistics(every_n_steps=1, log_heatmap=False, series_file=None),
         GrowthBoundMonitor(every_n_steps=1),
