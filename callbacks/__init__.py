@@ -1,9 +1,14 @@
 """Reusable Lightning callbacks that measure the stability of a Transformer while it trains.
 
 Every callback finds lnstab's residual modules by name by default and works on other models through a module-name
-regex (``layer_pattern``) or module types; see each class's docstring for its metrics.
+regex (``layer_pattern``) or module types; see each class's docstring for its metrics. The activation instruments
+share one tap per model and read the statistics registry (:class:`Statistic`, :func:`register_statistic`);
+:func:`unsharded` gives any callback a full-parameter view of the model under every served strategy.
 """
 
+from ._stats import SiteView, Statistic
+from ._stats import register as register_statistic
+from ._strategy import unsharded
 from .checkpoint import RunCheckpoint
 from .divergence import DivergenceMonitor, NonFiniteCheckpointError
 from .grad_stats import GradientStatistics
@@ -25,9 +30,13 @@ __all__ = [
     "NonFiniteCheckpointError",
     "RunCheckpoint",
     "RunStatus",
+    "SiteView",
     "StabilityLayout",
+    "Statistic",
+    "register_statistic",
     "spectral_norm",
     "stability_layout",
+    "unsharded",
 ]
 
 

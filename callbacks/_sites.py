@@ -1,24 +1,23 @@
-"""Shared plumbing of lnstab's instruments: finding the modules to watch, cheap forward hooks, logging, reductions.
+"""Finding the modules lnstab's instruments watch, and small helpers they share (logging, batches).
 
 A *site* is a module whose forward output (or, for ``final``, forward input) is a residual-stream tensor. Sites are
-found by name with ``re.search`` (so a LightningModule's attribute prefix such as ``model.`` does not matter) or by
-module type. Tags sort in depth order: ``embed``, ``L00_attn``, ``L00_mlp``, ``L01_attn`` …, ``final``.
+found by name with ``re.search`` (so a LightningModule's attribute prefix such as ``model.`` does not matter, nor do
+the wrapper segments FSDP, activation checkpointing or ``torch.compile`` insert) or by module type. Tags sort in depth
+order: ``embed``, ``L00_attn``, ``L00_mlp``, ``L01_attn`` …, ``final``.
 """
 
 from __future__ import annotations
 
+import importlib
 import re
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
 from torch import nn
-from typing_extensions import override
+
+from lnstab.errors import ConfigError
 
 # lnstab's GPT: the parameter-free Residual modules after every attention / MLP half-step.
 LNSTAB_RESIDUALS = r"(?:^|\.)h\.(\d+)\.resid_(attn|mlp)$"
@@ -29,6 +28,13 @@ FINAL_PATTERN = r"(?:^|\.)transformer\.ln_f$"
 BLOCK_PATTERN = r"(?:^|\.)(?:h|layers|layer|blocks)\.(\d+)$"
 # Parameters of one block, the capture group is the layer index.
 PARAM_LAYER_PATTERN = r"(?:^|\.)(?:h|layers|layer|blocks)\.(\d+)\."
+# Name segments that wrappers insert (FSDP1, activation checkpointing, torch.compile): ignored when matching.
+WRAPPER_SEGMENTS = re.compile(r"(?:^|\.)(?:_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)(?=\.|$)")
+
+
+def clean_name(name: str) -> str:
+    """``name`` without wrapper segments: ``h.0._fsdp_wrapped_module.resid_attn`` → ``h.0.resid_attn``."""
+    return WRAPPER_SEGMENTS.sub("", name).lstrip(".")
 
 
 @dataclass(frozen=True)
@@ -39,32 +45,6 @@ class Site:
     name: str
     module: nn.Module
     use_input: bool = False
-
-
-def check_positive_int(name: str, value: Any) -> int:
-    """``value`` as an int >= 1, else a one-line ValueError naming the argument."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r} is not allowed; it must be an integer >= 1")
-    return value
-
-
-def check_regex(name: str, value: Any, optional: bool = True) -> re.Pattern | None:
-    """``value`` compiled, ``None`` passed through when ``optional``, else a one-line ValueError."""
-    if value is None and optional:
-        return None
-    if not isinstance(value, str):
-        raise ValueError(f"{name}={value!r} is not allowed; it must be a regular expression string")
-    try:
-        return re.compile(value)
-    except re.error as err:
-        raise ValueError(f"{name}={value!r} is not allowed; it is not a valid regular expression ({err})") from None
-
-
-def check_choice(name: str, value: Any, allowed: Sequence[str]) -> str:
-    """``value`` if it is one of ``allowed``, else a one-line ValueError."""
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not allowed; choose one of: {', '.join(allowed)}")
-    return value
 
 
 def _layer_tag(match: re.Match, fallback: int) -> str:
@@ -89,22 +69,62 @@ def find_sites(
     A layer's tag comes from the capture groups of ``layer_pattern`` (``(\\d+)`` → ``L07``, a second group is
     appended: ``L07_attn``); modules chosen by ``module_types`` or a pattern without groups are numbered in order.
     """
+    modules: dict[str, tuple[str, nn.Module]] = {}
+    for raw_name, module in root.named_modules():
+        modules[clean_name(raw_name)] = (raw_name, module)  # a wrapper and what it wraps: the wrapped module wins
     embed, layers, final = [], [], []
-    for name, module in root.named_modules():
+    for name, (raw_name, module) in modules.items():
         if embed_pattern is not None and embed_pattern.search(name) and not embed:
-            embed.append(Site("embed", name, module))
+            embed.append(Site("embed", raw_name, module))
         elif final_pattern is not None and final_pattern.search(name) and not final:
-            final.append(Site("final", name, module, use_input=True))
+            final.append(Site("final", raw_name, module, use_input=True))
         elif layer_pattern is not None and (match := layer_pattern.search(name)):
             first = next((g for g in match.groups() if g is not None), None)
             key = int(first) if first is not None and first.isdigit() else len(layers)
-            layers.append((key, len(layers), Site(_layer_tag(match, len(layers)), name, module)))
+            layers.append((key, len(layers), Site(_layer_tag(match, len(layers)), raw_name, module)))
         elif module_types and isinstance(module, module_types):
-            layers.append((len(layers), len(layers), Site(f"L{len(layers):02d}", name, module)))
+            layers.append((len(layers), len(layers), Site(f"L{len(layers):02d}", raw_name, module)))
     tags = [s.tag for _, _, s in layers]
     if len(set(tags)) != len(tags):
-        raise ValueError(f"layer_pattern matched modules with duplicate tags {tags}; add a capture group per layer")
+        raise ConfigError(
+            f"layer_pattern matching modules with duplicate tags {tags} is not allowed; add a capture group per layer"
+        )
     return embed + [s for _, _, s in sorted(layers, key=lambda t: t[:2])] + final
+
+
+def resolve_types(name: str, value: Any) -> tuple[type, ...]:
+    """Module types given as classes or dotted paths (``torch.nn.TransformerEncoderLayer``), as a tuple."""
+    if value is None:
+        return ()
+    items = value if isinstance(value, list | tuple) else [value]
+    types = []
+    for item in items:
+        if isinstance(item, str) and "." in item:
+            module, _, attr = item.rpartition(".")
+            try:
+                item = getattr(importlib.import_module(module), attr)
+            except (ImportError, AttributeError):
+                raise ConfigError(f"{name}={value!r} is not allowed; {item!r} cannot be imported") from None
+        if not isinstance(item, type):
+            raise ConfigError(f"{name}={value!r} is not allowed; give module classes or dotted class paths")
+        types.append(item)
+    return tuple(types)
+
+
+def auto_sites(
+    root: nn.Module,
+    layer_pattern: re.Pattern | None,
+    module_types: tuple[type, ...],
+    embed_pattern: re.Pattern | None,
+    final_pattern: re.Pattern | None,
+) -> list[Site]:
+    """Sites with the user's selection, or lnstab's residual modules, or else every block (``h.3``, ``layers.3``)."""
+    if layer_pattern is not None or module_types:
+        return find_sites(root, layer_pattern, module_types, embed_pattern, final_pattern)
+    sites = find_sites(root, re.compile(LNSTAB_RESIDUALS), (), embed_pattern, final_pattern)
+    if not any(s.tag.startswith("L") for s in sites):
+        sites = find_sites(root, re.compile(BLOCK_PATTERN), (), embed_pattern, final_pattern)
+    return sites
 
 
 def first_tensor(obj: Any) -> torch.Tensor | None:
@@ -120,74 +140,11 @@ def first_tensor(obj: Any) -> torch.Tensor | None:
     return None
 
 
-PAUSE_ATTR = "_lnstab_taps_paused"
-
-
-@contextmanager
-def paused_taps(root: nn.Module) -> Iterator[None]:
-    """Every :class:`Tap` attached under ``root`` ignores forwards inside this block (e.g. the Jacobian probe's
-    extra passes). The flag lives on ``root`` itself, so taps on other models are unaffected."""
-    count = root.__dict__.get(PAUSE_ATTR, 0)
-    object.__setattr__(root, PAUSE_ATTR, count + 1)
-    try:
-        yield
-    finally:
-        object.__setattr__(root, PAUSE_ATTR, count)
-
-
-class Tap:
-    """Forward hooks on ``sites`` (modules inside ``root``) that call ``fn(index, tensor)`` only while
-    :attr:`active` and not :func:`paused_taps`; no-ops otherwise."""
-
-    def __init__(self, sites: list[Site], fn: Callable[[int, torch.Tensor], None], root: nn.Module) -> None:
-        self.sites, self.fn, self.root, self.active = sites, fn, root, False
-        self.handles: list[Any] = []
-
-    def attach(self) -> None:
-        for i, site in enumerate(self.sites):
-            if site.use_input:
-                self.handles.append(site.module.register_forward_pre_hook(self._pre_hook(i)))
-            else:
-                self.handles.append(site.module.register_forward_hook(self._hook(i)))
-
-    def _hook(self, i: int) -> Callable:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if self.active and not self.root.__dict__.get(PAUSE_ATTR) and (x := first_tensor(output)) is not None:
-                self.fn(i, x.detach())
-
-        return hook
-
-    def _pre_hook(self, i: int) -> Callable:
-        def hook(module: nn.Module, args: Any) -> None:
-            if self.active and not self.root.__dict__.get(PAUSE_ATTR) and (x := first_tensor(args)) is not None:
-                self.fn(i, x.detach())
-
-        return hook
-
-    def detach(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-        self.active = False
-
-
-def distributed(trainer: pl.Trainer) -> bool:
-    """Whether a process group spans several ranks."""
-    return trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
-
-
-def all_reduce_(tensor: torch.Tensor, op: str, trainer: pl.Trainer) -> torch.Tensor:
-    """In-place ``all_reduce`` (``sum`` or ``max``) across ranks; a no-op in one process."""
-    if distributed(trainer):
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
-    return tensor
-
-
 def log_metrics(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
     """Send ``metrics`` to every logger at ``step`` (loggers write on rank zero only)."""
     if not metrics:
         return
-    for logger in trainer.loggers:
+    for logger in getattr(trainer, "loggers", []):
         logger.log_metrics(metrics, step=step)
 
 
@@ -208,28 +165,5 @@ def probe_input(batch: Any, size: int) -> torch.Tensor:
     else:
         x = first_tensor(batch)
     if not isinstance(x, torch.Tensor):
-        raise ValueError(f"batch of type {type(batch).__name__} is not allowed; pass probe= a tensor explicitly")
+        raise ConfigError(f"batch of type {type(batch).__name__} is not allowed; pass probe= a tensor explicitly")
     return x[:size].detach().clone()
-
-
-class TapCallback(Callback):
-    """A callback that reads activations through one :class:`Tap`: attached in ``setup``, removed in ``teardown``.
-
-    Subclasses implement ``_capture(index, tensor)`` and call :meth:`attach_tap` from their ``setup``.
-    """
-
-    tap: Tap | None = None
-
-    def attach_tap(self, sites: list[Site], pl_module: nn.Module) -> None:
-        """Hook ``_capture`` onto ``sites`` (inactive until a subclass sets ``tap.active``)."""
-        self.tap = Tap(sites, self._capture, pl_module)
-        self.tap.attach()
-
-    def _capture(self, i: int, x: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self.tap is not None:
-            self.tap.detach()
-            self.tap = None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 from collections import deque
 from typing import Any
 
@@ -14,10 +13,12 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lnstab import validation as check
 from lnstab.rundir import EVENTS_FILE, atomic_write_text, run_dir, update_summary
 
-from ._sites import Site, TapCallback, check_choice, check_positive_int, check_regex, log_metrics
-from .hidden_stats import auto_sites
+from ._sites import Site, auto_sites, log_metrics
+from ._strategy import all_reduce_, distributed, params_sharded, require_strategy
+from ._tap import TapCallback
 
 POLICIES = ("stop", "skip", "continue")
 KINDS = (
@@ -40,19 +41,23 @@ class NonFiniteCheckpointError(RuntimeError):
 class DivergenceMonitor(TapCallback):
     """Records divergence events on the step they happen and stops, skips the update, or continues.
 
-    Each step (every ``every_n_steps``) the monitor keeps on the device the loss (``on_before_backward``), the
-    max |x| of every watched site (forward hooks, one reduction each) and, in ``on_before_optimizer_step``, the
-    total gradient norm; these are read with one host sync, *before* the optimizer step, so a bad update can be
-    dropped. After the step a second sync checks the weights. Events (``step``, ``kind``, ``value``, ``layer``):
+    Each checked optimizer step (every ``every_n_steps``) the monitor keeps on the device, over *every* micro-batch
+    of the step, the loss (``on_before_backward``; their sum is the step's mean loss, and a NaN or inf in any
+    micro-batch stays in it) and the NaN-propagating max |x| of every watched site (the model's shared tap); in
+    ``on_before_optimizer_step``, once the last micro-batch has run, it adds the total gradient norm (squared norms
+    of the shards summed over ranks under FSDP) and the finiteness of the weights the step started from (the
+    previous update's result), and decides *before* the optimizer step, so a bad update can be dropped. That is one
+    collective (several ranks) and one host sync per checked step; the weights after the last update are checked
+    once more at the end of training. Events (``step``, ``kind``, ``value``, ``layer``):
 
     * ``nonfinite_loss`` / ``nonfinite_grad`` / ``nonfinite_activation`` (``layer`` = the first site in depth order
-      whose output was not finite) / ``nonfinite_param`` (weights after the step);
+      whose output was not finite in some micro-batch) / ``nonfinite_param`` (weights after the step's update);
     * ``grad_explosion``: total gradient norm > ``grad_norm_threshold``;
     * ``loss_spike``: loss > mean + ``spike_k``·std of the last ``window`` finite losses (≥ 10 of them);
     * ``activation_overflow``: some |x| > ``overflow_fraction``·finfo(dtype).max;
     * ``remote``: another rank decided to act while this one saw nothing.
 
-    On a fatal event (``fatal_kinds``; every rank agrees through ``trainer.strategy.reduce_boolean_decision``)
+    On a fatal event (``fatal_kinds``; every rank agrees: local verdicts are summed over ranks in that collective)
     the policy acts: ``stop`` drops that update (gradients set to ``None``, so the optimizer leaves the weights
     alone) and sets ``trainer.should_stop``; ``skip`` drops the update and goes on; ``continue`` only records.
     Because ``stop``/``skip`` never apply a non-finite update, the weights stay finite and a ``last`` checkpoint
@@ -79,7 +84,7 @@ class DivergenceMonitor(TapCallback):
         ``divergence/events`` (cumulative count, at each step with an event).
 
     Raises:
-        ValueError: A bad argument (the message names it).
+        ConfigError: A bad argument, or a strategy it cannot serve (one line naming it; a ``ValueError``).
         NonFiniteCheckpointError: On saving a checkpoint with non-finite weights.
 
     Example::
@@ -99,33 +104,29 @@ class DivergenceMonitor(TapCallback):
         layer_pattern: str | None = None,
         track_activations: bool = True,
     ) -> None:
-        self.policy = check_choice("policy", policy, POLICIES)
-        self.every_n_steps = check_positive_int("every_n_steps", every_n_steps)
-        self.window = check_positive_int("window", window)
-        if not (isinstance(spike_k, int | float) and spike_k > 0):
-            raise ValueError(f"spike_k={spike_k!r} is not allowed; it must be a number > 0")
-        if grad_norm_threshold is not None and not (
-            isinstance(grad_norm_threshold, int | float) and grad_norm_threshold > 0
-        ):
-            raise ValueError(f"grad_norm_threshold={grad_norm_threshold!r} is not allowed; it must be > 0 or None")
-        if not (isinstance(overflow_fraction, int | float) and 0 < overflow_fraction <= 1):
-            raise ValueError(f"overflow_fraction={overflow_fraction!r} is not allowed; it must be in (0, 1]")
-        if isinstance(fatal_kinds, str):
-            fatal_kinds = [fatal_kinds]
-        for kind in fatal_kinds:
-            check_choice("fatal_kinds", kind, KINDS)
-        self.spike_k, self.grad_norm_threshold = float(spike_k), grad_norm_threshold
-        self.overflow_fraction, self.fatal_kinds = float(overflow_fraction), tuple(fatal_kinds)
-        self.layer_pattern = check_regex("layer_pattern", layer_pattern)
+        self.policy = check.choice("policy", policy, POLICIES)
+        self.every_n_steps = check.positive_int("every_n_steps", every_n_steps)
+        self.window = check.positive_int("window", window)
+        self.spike_k = check.number("spike_k", spike_k, 0, low_open=True)
+        self.grad_norm_threshold = check.optional_number("grad_norm_threshold", grad_norm_threshold, 0, low_open=True)
+        self.overflow_fraction = check.number("overflow_fraction", overflow_fraction, 0, 1, low_open=True)
+        kinds = [fatal_kinds] if isinstance(fatal_kinds, str) else fatal_kinds
+        if not isinstance(kinds, list | tuple):
+            check.choices("fatal_kinds", fatal_kinds, KINDS)  # raises: neither a kind nor a list of them
+        self.fatal_kinds = tuple(check.choice("fatal_kinds", kind, KINDS) for kind in kinds)
+        self.layer_pattern = check.regex("layer_pattern", layer_pattern)
         self.track_activations = bool(track_activations)
         self.events: list[dict[str, Any]] = []
         self.losses: deque[float] = deque(maxlen=window)
         self.diverged_step: int | None = None
         self.sites: list[Site] = []
-        self._maxes: list[torch.Tensor | None] = []
-        self._dtype_max = math.inf
+        self._checking = False
         self._loss: torch.Tensor | None = None
+        self._params_bad: torch.Tensor | None = None  # non-finite parameter count after the previous update
+        self._checked_through = -1  # weights after this step's update have been checked
         self._acted = False
+        self._params: list[torch.nn.Parameter] = []
+        self._sharded = self._distributed = False
 
     @property
     @override
@@ -134,54 +135,85 @@ class DivergenceMonitor(TapCallback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        require_strategy(trainer, type(self).__name__, reads_parameters=True)
         if self.track_activations:
-            self.sites = [s for s in auto_sites(pl_module, self.layer_pattern, (), None, None)]
-            self.attach_tap(self.sites, pl_module)
+            self.sites = auto_sites(pl_module, self.layer_pattern, (), None, None)
+            self.subscribe(pl_module, self.sites, [("max_abs",)] * len(self.sites))
 
-    def _capture(self, i: int, x: torch.Tensor) -> None:
-        value = torch.linalg.vector_norm(x, ord=math.inf).float()  # NaN/inf propagate
-        old = self._maxes[i]
-        self._maxes[i] = value if old is None else torch.maximum(old, value)
-        if x.is_floating_point():
-            self._dtype_max = min(self._dtype_max, torch.finfo(x.dtype).max)
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._params = list(pl_module.parameters())  # after the strategy and configure_model set the model up
+        self._sharded, self._distributed = params_sharded(trainer), distributed(trainer)
 
-    def _checking(self, trainer: pl.Trainer) -> bool:
-        return trainer.global_step % self.every_n_steps == 0
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().teardown(trainer, pl_module, stage)
+        self._params = []
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._checking(trainer) and self.tap is not None:
-            if not self.tap.active:
-                self._maxes = [None] * len(self.sites)
-            self.tap.active = True
+        if not self.step_begins(trainer):
+            return
+        step = trainer.global_step
+        self._checking = step % self.every_n_steps == 0
+        if not self._checking:
+            return
+        self._loss = None
+        self._params_bad = self._count_nonfinite(self._params) if step > self._checked_through + 1 else None
+        if self.subscription is not None:
+            self.subscription.reset()
+            self.subscription.active = True
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        self._loss = loss.detach()
+        if self._checking:  # Lightning divides each micro-batch's loss by their number: the sum is the step's mean
+            loss = loss.detach().float().reshape(())
+            self._loss = loss if self._loss is None else self._loss + loss
 
     @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
-        if not self._checking(trainer):
+        if not self._checking:
             return
-        if self.tap is not None:
-            self.tap.active = False
+        self._checking = False
+        sub = self.subscription
+        if sub is not None:
+            sub.active = False
         step = trainer.global_step
         device = pl_module.device
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        grad_norm = (
-            torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float())
-            if grads
-            else torch.zeros((), device=device)
-        )
-        loss = self._loss.float().reshape(()) if self._loss is not None else torch.full((), math.nan, device=device)
-        maxes = [m.to(device) if m is not None else torch.zeros((), device=device) for m in self._maxes]
-        values = torch.stack([loss, grad_norm, *maxes]).tolist()  # one host sync
-        loss_v, grad_v, site_v = values[0], values[1], values[2:]
+        zero = torch.zeros((), device=device, dtype=torch.float64)
+        grads = [p.grad for p in self._params or pl_module.parameters() if p.grad is not None]
+        grad_sq = torch.stack(torch._foreach_norm(grads)).double().square().sum() if grads else zero
+        loss = self._loss.double() if self._loss is not None else torch.full_like(zero, math.nan)
+        maxes = [m if m is not None else zero for m in self._site_maxes()]
+        site_max = torch.stack(maxes).to(device, torch.float64) if maxes else zero.new_zeros(0)
+        params_bad = self._params_bad.to(device, torch.float64) if self._params_bad is not None else zero
+        spike_at = self._spike_threshold()
+        overflow_at = self.overflow_fraction * self._dtype_max()
+        head = [loss, grad_sq, params_bad]
+        if self._distributed:  # every rank must agree: sum this rank's verdicts (on the device) over ranks
+            local = {
+                "nonfinite_loss": ~loss.isfinite(),
+                "nonfinite_activation": (~site_max.isfinite()).any(),
+                "loss_spike": loss.isfinite() & (loss > spike_at),
+                "activation_overflow": (site_max.isfinite() & (site_max > overflow_at)).any(),
+            }
+            fatal = sum((v.double() for k, v in local.items() if k in self.fatal_kinds), zero)
+            shared = torch.stack([fatal, grad_sq if self._sharded else zero, params_bad])
+            all_reduce_(shared, "sum", trainer)  # the step's one collective: verdicts, sharded grad norm, weights
+            head += list(shared.unbind())
+        values = torch.cat([torch.stack(head), site_max]).tolist()  # the step's one host sync
+        loss_v, grad_local, bad_all = values[:3]
+        fatal_all, grad_shared, bad_all = values[3:6] if self._distributed else (0.0, 0.0, bad_all)
+        site_v = values[6:] if self._distributed else values[3:]
+        grad_v = math.sqrt(grad_shared if self._sharded else grad_local)
         new: list[dict[str, Any]] = []
+        if bad_all > 0 and step > 0:
+            new.append(self._event(step - 1, "nonfinite_param", math.nan))
+            self.diverged_step = step - 1 if self.diverged_step is None else self.diverged_step
         if not math.isfinite(loss_v):
             new.append(self._event(step, "nonfinite_loss", loss_v))
         bad_site = next((i for i, v in enumerate(site_v) if not math.isfinite(v)), None)
@@ -191,55 +223,78 @@ class DivergenceMonitor(TapCallback):
             new.append(self._event(step, "nonfinite_grad", grad_v))
         elif self.grad_norm_threshold is not None and grad_v > self.grad_norm_threshold:
             new.append(self._event(step, "grad_explosion", grad_v))
-        limit = self.overflow_fraction * self._dtype_max
-        hot = next((i for i, v in enumerate(site_v) if math.isfinite(v) and v > limit), None)
+        hot = next((i for i, v in enumerate(site_v) if math.isfinite(v) and v > overflow_at), None)
         if hot is not None:
             new.append(self._event(step, "activation_overflow", site_v[hot], self.sites[hot].tag))
         if math.isfinite(loss_v):
-            if len(self.losses) >= 10:
-                mean, std = statistics.fmean(self.losses), statistics.pstdev(self.losses)
-                if loss_v > mean + self.spike_k * std:
-                    new.append(self._event(step, "loss_spike", loss_v))
+            if loss_v > spike_at:
+                new.append(self._event(step, "loss_spike", loss_v))
             self.losses.append(loss_v)
         local_fatal = any(e["kind"] in self.fatal_kinds for e in new)
-        act = trainer.strategy.reduce_boolean_decision(local_fatal, all=False)
+        act = local_fatal or fatal_all > 0
         if act and not local_fatal:
             new.append(self._event(step, "remote", math.nan))
         self._record(trainer, new, step)
+        self._checked_through = step - 1
         self._acted = act and self.policy != "continue"
         if act and self.policy == "stop" and self.diverged_step is None:
             self.diverged_step = step
         if self._acted:  # drop the update: the optimizer skips parameters without gradients
             optimizer.zero_grad(set_to_none=True)
-            if self.policy == "stop":
-                trainer.should_stop = True
-
-    @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if self.tap is not None:
-            self.tap.active = False
-        if not self._checking_previous(trainer):
-            return
-        step = trainer.global_step - 1  # the update that just happened
-        finite = self.params_finite(pl_module)
-        decision = trainer.strategy.reduce_boolean_decision(not finite, all=False)  # every rank takes part
-        if not finite:
-            self._record(trainer, [self._event(step, "nonfinite_param", math.nan)], step)
-        if decision:  # no update can bring non-finite weights back: the run ends whatever the policy
-            if self.diverged_step is None:
-                self.diverged_step = step
+            self._checked_through = step  # the weights stay those just checked
+        # Non-finite weights end the run whatever the policy (no later update can repair them): those the previous
+        # update left, or those this update will leave when it is applied with a non-finite gradient (the final check
+        # in on_train_end then records them).
+        applies_nonfinite = not self._acted and not math.isfinite(grad_v)
+        if (self._acted and self.policy == "stop") or bad_all > 0 or applies_nonfinite:
             trainer.should_stop = True
 
-    def _checking_previous(self, trainer: pl.Trainer) -> bool:
-        return (trainer.global_step - 1) % self.every_n_steps == 0
+    def _site_maxes(self) -> list[torch.Tensor | None]:
+        sub = self.subscription
+        if sub is None:
+            return []
+        return [None if p is None else p["max_abs"] for p in sub.pooled]
+
+    def _dtype_max(self) -> float:
+        dtypes = [d for d in (self.subscription.dtypes if self.subscription else []) if d is not None]
+        return min((torch.finfo(d).max for d in dtypes if d.is_floating_point), default=math.inf)
+
+    def _spike_threshold(self) -> float:
+        """Losses above this are spikes: window mean + ``spike_k``·std once 10 finite losses are known."""
+        n = len(self.losses)
+        if n < 10:
+            return math.inf
+        mean = math.fsum(self.losses) / n
+        return mean + self.spike_k * math.sqrt(math.fsum((v - mean) ** 2 for v in self.losses) / n)
 
     @staticmethod
-    def params_finite(pl_module: pl.LightningModule) -> bool:
-        """Whether every parameter is finite (one fused norm and one host sync)."""
-        params = [p.detach() for p in pl_module.parameters()]
-        return bool(torch.isfinite(torch.stack(torch._foreach_norm(params)).sum()).item()) if params else True
+    def _count_nonfinite(params: Any) -> torch.Tensor:
+        """Parameters (this rank's shards) with a non-finite entry, as a device tensor (no host sync)."""
+        params = [p.detach() for p in params]
+        if not params:
+            return torch.zeros(())
+        return (~torch.stack(torch._foreach_norm(params)).isfinite()).sum()
+
+    @staticmethod
+    def params_finite(pl_module: pl.LightningModule, trainer: Any = None) -> bool:
+        """Whether every parameter is finite (one fused norm, one host sync; shards summed over ranks under FSDP)."""
+        bad = DivergenceMonitor._count_nonfinite(pl_module.parameters()).float().reshape(1)
+        if params_sharded(trainer):
+            all_reduce_(bad, "sum", trainer)
+        return bad.item() == 0
+
+    def _check_last_update(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+        """Whether the weights are finite now (one host sync); records ``nonfinite_param`` for the newest update
+        unless a decision has already checked the weights it left."""
+        finite = self.params_finite(pl_module, trainer)
+        step = trainer.global_step - 1
+        if step > self._checked_through:
+            self._checked_through = step
+            if not finite:
+                self._record(trainer, [self._event(step, "nonfinite_param", math.nan)], step)
+                if self.diverged_step is None:
+                    self.diverged_step = step
+        return finite
 
     def _event(self, step: int, kind: str, value: float, layer: str | None = None) -> dict[str, Any]:
         return {"step": step, "kind": kind, "value": value if math.isfinite(value) else str(value), "layer": layer}
@@ -258,6 +313,7 @@ class DivergenceMonitor(TapCallback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._check_last_update(trainer, pl_module)  # the final check: the last update had no next decision
         update_summary(trainer, diverged_step=self.diverged_step, divergence_events=len(self.events))
 
     @override
@@ -266,7 +322,7 @@ class DivergenceMonitor(TapCallback):
 
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
-        if not self.params_finite(pl_module):
+        if not self._check_last_update(trainer, pl_module):
             raise NonFiniteCheckpointError(
                 f"refusing to save a checkpoint at step {trainer.global_step}: the weights are not finite"
             )

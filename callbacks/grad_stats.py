@@ -9,23 +9,34 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ._sites import PARAM_LAYER_PATTERN, check_positive_int, check_regex, log_metrics
+from lnstab import validation as check
+
+from ._sites import PARAM_LAYER_PATTERN, clean_name, log_metrics
+from ._strategy import reduce_over_shards_, require_strategy
+
+
+def group_squares(tensors: list[torch.Tensor], groups: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """Squared L2 norm of each group of ``tensors`` (``groups[i]`` is tensor i's group, -1 for none) and of all of
+    them, as one float64 vector ``(n_groups + 1,)`` (the total last): sums, so shards add up exactly."""
+    squares = torch.stack(torch._foreach_norm(tensors)).double().square()  # (P,)
+    per_group = torch.zeros(n_groups + 1, device=squares.device, dtype=squares.dtype)
+    per_group.index_add_(0, groups.to(squares.device) + 1, squares)
+    return torch.cat([per_group[1:], squares.sum()[None]])
 
 
 def group_norms(tensors: list[torch.Tensor], groups: torch.Tensor, n_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """L2 norm of each group of ``tensors`` (``groups[i]`` is tensor i's group, -1 for none) and of all of them."""
-    norms = torch.stack(torch._foreach_norm(tensors)).float()  # (P,)
-    squares = norms.square()
-    per_group = torch.zeros(n_groups + 1, device=norms.device).index_add_(0, groups.to(norms.device) + 1, squares)
-    return per_group[1:].sqrt(), squares.sum().sqrt()
+    """L2 norm of each group of ``tensors`` and of all of them (:func:`group_squares`, square-rooted)."""
+    norms = group_squares(tensors, groups, n_groups).sqrt()
+    return norms[:-1], norms[-1]
 
 
 class GradientStatistics(Callback):
     """Per-layer L2 norms of the gradients and of the weights, and the total gradient norm.
 
-    Computed in ``on_before_optimizer_step`` (after DDP's all-reduce and AMP's unscaling, so the values are the
-    ones the optimizer sees, identical on every rank) every ``every_n_steps`` optimizer steps with
-    ``torch._foreach_norm``; all norms are stacked and read with one host sync. A parameter belongs to the layer
+    Computed in ``on_before_optimizer_step`` — once per optimizer step, after the last micro-batch's backward, DDP's
+    all-reduce and AMP's unscaling, so the values are the ones the optimizer sees — every ``every_n_steps`` optimizer
+    steps with ``torch._foreach_norm``; all squared norms are stacked, summed over ranks when FSDP shards the
+    parameters and gradients (one collective), and read with one host sync. A parameter belongs to the layer
     given by the first capture group of ``layer_pattern`` searched in its name; other parameters (embeddings, final
     norm) only count in the totals.
 
@@ -38,7 +49,7 @@ class GradientStatistics(Callback):
         ``grad/norm/L07``, ``weight/norm/L07`` (each layer), ``grad/norm/total``, ``weight/norm/total``.
 
     Raises:
-        ValueError: A bad argument (the message names it).
+        ConfigError: A bad argument, or a strategy it cannot serve (one line naming it; a ``ValueError``).
 
     Example::
 
@@ -46,10 +57,8 @@ class GradientStatistics(Callback):
     """
 
     def __init__(self, every_n_steps: int = 100, layer_pattern: str = PARAM_LAYER_PATTERN) -> None:
-        self.every_n_steps = check_positive_int("every_n_steps", every_n_steps)
-        self.layer_pattern = check_regex("layer_pattern", layer_pattern, optional=False)
-        if self.layer_pattern.groups < 1:
-            raise ValueError(f"layer_pattern={layer_pattern!r} is not allowed; it needs a capture group (layer index)")
+        self.every_n_steps = check.positive_int("every_n_steps", every_n_steps)
+        self.layer_pattern = check.regex("layer_pattern", layer_pattern, optional=False, groups=1)
         self.params: list[torch.nn.Parameter] = []
         self.layers: list[str] = []
         self.layer_of: list[int] = []
@@ -62,12 +71,13 @@ class GradientStatistics(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        require_strategy(trainer, type(self).__name__, reads_parameters=True)
         names: dict[int, str] = {}
         self.params, self.layer_of = [], []
         for name, param in pl_module.named_parameters():  # tied weights are listed once
             if not param.requires_grad:
                 continue
-            match = self.layer_pattern.search(name)
+            match = self.layer_pattern.search(clean_name(name))
             index = int(match.group(1)) if match and match.group(1).isdigit() else None
             if index is not None:
                 names.setdefault(index, f"L{index:02d}")
@@ -96,14 +106,16 @@ class GradientStatistics(Callback):
             if not with_grad:
                 return
             device = self.params[with_grad[0]].grad.device
+            n = len(self.layers)
             groups = torch.tensor([self.layer_of[i] for i in with_grad], device=device)
-            grad_layers, grad_total = group_norms([self.params[i].grad for i in with_grad], groups, len(self.layers))
-            all_groups = torch.tensor(self.layer_of, device=device)
-            weight_layers, weight_total = group_norms([p.detach() for p in self.params], all_groups, len(self.layers))
-            values = torch.cat([grad_layers, weight_layers, grad_total[None], weight_total[None]]).tolist()  # one sync
-        n = len(self.layers)
-        metrics = {f"grad/norm/{tag}": v for tag, v in zip(self.layers, values[:n], strict=True)}
-        metrics.update({f"weight/norm/{tag}": v for tag, v in zip(self.layers, values[n : 2 * n], strict=True)})
-        metrics["grad/norm/total"], metrics["weight/norm/total"] = values[-2], values[-1]
+            grads = group_squares([self.params[i].grad for i in with_grad], groups, n)
+            weights = group_squares([p.detach() for p in self.params], torch.tensor(self.layer_of, device=device), n)
+            squares = reduce_over_shards_(torch.cat([grads, weights]), "sum", trainer)  # FSDP: shards add up
+            values = squares.sqrt().tolist()  # the one host sync
+        grad_layers, grad_total = values[:n], values[n]
+        weight_layers, weight_total = values[n + 1 : 2 * n + 1], values[2 * n + 1]
+        metrics = {f"grad/norm/{tag}": v for tag, v in zip(self.layers, grad_layers, strict=True)}
+        metrics.update({f"weight/norm/{tag}": v for tag, v in zip(self.layers, weight_layers, strict=True)})
+        metrics["grad/norm/total"], metrics["weight/norm/total"] = grad_total, weight_total
         self.last = metrics
         log_metrics(trainer, metrics, step)

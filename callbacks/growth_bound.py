@@ -11,18 +11,13 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from ._sites import (
-    EMBED_PATTERN,
-    FINAL_PATTERN,
-    Site,
-    TapCallback,
-    all_reduce_,
-    check_positive_int,
-    check_regex,
-    log_metrics,
-)
-from .hidden_stats import auto_sites, resolve_types
+from lnstab import validation as check
 
+from ._sites import EMBED_PATTERN, FINAL_PATTERN, Site, auto_sites, clean_name, log_metrics, resolve_types
+from ._strategy import abs_max, all_reduce_, reduce_over_shards_, require_strategy
+from ._tap import TapCallback
+
+# Output norms by name, for models that do not expose ``output_norms()`` (lnstab's GPT does).
 OUTPUT_NORMS = r"(?:^|\.)h\.(\d+)\.ln_([12])_out$"
 _SIBLING = {"ln_1_out": "resid_attn", "ln_2_out": "resid_mlp"}
 
@@ -53,19 +48,23 @@ class GrowthBoundMonitor(TapCallback):
     * MA bound (Theorem 4): ``MA(X_D) ≤ RMS(X_D) ≤ RMS(X_0) + S``;
     * variance bound: ``Var_entry(X_D) ≤ mean(X_D²) = RMS(X_D)² ≤ (RMS(X_0) + S)²``.
 
-    Both are evaluated for every sequence of the batch from the live γ, β of the step (Δt read from each norm's
-    sibling ``resid_attn``/``resid_mlp`` ``.scale`` unless ``residual_scale`` is given); a sequence above a bound
-    by more than a relative 1e-5 adds one to the cumulative ``bound/violations`` (must stay 0). X_D is the
-    final-norm input. Models without the 2D output norms get no bound metrics, only the growth law.
+    Both are evaluated for every sequence of the optimizer step's batch (the per-sequence values of all its
+    micro-batches are pooled; the γ, β are those of the step's forward, read before its update); a sequence above a
+    bound by more than a relative 1e-5 adds one to the cumulative ``bound/violations`` (must stay 0). X_D is the
+    final-norm input. The output norms and their Δt come from the model's ``output_norms()`` (lnstab's GPT: empty
+    unless its placement normalises every update, see :data:`lnstab.model.PLACEMENTS`); models without that method
+    are searched with ``norm_pattern``, Δt read from each norm's sibling ``resid_attn``/``resid_mlp`` ``.scale``.
+    ``residual_scale`` overrides Δt. Models without output norms get no bound metrics, only the growth law. Under
+    FSDP γmax, βmax are maxima over the shards (exact).
 
     **Growth law.** ``y_k`` = MA after the k-th site (X_0 at depth 0, half-step k at depth k/2 layers) averaged
     over the batch; least-squares fits ``y = a + b·depth`` and ``log y = a + r·depth`` give the per-layer slope
     ``b``, the per-layer log-growth rate ``r`` (factor ``e^r`` per layer) and their R².
 
     Args:
-        every_n_steps: Evaluate on optimizer steps ``0, N, 2N, …`` (hooks are no-ops on other steps).
-        residual_scale: Δt for every update; ``None`` reads each ``Residual.scale`` (1.0 when absent).
-        norm_pattern: Regex of the output norms, one per residual update.
+        every_n_steps: Evaluate once on optimizer steps ``0, N, 2N, …`` (hooks are no-ops on other steps).
+        residual_scale: Δt for every update; ``None`` takes the model's (``output_norms()`` or ``Residual.scale``).
+        norm_pattern: Regex of the output norms, one per residual update, for models without ``output_norms()``.
         layer_pattern, module_types, embed_pattern, final_pattern: Sites, as in :class:`HiddenStateStatistics`.
         tolerance: Relative slack allowed before a violation is counted (float rounding).
 
@@ -75,7 +74,7 @@ class GrowthBoundMonitor(TapCallback):
         ``growth/linear_slope``, ``growth/linear_r2``, ``growth/exp_rate``, ``growth/exp_r2``.
 
     Raises:
-        ValueError: A bad argument (the message names it).
+        ConfigError: A bad argument, or a strategy it cannot serve (one line naming it; a ``ValueError``).
 
     Example::
 
@@ -93,42 +92,54 @@ class GrowthBoundMonitor(TapCallback):
         final_pattern: str | None = FINAL_PATTERN,
         tolerance: float = 1e-5,
     ) -> None:
-        self.every_n_steps = check_positive_int("every_n_steps", every_n_steps)
-        if residual_scale is not None and not (isinstance(residual_scale, int | float) and residual_scale > 0):
-            raise ValueError(f"residual_scale={residual_scale!r} is not allowed; it must be a number > 0 or None")
-        self.residual_scale = residual_scale
-        self.norm_pattern = check_regex("norm_pattern", norm_pattern, optional=False)
-        self.layer_pattern = check_regex("layer_pattern", layer_pattern)
+        self.every_n_steps = check.positive_int("every_n_steps", every_n_steps)
+        self.residual_scale = check.optional_number("residual_scale", residual_scale, 0, low_open=True)
+        self.norm_pattern = check.regex("norm_pattern", norm_pattern, optional=False)
+        self.layer_pattern = check.regex("layer_pattern", layer_pattern)
         self.module_types = resolve_types("module_types", module_types)
-        self.embed_pattern = check_regex("embed_pattern", embed_pattern, optional=False)
-        self.final_pattern = check_regex("final_pattern", final_pattern)
-        if not (isinstance(tolerance, int | float) and 0 <= tolerance < 1):
-            raise ValueError(f"tolerance={tolerance!r} is not allowed; it must be a number in [0, 1)")
-        self.tolerance = float(tolerance)
+        self.embed_pattern = check.regex("embed_pattern", embed_pattern, optional=False)
+        self.final_pattern = check.regex("final_pattern", final_pattern)
+        self.tolerance = check.number("tolerance", tolerance, 0, 1, high_open=True)
         self.violations = 0
         self.last: dict[str, float] = {}
         self.sites: list[Site] = []
         self.norms: list[tuple[nn.Module, float]] = []
         self.depths: list[float] = []
-        self._captured: dict[int, torch.Tensor] = {}
         self._step: int | None = None
-        self._gsum: torch.Tensor | float | None = None
+        self._gsum: torch.Tensor | None = None
 
     @property
     @override
     def state_key(self) -> str:
         return self._generate_state_key(every_n_steps=self.every_n_steps, norm_pattern=self.norm_pattern.pattern)
 
-    def _scale_of(self, root: nn.Module, name: str) -> float:
+    def find_norms(self, root: nn.Module) -> list[tuple[nn.Module, float]]:
+        """``(norm, Δt)`` per residual update: the model's ``output_norms()``, else the modules ``norm_pattern``
+        matches."""
+        for module in root.modules():
+            if callable(getattr(module, "output_norms", None)):
+                norms = list(module.output_norms())
+                break
+        else:
+            named = {clean_name(n): m for n, m in root.named_modules()}
+            norms = [
+                (m, self._sibling_scale(named, name))
+                for name, m in named.items()
+                if self.norm_pattern.search(name) and isinstance(m, nn.LayerNorm | nn.RMSNorm)
+            ]
         if self.residual_scale is not None:
-            return float(self.residual_scale)
+            norms = [(m, float(self.residual_scale)) for m, _ in norms]
+        return norms
+
+    @staticmethod
+    def _sibling_scale(named: dict[str, nn.Module], name: str) -> float:
         parent, _, leaf = name.rpartition(".")
-        sibling = f"{parent}.{_SIBLING[leaf]}" if leaf in _SIBLING and parent else None
-        modules = dict(root.named_modules())
-        return float(getattr(modules.get(sibling), "scale", 1.0)) if sibling else 1.0
+        sibling = named.get(f"{parent}.{_SIBLING[leaf]}") if leaf in _SIBLING and parent else None
+        return float(getattr(sibling, "scale", 1.0))
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        require_strategy(trainer, type(self).__name__, reads_parameters=True)
         self.sites = auto_sites(
             pl_module, self.layer_pattern, self.module_types, self.embed_pattern, self.final_pattern
         )
@@ -141,78 +152,86 @@ class GrowthBoundMonitor(TapCallback):
         n_layers = len({s.tag.split("_")[0] for s in layers}) or 1
         per_layer = len(layers) / n_layers
         self.depths = [0.0] + [(k + 1) / per_layer for k in range(len(layers))]
-        self.norms = [
-            (m, self._scale_of(pl_module, name))
-            for name, m in pl_module.named_modules()
-            if self.norm_pattern.search(name) and isinstance(m, nn.LayerNorm | nn.RMSNorm)
-        ]
+        self.norms = self.find_norms(pl_module)
         if self.norms and len(self.norms) != len(layers):
             rank_zero_warn(f"{len(self.norms)} output norms for {len(layers)} residual updates; bound not checked")
             self.norms = []
-        self.attach_tap(self.sites, pl_module)
+        last = len(self.sites) - 1
+        stats = [
+            (("mean_abs",) if s.tag != "final" else ())
+            + (("seq_rms_var",) if i in (0, last) else ())
+            + (("seq_mean_abs",) if i == last else ())
+            for i, s in enumerate(self.sites)
+        ]
+        self.subscribe(pl_module, self.sites, stats)
 
-    def _capture(self, i: int, x: torch.Tensor) -> None:
-        flat = x.reshape(x.shape[0], -1).float()  # (B, N)
-        stats = [flat.abs().mean(1)]  # MA per sequence
-        if self.sites[i].tag in ("embed", "final") or i == len(self.sites) - 1:
-            stats += [flat.square().mean(1).sqrt(), flat.var(1, correction=0)]  # RMS, entry variance per sequence
-        self._captured[i] = torch.stack(stats)  # (k, B)
-
-    def growth_sum(self) -> float | torch.Tensor:
-        """``S = Σ Δt·(γmax + βmax)`` over the output norms, from the live parameters (a device tensor)."""
-        total: float | torch.Tensor = 0.0
-        for norm, dt in self.norms:
-            gmax = norm.weight.detach().abs().max() if getattr(norm, "weight", None) is not None else 1.0
-            bias = getattr(norm, "bias", None)
-            bmax = bias.detach().abs().max() if bias is not None else 0.0
-            total = total + dt * (gmax + bmax)
-        return total
+    def growth_sum(self, trainer: Any = None) -> torch.Tensor | float:
+        """``S = Σ Δt·(γmax + βmax)`` over the output norms from the live parameters, as a device tensor (no host
+        sync); γmax is 1 for a norm without weight, βmax 0 without bias; maxima over shards under FSDP."""
+        if not self.norms:
+            return 0.0
+        weights = [getattr(m, "weight", None) for m, _ in self.norms]
+        device = next((w.device for w in weights if w is not None), torch.device("cpu"))
+        maxes = abs_max(weights + [getattr(m, "bias", None) for m, _ in self.norms], device)
+        reduce_over_shards_(maxes, "max", trainer)  # one collective for every norm
+        n = len(self.norms)
+        no_weight = torch.tensor([w is None for w in weights], device=device)
+        gamma = maxes[:n].masked_fill(no_weight, 1.0)
+        dts = torch.tensor([dt for _, dt in self.norms], device=device, dtype=maxes.dtype)
+        return (dts * (gamma + maxes[n:])).sum()
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self.tap is not None and self.sites and trainer.global_step % self.every_n_steps == 0:
-            self._captured, self._step = {}, trainer.global_step
-            self._gsum = self.growth_sum() if self.norms else None  # the γ, β of this forward, before the update
-            self.tap.active = True
+        sub = self.subscription
+        if sub is None or not self.sites or not self.step_begins(trainer):
+            return
+        if trainer.global_step % self.every_n_steps == 0:
+            sub.reset()
+            self._step = trainer.global_step
+            self._gsum = self.growth_sum(trainer) if self.norms else None  # the γ, β of this step's forwards
+            sub.active = True
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self.tap is None or not self.tap.active:
+        sub = self.subscription
+        if sub is None or not sub.active or not self.step_ended(trainer):
             return
-        self.tap.active = False
-        captured, self._captured = self._captured, {}
-        if len(captured) != len(self.sites):
-            return
-        self._evaluate(trainer, captured, self._step)
+        sub.active = False
+        if sub.complete:
+            self.evaluate(trainer, self._step)
+        sub.reset()
 
-    def _evaluate(self, trainer: pl.Trainer, captured: dict[int, torch.Tensor], step: int) -> None:
-        x0, xd = captured[0], captured[len(self.sites) - 1]
+    def evaluate(self, trainer: Any, step: int) -> dict[str, float]:
+        """Bound and growth law from what the tap pooled since the step began; logged at ``step`` and returned."""
+        sub = self.subscription
+        last = len(self.sites) - 1
         layer_ids = [i for i, s in enumerate(self.sites) if s.tag != "final"]
-        ma_depth = torch.stack([captured[i][0].sum() for i in layer_ids])  # (sites,) sums over the batch
-        b = torch.tensor(float(x0.shape[1]), device=x0.device)
+        ma = sub.reduce(trainer, ["mean_abs"])["mean_abs"][layer_ids]  # (sites,) over every rank
+        x0 = sub.local("seq_rms_var", [0])[0]  # (2, B_step) RMS, variance of X_0 per sequence
+        xd_ma = sub.local("seq_mean_abs", [last])[0][0]  # (B_step,)
+        xd_var = sub.local("seq_rms_var", [last])[0][1]
+        values = ma.tolist() if not self.norms else None
         if self.norms:
-            gsum = self._gsum if self._gsum is not None else self.growth_sum()
-            bound = x0[1] + gsum  # (B,) RMS(X_0) + S
+            gsum = self._gsum if self._gsum is not None else self.growth_sum(trainer)
+            bound = x0[0].double() + gsum  # (B,) RMS(X_0) + S
+            ma_d, var_d = xd_ma.double(), xd_var.double()
             tol = self.tolerance
-            violations = (xd[0] > bound * (1 + tol)).sum() + (xd[2] > bound.square() * (1 + tol)).sum()
-            sums = torch.cat([ma_depth, torch.stack([b, bound.sum(), xd[0].sum(), bound.square().sum(), xd[2].sum()])])
-            sums = torch.cat([sums, violations.to(sums.dtype)[None]])
-            neg_slack = torch.stack([(xd[0] - bound).max(), (xd[2] - bound.square()).max()])
-        else:
-            sums, neg_slack = torch.cat([ma_depth, b[None]]), torch.zeros(2, device=x0.device)
-        all_reduce_(sums, "sum", trainer)
-        all_reduce_(neg_slack, "max", trainer)
-        values = torch.cat([sums, neg_slack]).tolist()  # one host sync
+            violations = (ma_d > bound * (1 + tol)).sum() + (var_d > bound.square() * (1 + tol)).sum()
+            count = torch.full((), float(bound.numel()), device=bound.device, dtype=torch.float64)
+            sums = torch.stack([count, bound.sum(), ma_d.sum(), bound.square().sum(), var_d.sum(), violations.double()])
+            neg_slack = torch.stack([(ma_d - bound).max(), (var_d - bound.square()).max()])
+            all_reduce_(sums, "sum", trainer)
+            all_reduce_(neg_slack, "max", trainer)
+            values = torch.cat([ma.to(sums.device), sums, neg_slack]).tolist()  # one host sync
         n_depth = len(layer_ids)
-        count = values[n_depth]
-        ma = [v / count for v in values[:n_depth]]
+        ma_values = values[:n_depth]
         metrics: dict[str, float] = {}
         if self.norms:
-            ma_bound, ma_final, var_bound, var_final, viol = values[n_depth + 1 : n_depth + 6]
+            count, ma_bound, ma_final, var_bound, var_final, viol = values[n_depth : n_depth + 6]
             self.violations += int(viol)
             metrics.update(
                 {
@@ -226,13 +245,14 @@ class GrowthBoundMonitor(TapCallback):
                 }
             )
         depth = [self.depths[k] for k in range(n_depth)]
-        slope, r2 = fit_line(depth, ma)
-        rate, r2_exp = fit_line(depth, [math.log(v) if v > 0 else math.nan for v in ma])
+        slope, r2 = fit_line(depth, ma_values)
+        rate, r2_exp = fit_line(depth, [math.log(v) if v > 0 else math.nan for v in ma_values])
         metrics.update(
             {"growth/linear_slope": slope, "growth/linear_r2": r2, "growth/exp_rate": rate, "growth/exp_r2": r2_exp}
         )
         self.last = metrics
         log_metrics(trainer, metrics, step)
+        return metrics
 
     @override
     def state_dict(self) -> dict[str, Any]:

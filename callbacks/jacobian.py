@@ -13,17 +13,12 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from typing_extensions import override
 
-from ._sites import (
-    BLOCK_PATTERN,
-    Site,
-    check_positive_int,
-    check_regex,
-    find_sites,
-    first_tensor,
-    log_metrics,
-    paused_taps,
-    probe_input,
-)
+from lnstab import validation as check
+from lnstab.errors import ConfigError
+
+from ._sites import BLOCK_PATTERN, Site, find_sites, first_tensor, log_metrics, probe_input
+from ._strategy import distributed, require_strategy, unsharded
+from ._tap import paused_taps
 
 
 def spectral_norm(
@@ -71,7 +66,9 @@ class JacobianSensitivity(Callback):
     Both norms come from power iteration (:func:`spectral_norm`). The module is put in eval mode (no dropout) and
     restored afterwards; attention runs with the math SDPA kernel (forward-mode AD); nothing is written to ``.grad``.
     The probe is the first ``probe_size`` rows of the first training batch's input (``batch[0]``,
-    ``batch["input_ids"]`` or the batch tensor), or ``probe``; the forward is ``pl_module(probe)``.
+    ``batch["input_ids"]`` or the batch tensor) of rank 0, broadcast to every rank, or ``probe``; the forward is
+    ``pl_module(probe)``. It is measured once per optimizer step, before the step's first micro-batch; under FSDP
+    with the full parameters gathered (:func:`lnstab.callbacks.unsharded`), every rank taking part.
 
     Args:
         every_n_steps: Measure on optimizer steps ``0, M, 2M, …``.
@@ -85,7 +82,7 @@ class JacobianSensitivity(Callback):
         ``jacobian/residual/L07``, ``jacobian/sensitivity/L07``, ``jacobian/act_scale/L07``.
 
     Raises:
-        ValueError: A bad argument (the message names it).
+        ConfigError: A bad argument, or a strategy it cannot serve (one line naming it; a ``ValueError``).
 
     Example::
 
@@ -101,18 +98,17 @@ class JacobianSensitivity(Callback):
         layer_pattern: str = BLOCK_PATTERN,
         seed: int = 0,
     ) -> None:
-        self.every_n_steps = check_positive_int("every_n_steps", every_n_steps)
-        self.probe_size = check_positive_int("probe_size", probe_size)
+        self.every_n_steps = check.positive_int("every_n_steps", every_n_steps)
+        self.probe_size = check.positive_int("probe_size", probe_size)
         if probe is not None and not isinstance(probe, torch.Tensor):
-            raise ValueError(f"probe={type(probe).__name__} is not allowed; give a tensor or None")
+            raise ConfigError(f"probe={type(probe).__name__} is not allowed; give a tensor or None")
         self.probe = probe
-        self.n_iter = check_positive_int("n_iter", n_iter)
-        self.layer_pattern = check_regex("layer_pattern", layer_pattern, optional=False)
-        if not isinstance(seed, int):
-            raise ValueError(f"seed={seed!r} is not allowed; it must be an integer")
-        self.seed = seed
+        self.n_iter = check.positive_int("n_iter", n_iter)
+        self.layer_pattern = check.regex("layer_pattern", layer_pattern, optional=False)
+        self.seed = check.integer("seed", seed)
         self.blocks: list[Site] = []
         self.last: dict[str, float] = {}
+        self._measured_step: int | None = None
 
     @property
     @override
@@ -121,6 +117,7 @@ class JacobianSensitivity(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        require_strategy(trainer, type(self).__name__, reads_parameters=True)
         self.blocks = find_sites(pl_module, self.layer_pattern)
         if not self.blocks:
             rank_zero_warn(f"{type(self).__name__}: layer_pattern matched no module; nothing will be logged")
@@ -134,16 +131,19 @@ class JacobianSensitivity(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self.probe is None:
-            self.probe = probe_input(batch, self.probe_size)
+            probe = probe_input(batch, self.probe_size)
+            self.probe = trainer.strategy.broadcast(probe.cpu(), src=0) if distributed(trainer) else probe
         step = trainer.global_step
-        if self.blocks and step % self.every_n_steps == 0:
-            self.last = self.measure(pl_module)
+        if self.blocks and step % self.every_n_steps == 0 and step != self._measured_step:
+            self._measured_step = step  # once per optimizer step, whatever the accumulation
+            self.last = self.measure(pl_module, trainer)
             log_metrics(trainer, self.last, step)
 
-    def measure(self, pl_module: nn.Module) -> dict[str, float]:
-        """All three metrics of every block on the probe (one host sync); other instruments' hooks are paused."""
-        with paused_taps(pl_module):
-            return self._measure(pl_module)
+    def measure(self, pl_module: nn.Module, trainer: pl.Trainer | None = None) -> dict[str, float]:
+        """All three metrics of every block on the probe (one host sync); other instruments' taps are paused.
+        With a ``trainer`` whose strategy shards parameters, every rank must call this (the shards are gathered)."""
+        with unsharded(trainer, pl_module) as module, paused_taps(pl_module):
+            return self._measure(module)
 
     def _measure(self, pl_module: nn.Module) -> dict[str, float]:
         inputs: dict[int, tuple[tuple, dict]] = {}

@@ -9,10 +9,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
+from . import _stats
 from ._sites import tensorboard_writer
 
 CHARTS: dict[str, list[str]] = {
-    "hidden": ["hidden/mean_abs", "hidden/var_entry", "hidden/var_data", "hidden/max_abs"],
     "grad": ["grad/norm", "weight/norm"],
     "jacobian": ["jacobian/residual", "jacobian/sensitivity", "jacobian/act_scale"],
     "bound": ["bound/ma", "bound/var", "bound/slack", "bound/violations"],
@@ -21,11 +21,18 @@ CHARTS: dict[str, list[str]] = {
 }
 
 
+def charts() -> dict[str, list[str]]:
+    """Category → chart prefixes: one ``hidden/<stat>`` chart per per-site statistic in the registry, then
+    :data:`CHARTS`."""
+    hidden = [f"hidden/{name}" for name, stat in _stats.REGISTRY.items() if stat.kind != "sequence"]
+    return {"hidden": hidden, **CHARTS}
+
+
 def stability_layout() -> dict[str, dict[str, list[Any]]]:
     """The layout for ``SummaryWriter.add_custom_scalars``: category → chart → ``["Multiline", [regex]]``."""
     return {
-        category: {chart: ["Multiline", [rf"^{chart}(/.*|_.*)?$"]] for chart in charts}
-        for category, charts in CHARTS.items()
+        category: {chart: ["Multiline", [rf"^{chart}(/.*|_.*)?$"]] for chart in prefixes}
+        for category, prefixes in charts().items()
     }
 
 

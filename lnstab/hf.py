@@ -12,12 +12,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lnstab.errors import ConfigError
-from lnstab.model import GPT, GPTConfig
+from lnstab.model import GPT, PLACEMENTS, GPTConfig
 
 if TYPE_CHECKING:
     from transformers import GPT2LMHeadModel
 
 CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# Hugging Face's GPT-2 normalises each sublayer's input (ln_1, ln_2) and the stream before the head (ln_f), nothing
+# else: a placement exports when its row of lnstab.model.PLACEMENTS has exactly these norms.
+HF_GPT2_NORMS = frozenset({"input", "final"})
 
 
 def config_from_hf(hf_config: Any, **overrides: Any) -> GPTConfig:
@@ -72,10 +75,11 @@ def gpt_to_hf(model: GPT) -> GPT2LMHeadModel:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     c = model.config
-    if c.norm_placement != "pre" or c.norm_type != "layernorm":
+    exportable = [name for name, p in PLACEMENTS.items() if p.norms == HF_GPT2_NORMS]
+    if c.norm_placement not in exportable or c.norm_type != "layernorm":
         raise ConfigError(
-            f"norm_placement={c.norm_placement!r}, norm_type={c.norm_type!r} cannot be exported; "
-            "Hugging Face's GPT-2 is norm_placement='pre' with norm_type='layernorm'"
+            f"norm_placement={c.norm_placement!r}, norm_type={c.norm_type!r} cannot be exported; Hugging Face's "
+            f"GPT-2 is norm_placement={' or '.join(map(repr, exportable))} with norm_type='layernorm'"
         )
     if not c.bias:
         raise ConfigError("bias=False cannot be exported; Hugging Face's GPT-2 has biases (use bias=True)")

@@ -6,13 +6,18 @@ One ``Block`` serves every variant; the choice of placement only decides which n
     a  = ln_1_out(attn(ln_1(x)))         h  = ln_1_post(resid_attn(x, a))     resid_attn(x, a) = x + Δt·a
     m  = ln_2_out(mlp(ln_2(h)))          x' = ln_2_post(resid_mlp(h, m))      resid_mlp(h, m)  = h + Δt·m
 
-    placement  ln_1/ln_2   ln_*_out   ln_*_post   ln_f      update of one half-step
-    pre        norm        Identity   Identity    norm      x + Δt·f(LN(x))
-    peri       norm        norm       Identity    norm      x + Δt·LN_out(f(LN_in(x)))   (Gemma 2, Kan et al. §4)
-    post       Identity    Identity   norm        Identity  LN(x + Δt·f(x))              (original Transformer)
-    output     Identity    norm       Identity    norm      x + Δt·LN(f(x))              (OLMo 2 reordered norm)
-    none       Identity    Identity   Identity    Identity  x + Δt·f(x)
+Which of the four norms exist is one row of :data:`PLACEMENTS` (``input`` = ``ln_1``/``ln_2``, ``output`` =
+``ln_*_out``, ``post`` = ``ln_*_post``, ``final`` = ``ln_f``); ``Block``, ``GPT``, the Hugging Face export
+(:mod:`lnstab.hf`) and the growth bound (through :meth:`GPT.output_norms`) all read that table::
 
+    placement  input  output  post  final   update of one half-step
+    pre        ✓      ·       ·     ✓       x + Δt·f(LN(x))
+    peri       ✓      ✓       ·     ✓       x + Δt·LN_out(f(LN_in(x)))   (Gemma 2, Kan et al. §4)
+    post       ·      ·       ✓     ·       LN(x + Δt·f(x))              (original Transformer)
+    output     ·      ✓       ·     ✓       x + Δt·LN(f(x))              (OLMo 2 reordered norm)
+    none       ·      ·       ·     ·       x + Δt·f(x)
+
+Adding a placement is one :class:`Placement` row plus its tests.
 ``resid_attn`` and ``resid_mlp`` are parameter-free :class:`Residual` modules: a forward hook on them sees the residual
 stream after every half-step (for ``post`` that is the sum *before* its norm), which is where lnstab's instruments
 attach. State-dict keys follow GPT-2 (``transformer.h.{i}.attn.c_attn`` …) with ``nn.Linear`` weights, so a nanoGPT
@@ -32,7 +37,55 @@ import torch.nn.functional as F
 
 from lnstab.errors import ConfigError
 
-NORM_PLACEMENTS = ("pre", "peri", "post", "output", "none")
+
+@dataclass(frozen=True)
+class Placement:
+    """One LayerNorm placement: which of a block's norms are real modules (the others are ``nn.Identity()``).
+
+    Attributes:
+        name: The ``norm_placement`` value that selects it.
+        input: ``ln_1``/``ln_2`` normalise each sublayer's input.
+        output: ``ln_1_out``/``ln_2_out`` normalise each sublayer's output before it is added to the stream.
+        post: ``ln_1_post``/``ln_2_post`` normalise the stream after each residual add.
+        final: ``ln_f`` normalises the stream before the head.
+        doc: What the placement is and where it comes from (its docstring).
+    """
+
+    name: str
+    input: bool
+    output: bool
+    post: bool
+    final: bool
+    doc: str
+
+    @property
+    def norms(self) -> frozenset[str]:
+        """The norms that exist, by field name (``{"input", "final"}`` for ``pre``)."""
+        return frozenset(k for k in ("input", "output", "post", "final") if getattr(self, k))
+
+    @property
+    def normalised_updates(self) -> bool:
+        """Whether every residual update is ``x + Δt·N(y)`` with an output norm ``N`` that nothing renormalises
+        afterwards: the form Theorem 4's growth bound needs."""
+        return self.output and not self.post
+
+
+PLACEMENTS: dict[str, Placement] = {
+    p.name: p
+    for p in (
+        Placement("pre", input=True, output=False, post=False, final=True,
+                  doc="Pre-LN (GPT-2): x + Δt·f(LN(x)); the stream itself is never normalised until ln_f."),
+        Placement("peri", input=True, output=True, post=False, final=True,
+                  doc="Peri-LN (Gemma 2, Kan et al. §4): x + Δt·LN_out(f(LN_in(x))); every update is normalised."),
+        Placement("post", input=False, output=False, post=True, final=False,
+                  doc="Post-LN (the original Transformer): LN(x + Δt·f(x)); renormalises the stream each half-step."),
+        Placement("output", input=False, output=True, post=False, final=True,
+                  doc="Output-LN (OLMo 2's reordered norm): x + Δt·LN(f(x)); the sublayer sees the raw stream."),
+        Placement("none", input=False, output=False, post=False, final=False,
+                  doc="No normalisation at all: x + Δt·f(x) (the unstable baseline)."),
+    )
+}
+NORM_PLACEMENTS = tuple(PLACEMENTS)
 NORM_TYPES = ("layernorm", "rmsnorm")
 
 # GPT-2's published shapes (Radford et al. 2019) plus small presets that train on a CPU in minutes.
@@ -65,7 +118,7 @@ class GPTConfig:
         n_layer, n_head, n_embd: Depth, heads, width.
         dropout: Dropout on embeddings, attention weights and sublayer outputs.
         bias: Biases in linear layers and LayerNorms.
-        norm_placement: One of ``pre``, ``peri``, ``post``, ``output``, ``none`` (see the module docstring).
+        norm_placement: A key of :data:`PLACEMENTS`: ``pre``, ``peri``, ``post``, ``output``, ``none``.
         norm_type: ``layernorm`` or ``rmsnorm``, for every norm of the model.
         residual_scale: Δt > 0, the residual step size applied to both sublayers.
         norm_eps: Epsilon of every norm.
@@ -85,7 +138,7 @@ class GPTConfig:
     norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
-        _check_choice("norm_placement", self.norm_placement, NORM_PLACEMENTS)
+        _check_choice("norm_placement", self.norm_placement, list(PLACEMENTS))
         _check_choice("norm_type", self.norm_type, NORM_TYPES)
         for name in ("block_size", "vocab_size", "pad_vocab_multiple", "n_layer", "n_head", "n_embd"):
             value = getattr(self, name)
@@ -206,17 +259,17 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        p = config.norm_placement
-        self.ln_1 = make_norm(config, p in ("pre", "peri"))
+        p = PLACEMENTS[config.norm_placement]
+        self.ln_1 = make_norm(config, p.input)
         self.attn = CausalSelfAttention(config)
-        self.ln_1_out = make_norm(config, p in ("peri", "output"))
+        self.ln_1_out = make_norm(config, p.output)
         self.resid_attn = Residual(config.residual_scale)
-        self.ln_1_post = make_norm(config, p == "post")
-        self.ln_2 = make_norm(config, p in ("pre", "peri"))
+        self.ln_1_post = make_norm(config, p.post)
+        self.ln_2 = make_norm(config, p.input)
         self.mlp = MLP(config)
-        self.ln_2_out = make_norm(config, p in ("peri", "output"))
+        self.ln_2_out = make_norm(config, p.output)
         self.resid_mlp = Residual(config.residual_scale)
-        self.ln_2_post = make_norm(config, p == "post")
+        self.ln_2_post = make_norm(config, p.post)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> tuple[torch.Tensor, KVCache | None]:
         a, cache = self.attn(self.ln_1(x), cache)
@@ -237,7 +290,7 @@ class GPT(nn.Module):
                 wpe=nn.Embedding(config.block_size, config.n_embd),
                 drop=nn.Dropout(config.dropout),  # its output is X_0, the embedding the instruments measure
                 h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-                ln_f=make_norm(config, config.norm_placement != "post" and config.norm_placement != "none"),
+                ln_f=make_norm(config, PLACEMENTS[config.norm_placement].final),
             )
         )
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
@@ -257,6 +310,23 @@ class GPT(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
             elif isinstance(module, nn.LayerNorm | nn.RMSNorm):
                 module.reset_parameters()
+
+    @property
+    def placement(self) -> Placement:
+        """The row of :data:`PLACEMENTS` this model was built from."""
+        return PLACEMENTS[self.config.norm_placement]
+
+    def output_norms(self) -> list[tuple[nn.Module, float]]:
+        """``(norm, Δt)`` for every residual update ``x ← x + Δt·norm(y)``, in update order (``ln_1_out``,
+        ``ln_2_out`` of block 0, then block 1, …); empty when the placement's updates are not of that form
+        (:attr:`Placement.normalised_updates`). This is what the growth bound of Theorem 4 sums over."""
+        if not self.placement.normalised_updates:
+            return []
+        return [
+            (norm, resid.scale)
+            for block in self.transformer.h
+            for norm, resid in ((block.ln_1_out, block.resid_attn), (block.ln_2_out, block.resid_mlp))
+        ]
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Unique parameters (the tied head counted once); optionally without the position embedding."""

@@ -82,10 +82,9 @@ def test_violation_when_bound_uses_a_smaller_step_than_the_model():
                 m.bias.fill_(3.0)
     callback = GrowthBoundMonitor(every_n_steps=1, residual_scale=0.01)
     callback.setup(None, module, "fit")
-    callback.tap.active = True
+    callback.subscription.active = True
     module(torch.randint(0, 100, (4, 16)))
-    captured = callback._captured
-    callback._evaluate(type("T", (), {"world_size": 1, "loggers": []})(), captured, 0)
+    callback.evaluate(type("T", (), {"world_size": 1, "loggers": []})(), 0)
     assert callback.violations > 0
 
 

@@ -1,0 +1,255 @@
+"""One activation tap per model, shared by every instrument, and the base class of the instruments that read it.
+
+:class:`SharedTap` keeps one forward hook (a pre-hook for input sites) per watched module of one model, whichever and
+however many instruments watch it. Each instrument holds a :class:`Subscription`: its sites and, per site, the
+registered statistics (:mod:`._stats`) it wants. On a forward, a site's hook builds one :class:`SiteView` of the
+tensor and hands it to every *active* subscription watching that site, so a primitive two instruments share (say
+``max |x|``) is computed once; with no active subscription the hook returns at once. A subscription pools its
+statistics over the micro-batches of an optimizer step, holding per-site state only between :meth:`~Subscription.reset`
+and the read, and reduces them over ranks (:meth:`~Subscription.reduce`) as each statistic's kind prescribes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from typing_extensions import override
+
+from lnstab.errors import ConfigError
+
+from . import _stats
+from ._sites import Site, first_tensor
+from ._strategy import all_reduce_, distributed
+
+TAP_ATTR = "_lnstab_shared_tap"
+PAUSE_ATTR = "_lnstab_taps_paused"
+
+
+@contextmanager
+def paused_taps(root: nn.Module) -> Iterator[None]:
+    """The tap of ``root`` ignores forwards inside this block (e.g. the Jacobian probe's extra passes). The flag
+    lives on ``root`` itself, so taps on other models are unaffected."""
+    count = root.__dict__.get(PAUSE_ATTR, 0)
+    object.__setattr__(root, PAUSE_ATTR, count + 1)
+    try:
+        yield
+    finally:
+        object.__setattr__(root, PAUSE_ATTR, count)
+
+
+class Subscription:
+    """One instrument's view of a :class:`SharedTap`: its sites, the statistics it wants at each, what it pooled.
+
+    Attributes:
+        sites: The watched sites, in the instrument's order.
+        stats: Per site, the names of the registered statistics pooled there.
+        active: Captures happen only while this is set (the instrument sets it on the steps it measures).
+        dtypes: Per site, the dtype of the last tensor seen (``None`` before the first capture).
+    """
+
+    def __init__(self, tap: SharedTap, sites: list[Site], stats: Sequence[Sequence[str]]) -> None:
+        self.tap, self.sites, self.active = tap, sites, False
+        self.stats = [tuple(_stats.get(name).name for name in names) for names in stats]
+        self.dtypes: list[torch.dtype | None] = [None] * len(sites)
+        self.pooled: list[dict[str, Any] | None] = [None] * len(sites)
+
+    def reset(self) -> None:
+        """Forget everything pooled (the per-site state is allocated again by the next capture)."""
+        self.pooled = [None] * len(self.sites)
+
+    @property
+    def complete(self) -> bool:
+        """Whether every site has been captured since :meth:`reset`."""
+        return bool(self.sites) and all(p is not None for p in self.pooled)
+
+    def add(self, i: int, view: _stats.SiteView) -> None:
+        """Pool one micro-batch's statistics at site ``i``."""
+        self.dtypes[i] = view.x.dtype
+        pooled = self.pooled[i]
+        new = {name: _stats.measure(_stats.REGISTRY[name], view) for name in self.stats[i]}
+        if pooled is None:
+            self.pooled[i] = new
+        else:
+            for name, value in new.items():
+                pooled[name] = _stats.merge(_stats.REGISTRY[name], pooled[name], value)
+
+    def local(self, name: str, sites: Sequence[int] | None = None) -> list[Any]:
+        """The pooled values of ``name`` on this rank, per site (``sequence``: the ``(k, B_step)`` tensor)."""
+        stat = _stats.REGISTRY[name]
+        out = []
+        for i in range(len(self.sites)) if sites is None else sites:
+            value = self.pooled[i][name]
+            out.append(torch.cat(value, dim=1) if stat.kind == "sequence" else value)
+        return out
+
+    def reduce(self, trainer: Any, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+        """The finished statistics ``names`` (default: every non-``sequence`` one asked for) over every rank, as
+        ``{name: (sites,) float64 tensor}`` (NaN at sites that do not compute it); no host sync, and one collective
+        per kind (plus one per site with ``moments``) when several ranks take part."""
+        if not self.complete:
+            raise RuntimeError("Subscription.reduce() before every site was captured")
+        names = names or [n for n in dict.fromkeys(s for per in self.stats for s in per)
+                          if _stats.REGISTRY[n].kind != "sequence"]
+        cells = [(i, n) for n in names for i in range(len(self.sites)) if n in self.stats[i]]
+        device = self.tap.device_of(self.pooled)
+        multi = distributed(trainer)
+        moments = {c: self.pooled[c[0]][c[1]] for c in cells if _stats.REGISTRY[c[1]].kind == "moments"}
+        sums = [self.pooled[i][n] for i, n in cells if _stats.REGISTRY[n].kind == "sum"]
+        maxes = [self.pooled[i][n].reshape(()) for i, n in cells if _stats.REGISTRY[n].kind == "max"]
+        if multi and moments:
+            moments = {c: _reduce_moments(m, trainer) for c, m in moments.items()}
+        if multi and (sums or maxes):
+            packed_max = torch.stack(maxes) if maxes else torch.zeros(0, device=device)
+            nan = packed_max.isnan()  # MAX over ranks need not propagate NaN: count NaNs in the SUM instead
+            packed = torch.cat([t.to(device) for t in sums] + [nan.double()])
+            packed_max = packed_max.masked_fill(nan, float("inf"))
+            all_reduce_(packed, "sum", trainer)
+            all_reduce_(packed_max, "max", trainer)
+            packed_max = packed_max.masked_fill(packed[packed.numel() - len(maxes):] > 0, float("nan"))
+            sums = list(packed[: packed.numel() - len(maxes)].split([t.numel() for t in sums]))
+            maxes = list(packed_max.unbind())
+        finished: dict[tuple[int, str], torch.Tensor] = {}
+        it_sum, it_max = iter(sums), iter(maxes)
+        for i, n in cells:
+            stat = _stats.REGISTRY[n]
+            raw = next(it_sum) if stat.kind == "sum" else next(it_max) if stat.kind == "max" else moments[(i, n)]
+            finished[(i, n)] = stat.finish(raw).to(torch.float64).reshape(())
+        missing = torch.full((), float("nan"), dtype=torch.float64, device=device)
+        return {n: torch.stack([finished.get((i, n), missing) for i in range(len(self.sites))]) for n in names}
+
+    def close(self) -> None:
+        """Stop watching; hooks no subscription needs any more are removed."""
+        self.active = False
+        self.tap.release(self)
+
+
+def _reduce_moments(m: _stats.Moments, trainer: Any) -> _stats.Moments:
+    """Moments over every rank: μ = Σ n·mean / Σ n (one all-reduce of ``N + 1`` values), then
+    Σ M2 = Σ_r [M2_r + n_r·‖mean_r − μ‖²] (one scalar all-reduce); deviations from μ, so nothing cancels."""
+    packed = torch.cat([m.mean * m.n, m.mean.new_full((1,), m.n)])
+    all_reduce_(packed, "sum", trainer)
+    n = packed[-1]
+    mean = packed[:-1] / n
+    m2 = (m.m2 + (m.mean - mean).square().sum(dtype=torch.float64) * m.n).reshape(1)
+    all_reduce_(m2, "sum", trainer)
+    return _stats.Moments(n.double(), mean, m2[0])  # n stays on the device: no host sync
+
+
+class SharedTap:
+    """The one set of hooks on one model's watched modules (module docstring). Get it with :meth:`of`."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self.root = root
+        self.hooks: dict[tuple[int, bool], dict[str, Any]] = {}  # (id(module), use_input) -> handle, watchers
+
+    @classmethod
+    def of(cls, root: nn.Module) -> SharedTap:
+        """The tap of ``root``, created on first use (kept on ``root`` outside its state dict)."""
+        tap = root.__dict__.get(TAP_ATTR)
+        if tap is None:
+            tap = cls(root)
+            object.__setattr__(root, TAP_ATTR, tap)
+        return tap
+
+    def subscribe(self, sites: list[Site], stats: Sequence[Sequence[str]]) -> Subscription:
+        """A new subscription to ``sites`` with ``stats[i]`` at site ``i``; hooks are added where none exist."""
+        if len(stats) != len(sites):
+            raise ConfigError(
+                f"stats with {len(stats)} entries is not allowed for {len(sites)} sites; give one tuple per site"
+            )
+        sub = Subscription(self, sites, stats)
+        for i, site in enumerate(sites):
+            key = (id(site.module), site.use_input)
+            entry = self.hooks.get(key)
+            if entry is None:
+                entry = {"watchers": [], "module": site.module}
+                if site.use_input:
+                    entry["handle"] = site.module.register_forward_pre_hook(self._pre_hook(entry))
+                else:
+                    entry["handle"] = site.module.register_forward_hook(self._hook(entry))
+                self.hooks[key] = entry
+            entry["watchers"].append((sub, i))
+        return sub
+
+    def release(self, sub: Subscription) -> None:
+        for key, entry in list(self.hooks.items()):
+            entry["watchers"] = [(s, i) for s, i in entry["watchers"] if s is not sub]
+            if not entry["watchers"]:
+                entry["handle"].remove()
+                del self.hooks[key]
+        if not self.hooks and self.root.__dict__.get(TAP_ATTR) is self:
+            del self.root.__dict__[TAP_ATTR]
+
+    def _dispatch(self, entry: dict[str, Any], obj: Any) -> None:
+        watchers = [(s, i) for s, i in entry["watchers"] if s.active]
+        if not watchers or self.root.__dict__.get(PAUSE_ATTR):
+            return
+        x = first_tensor(obj)
+        if x is None:
+            return
+        view = _stats.SiteView(x.detach())
+        for sub, i in watchers:
+            sub.add(i, view)
+
+    def _hook(self, entry: dict[str, Any]) -> Callable:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self._dispatch(entry, output)
+
+        return hook
+
+    def _pre_hook(self, entry: dict[str, Any]) -> Callable:
+        def hook(module: nn.Module, args: Any) -> None:
+            self._dispatch(entry, args)
+
+        return hook
+
+    @staticmethod
+    def device_of(pooled: list[dict[str, Any] | None]) -> torch.device:
+        for per_site in pooled:
+            for value in (per_site or {}).values():
+                tensor = value.mean if isinstance(value, _stats.Moments) else value
+                tensor = tensor[0] if isinstance(tensor, list) else tensor
+                return tensor.device
+        return torch.device("cpu")
+
+
+class TapCallback(Callback):
+    """A callback that reads the residual stream through its model's :class:`SharedTap` and knows the optimizer-step
+    boundary: :meth:`step_begins` is true on the first micro-batch of an optimizer step, :meth:`step_ended` once its
+    last micro-batch has run (the optimizer stepped). Subscribes in ``setup`` (:meth:`subscribe`), closes in
+    ``teardown``."""
+
+    subscription: Subscription | None = None
+    _open_step: int | None = None
+
+    def subscribe(self, pl_module: nn.Module, sites: list[Site], stats: Sequence[Sequence[str]]) -> Subscription:
+        """Watch ``sites`` of ``pl_module`` for ``stats`` (one tuple of statistic names per site); inactive."""
+        if self.subscription is not None:
+            self.subscription.close()
+        self.subscription = SharedTap.of(pl_module).subscribe(sites, stats)
+        return self.subscription
+
+    def step_begins(self, trainer: pl.Trainer) -> bool:
+        """Call in ``on_train_batch_start``: whether this micro-batch is the first of an optimizer step."""
+        step = trainer.global_step
+        first = step != self._open_step
+        self._open_step = step
+        return first
+
+    def step_ended(self, trainer: pl.Trainer) -> bool:
+        """Call in ``on_train_batch_end``: whether the optimizer stepped since the step began (its last micro-batch
+        ran)."""
+        return self._open_step is not None and trainer.global_step != self._open_step
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.subscription is not None:
+            self.subscription.close()
+            self.subscription = None
+        self._open_step = None
