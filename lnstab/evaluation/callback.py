@@ -11,6 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lnstab import validation as check
+from lnstab.callbacks._strategy import unsharded
 from lnstab.callbacks.run_status import interrupted, trained_steps
 from lnstab.errors import LNStabError
 from lnstab.evaluation import metrics
@@ -23,6 +24,8 @@ class FinalEvaluation(Callback):
     """Evaluates the trained model once at the end of ``fit`` and of ``test`` (see :mod:`lnstab.evaluation.core`).
 
     "End of fit" is ``on_train_end``, while the model is still on its device; BERTScore runs on rank zero's device.
+    Under FSDP every rank evaluates its shard of the samples on gathered full parameters
+    (:func:`lnstab.callbacks.unsharded`).
     A run stopped by a signal (:class:`lnstab.callbacks.RunStatus`) is not evaluated: it will be resumed.
 
     The validation stream comes from ``trainer.datamodule.validation_tokens()`` (the lnstab datamodule contract).
@@ -93,14 +96,15 @@ class FinalEvaluation(Callback):
     def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> dict[str, Any]:
         """Run the evaluation now (every rank), write and log on rank zero; returns the result."""
         tokens = trainer.datamodule.validation_tokens()
-        model = getattr(pl_module, "model", pl_module)
         distributed = trainer.world_size > 1
         device = trainer.strategy.root_device
-        result = evaluate_model(
-            model, tokens, self.settings, bertscore_device=str(device) if device.type == "cuda" else "cpu",
-            rank=trainer.global_rank if distributed else 0, world_size=trainer.world_size if distributed else 1,
-            forward_context=trainer.precision_plugin.forward_context,
-        )
+        with unsharded(trainer, pl_module) as module:  # FSDP: full parameters, every rank (one device/DDP: as is)
+            result = evaluate_model(
+                getattr(module, "model", module), tokens, self.settings,
+                bertscore_device=str(device) if device.type == "cuda" else "cpu",
+                rank=trainer.global_rank if distributed else 0, world_size=trainer.world_size if distributed else 1,
+                forward_context=trainer.precision_plugin.forward_context,
+            )
         self.result = result
         step = trained_steps(trainer, pl_module)
         if trainer.is_global_zero:
