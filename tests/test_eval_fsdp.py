@@ -27,8 +27,8 @@ def test_lnstab_evaluate_reads_a_sharded_fsdp_checkpoint_and_equals_one_process(
     torch.set_num_threads(1)
     cfg = tiny_config(tmp_path, **{"trainer.devices": 2, "trainer.max_steps": 2})
     raw = yaml.safe_load(cfg.read_text())
-    raw["trainer"]["strategy"] = {"class_path": "fsdp_cpu.CPUFSDPStrategy",
-                                  "init_args": {"auto_wrap_policy": ["lnstab.model.Block"], "state_dict_type": "sharded"}}
+    strategy = {"auto_wrap_policy": ["lnstab.model.Block"], "state_dict_type": "sharded"}  # as experiments/fsdp.yaml
+    raw["trainer"]["strategy"] = {"class_path": "fsdp_cpu.CPUFSDPStrategy", "init_args": strategy}
     raw["instruments"]["enabled"] = False
     raw["evaluation"] = {"n_samples": 6, "batch_size": 2, "on_fit_end": False}
     cfg.write_text(yaml.safe_dump(raw))

@@ -23,7 +23,8 @@ LNSTAB = str(Path(sys.executable).with_name("lnstab"))
 def start(cfg: Path, run: Path, *extra: str, new_session: bool = False) -> subprocess.Popen:
     cmd = [LNSTAB, "fit", "--config", str(cfg), "--run_dir", str(run), "--trainer.max_steps", "100000", *extra]
     # the legs run in this process are compared bitwise with this one: same thread count, same reduction order
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+           "OMP_NUM_THREADS": str(torch.get_num_threads())}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=new_session)
 
