@@ -127,14 +127,18 @@ class StepOfRead(pl.Callback):
 def test_no_host_reads_on_training_steps_that_do_not_log(tmp_path, monkeypatch) -> None:
     # On a GPU, reading a device tensor waits for all queued work. The training step reads the loss only on the
     # Trainer's logging steps (global steps 4 and 9 here); on the others, the only reads are Lightning re-reading the
-    # progress-bar value logged last, which the module logs as a CPU tensor.
+    # progress-bar value logged last, which the module logs as a CPU tensor. As `lnstab fit` runs: LNStabTrainer
+    # (its step progress bar), Throughput, clipping, fused AdamW.
     from lightning.pytorch.loggers import CSVLogger
 
     from lnstab.callbacks import Throughput
 
+    from lnstab.trainer import LNStabTrainer
+
     reads = StepOfRead(monkeypatch)
-    t = trainer(tmp_path, max_steps=10, log_every_n_steps=5, logger=CSVLogger(tmp_path), enable_progress_bar=True,
-                callbacks=[reads, Throughput()], limit_val_batches=0)
+    t = LNStabTrainer(accelerator="cpu", precision="auto", max_steps=10, log_every_n_steps=5, gradient_clip_val=1.0,
+                      logger=CSVLogger(tmp_path), callbacks=[reads, Throughput()], limit_val_batches=0,
+                      enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path)
     t.fit(small_module(), small_data())
     logged = reads.reads[4] | reads.reads[9]
     for step in (0, 1, 2, 3):
