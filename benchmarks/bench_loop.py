@@ -1,8 +1,9 @@
 """The Lightning loop's cost: ``lnstab fit``'s steps (GPTModule + Trainer, no instruments) against a bare torch loop.
 
 Both train a copy of the same model on the same synthetic data with the same optimizer (the module's own
-``configure_optimizers``: fused AdamW and the warmup + cosine LambdaLR), gradient clipping at 1.0, 32-true. The Trainer
-runs as ``lnstab fit`` does, with a TensorBoard logger, the progress bar and lnstab's Throughput callback. The bare
+``configure_optimizers``: fused AdamW and the warmup + cosine LambdaLR), gradient clipping at 1.0, precision ``auto``
+(32-true on a CPU without native bf16). The Trainer is ``lnstab fit``'s LNStabTrainer, with a TensorBoard logger, its
+step progress bar and lnstab's Throughput callback. The bare
 loop takes its steps inside the Trainer's ``on_train_batch_end``, one after each Lightning step, so the two alternate
 step by step and drift in machine speed hits both alike: a Lightning step is the time from the hook's exit after one
 step to its entry after the next (everything Lightning does per step, the bare step left out). Medians and the
@@ -28,6 +29,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lnstab.callbacks import Throughput
 from lnstab.datamodules.synthetic import SyntheticDataModule
 from lnstab.module import GPTModule
+from lnstab.trainer import LNStabTrainer
 
 
 class BareLoop(pl.Callback):
@@ -98,8 +100,8 @@ def main() -> None:
     data.setup("fit")
     bare = BareLoop(module, data, args.warmup, clock)
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = pl.Trainer(
-            accelerator="cpu", devices=1, precision="32-true", max_steps=args.steps + args.warmup,
+        trainer = LNStabTrainer(
+            accelerator="cpu", devices=1, precision="auto", max_steps=args.steps + args.warmup,
             gradient_clip_val=1.0, log_every_n_steps=10, logger=TensorBoardLogger(tmp, name="bench"),
             callbacks=[bare, Throughput()], enable_checkpointing=False, limit_val_batches=0,
             num_sanity_val_steps=0, enable_model_summary=False,

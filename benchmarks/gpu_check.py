@@ -16,6 +16,7 @@ import argparse
 import importlib
 import json
 import statistics
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -26,14 +27,13 @@ import torch
 import yaml
 from lightning.pytorch.loggers import Logger
 
-from lnstab.callbacks import Throughput
+from lnstab.callbacks import Instruments, Throughput
 from lnstab.datamodules.synthetic import SyntheticDataModule
 from lnstab.memory import estimate_memory
 from lnstab.module import GPTModule
+from lnstab.trainer import LNStabTrainer
 
 ROOT = Path(__file__).resolve().parent.parent
-INSTRUMENTS = ("StabilityLayout", "HiddenStateStatistics", "GrowthBoundMonitor", "GradientStatistics",
-               "JacobianSensitivity", "DivergenceMonitor")
 
 
 class Captured(Logger):
@@ -108,32 +108,33 @@ def instantiate(spec: dict) -> Any:
 
 
 def build(config: dict, args: argparse.Namespace, steps: int, instruments: bool, **model_overrides: Any):
-    """Trainer, module and data from a merged config, shrunk to a tiny CPU run with ``--dry-run``."""
+    """Trainer, module and data as ``lnstab fit`` builds them from a merged config (precision ``auto``, the
+    ``instruments:`` group, the strategy block), on synthetic tokens; a tiny CPU run with ``--dry-run``."""
     model_args = {**config["model"], **model_overrides}
     batch = config["data"]["init_args"].get("batch_size", 8)
     trainer_cfg = config["trainer"]
-    precision, accelerator, strategy = trainer_cfg["precision"], "gpu", trainer_cfg["strategy"]
+    precision, accelerator, strategy = trainer_cfg.get("precision", "auto"), "gpu", trainer_cfg.get("strategy")
     if args.dry_run:
-        model_args.update(preset="tiny", block_size=64, compile=False)
+        model_args.update(preset="tiny", block_size=64)  # compile as configured: the dry run compiles too
         precision, accelerator, batch = "32-true", "cpu", 2
     if isinstance(strategy, dict):
-        strategy = "auto" if args.dry_run else instantiate(strategy)  # FSDP needs a GPU
+        strategy = "auto" if args.dry_run else instantiate(strategy)  # Lightning's FSDPStrategy needs a GPU
     else:
-        strategy = "auto"  # DDP's configuration on one device
-    callbacks = [instantiate(c) for c in trainer_cfg["callbacks"]
-                 if instruments and c["class_path"].rpartition(".")[2] in INSTRUMENTS]
+        strategy = "auto"  # DDP's configuration, on one device
+    callbacks = Instruments(**config.get("instruments", {})).callbacks() if instruments else []
     logger = Captured()
     module = GPTModule(**model_args)
-    seq = module.config.block_size
+    seq, accumulate = module.config.block_size, trainer_cfg.get("accumulate_grad_batches", 1)
     data = SyntheticDataModule(block_size=seq, batch_size=batch, synthetic_vocab_size=module.config.vocab_size,
-                               train_tokens=(steps * trainer_cfg.get("accumulate_grad_batches", 1) + 2) * batch
-                               * (seq + 1), val_tokens=4 * (seq + 1), seed=0)
-    trainer = pl.Trainer(
+                               train_tokens=(steps * accumulate + 2) * batch * (seq + 1), val_tokens=4 * (seq + 1),
+                               seed=0)
+    trainer = LNStabTrainer(
         accelerator=accelerator, devices=1, strategy=strategy, precision=precision, max_steps=steps,
-        gradient_clip_val=trainer_cfg["gradient_clip_val"], log_every_n_steps=10, logger=logger,
-        accumulate_grad_batches=trainer_cfg.get("accumulate_grad_batches", 1), limit_val_batches=0,
-        num_sanity_val_steps=0, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[*callbacks, Throughput()],
+        gradient_clip_val=trainer_cfg["gradient_clip_val"], log_every_n_steps=min(10, max(1, steps // 3)),
+        logger=logger,
+        accumulate_grad_batches=accumulate, limit_val_batches=0, num_sanity_val_steps=0, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[*callbacks, Throughput()],
+        default_root_dir=tempfile.mkdtemp(prefix="gpu_check_"),  # the run's summary.json, not in the repository
     )
     return trainer, module, data, logger
 
@@ -169,7 +170,8 @@ def phase_step(args: argparse.Namespace) -> None:
 
 
 def phase_instruments(args: argparse.Namespace) -> None:
-    """Whole runs with the paper's instruments (base.yaml cadence) against none, same compiled module, A-B-A."""
+    """Whole runs with the paper's instruments (base.yaml's ``instruments:``) against none, one compiled module,
+    A-B-A. With 200 steps the Jacobian probe (every 1000) does not run; bench_callbacks.py amortises it."""
     config = load_yaml("gpt2_peri_dt1.yaml")
     steps = 6 if args.dry_run else args.instrument_steps
     seconds: dict[str, list[float]] = {"none": [], "instruments": []}
