@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lnstab.errors import ConfigError
-from lnstab.loss import lm_head_loss
+from lnstab.loss import DEFAULT_CHUNK_ROWS, lm_head_loss
 
 
 @dataclass(frozen=True)
@@ -282,6 +282,8 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """GPT-2 language model; ``GPT(config)(idx)`` maps token ids ``(B, T)`` to logits ``(B, T, vocab_size)``."""
 
+    loss_chunk_rows: int = DEFAULT_CHUNK_ROWS  # rows per chunk of the head + loss in ``forward(idx, targets)``
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
@@ -370,7 +372,7 @@ class GPT(nn.Module):
                 x, caches[i] = block(x, caches[i])
         x = self.transformer.ln_f(x)  # (B, T, C)
         if targets is not None:
-            return lm_head_loss(x, self.lm_head.weight, targets, self.config.vocab_size)  # ()
+            return lm_head_loss(x, self.lm_head.weight, targets, self.config.vocab_size, self.loss_chunk_rows)  # ()
         logits = self.lm_head(x)  # (B, T, V_padded)
         if self.config.padded_vocab_size != self.config.vocab_size:
             logits = logits[..., : self.config.vocab_size]  # (B, T, V)

@@ -105,6 +105,7 @@ def assert_same_training(a: tuple, b: tuple, atol: float = 1e-6) -> None:
 def test_training_with_the_chunked_loss_equals_the_logits_path(placement: str) -> None:
     torch.manual_seed(0)
     model = GPT(tiny(norm_placement=placement, pad_vocab_multiple=64))
+    model.loss_chunk_rows = 10  # 48 rows: five chunks, the last one short
     reference = copy.deepcopy(model)
     x, _ = batch()
     torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)  # logits: the same path as before
@@ -162,6 +163,7 @@ def test_compiled_model_trains_like_eager_with_the_same_hook_names() -> None:
         pytest.skip(f"torch.compile is unavailable here: {exc}")
     torch.manual_seed(0)
     eager = GPT(GPTConfig.preset("tiny", vocab_size=VOCAB, block_size=16, n_layer=1))
+    eager.loss_chunk_rows = 20  # 48 rows: the compiled loss loops over three chunks
     compiled = copy.deepcopy(eager)
     names = [n for n, _ in eager.named_modules()]
     seen: list[str] = []

@@ -132,7 +132,6 @@ def test_no_host_reads_on_training_steps_that_do_not_log(tmp_path, monkeypatch) 
     from lightning.pytorch.loggers import CSVLogger
 
     from lnstab.callbacks import Throughput
-
     from lnstab.trainer import LNStabTrainer
 
     reads = StepOfRead(monkeypatch)
