@@ -74,7 +74,7 @@ def resolve_precision(requested: str | int | None, accelerator: str = "auto") ->
     if kind == "cpu":
         if cpu_has_native_bf16():
             return "bf16-mixed", "this CPU runs bf16 natively (AVX-512 BF16 / AMX)"
-        return "32-true", "this CPU has no native bf16 (no AVX-512 BF16 / AMX); bf16 would run ~50x slower than fp32"
+        return "32-true", "this CPU has no native bf16 instructions, AVX-512 BF16 or AMX; bf16 would run ~50x slower"
     return "32-true", f"bf16 support is not checked on accelerator={accelerator!r}"
 
 
