@@ -62,7 +62,7 @@ def resolve_precision(requested: str | int | None, accelerator: str = "auto") ->
             ``"cpu"``, ``"gpu"`` or ``"cuda"``; others resolve ``auto`` to ``32-true``.
 
     Returns:
-        ``(value, reason)``, e.g. ``("32-true", "this CPU has no native bf16 (no AVX-512 BF16 / AMX) ...")``.
+        ``(value, reason)``, e.g. ``("32-true", "this CPU has no native bf16 instructions, AVX-512 BF16 or AMX; ...")``.
     """
     if requested != AUTO:
         return requested, ""
