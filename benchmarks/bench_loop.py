@@ -9,7 +9,7 @@ step by step and drift in machine speed hits both alike: a Lightning step is the
 step to its entry after the next (everything Lightning does per step, the bare step left out). Medians and the
 ratio Lightning / bare (goal <= 1.05) are printed.
 
-    python benchmarks/bench_loop.py                      # the quickstart's shape: 4 x 128, context 128, batch 8
+    python benchmarks/bench_loop.py                      # the quickstart's shape: 4 x 64, context 128, batch 8
     python benchmarks/bench_loop.py --preset small --block 256 --threads 1 --clock cpu
 """
 
@@ -81,6 +81,7 @@ class _Shim:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="mini")
+    ap.add_argument("--width", type=int, default=64, help="n_embd (the quickstart's 64)")
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=40)
@@ -92,7 +93,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     pl.seed_everything(0, verbose=False)
-    module = GPTModule(preset=args.preset, block_size=args.block, pad_vocab_multiple=64, warmup_steps=10,
+    module = GPTModule(preset=args.preset, n_embd=args.width, block_size=args.block, pad_vocab_multiple=64,
+                       norm_placement="peri", warmup_steps=10,
                        lr_decay_steps=args.steps + args.warmup, learning_rate=3e-3, min_lr=3e-4)
     data = SyntheticDataModule(block_size=args.block, batch_size=args.batch, synthetic_vocab_size=1024,
                                train_tokens=(args.steps + args.warmup + 2) * 2 * args.batch * (args.block + 1),
@@ -109,8 +111,8 @@ def main() -> None:
         trainer.fit(module, data)
     lit, raw = statistics.median(bare.lightning), statistics.median(bare.bare)
     print(f"machine: {machine_line(torch.device('cpu'))}")
-    print(f"shape: {args.preset}, context {args.block}, batch {args.batch}; {len(bare.lightning)} steps after "
-          f"{args.warmup} warm-up, {args.clock} clock")
+    print(f"shape: {args.preset} {args.width} wide, context {args.block}, batch {args.batch}; "
+          f"{len(bare.lightning)} steps after {args.warmup} warm-up, {args.clock} clock")
     print(f"Lightning (GPTModule + Trainer) {lit * 1e3:8.1f} ms/step  min-max {min(bare.lightning) * 1e3:.0f}-"
           f"{max(bare.lightning) * 1e3:.0f}")
     print(f"bare torch loop                 {raw * 1e3:8.1f} ms/step  min-max {min(bare.bare) * 1e3:.0f}-"
