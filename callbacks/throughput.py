@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from ._sites import check_positive_int
+from lnstab import validation as check
 
 # Dense bf16/fp16 tensor-core peaks for GPUs that Lightning's table misses or lists with sparsity (H200: the same
 # Hopper silicon as the H100 SXM, 989 TFLOP/s dense; Lightning's "h200 sxm1" entry is the 2:4-sparse figure and its
@@ -107,7 +107,7 @@ class Throughput(Callback):
         device peak, 0-1), ``throughput/peak_flops`` (the peak used, once).
 
     Raises:
-        ValueError: ``every_n_steps`` or ``window`` not a positive integer, ``peak_flops`` not positive.
+        ConfigError: ``every_n_steps`` or ``window`` not a positive integer, ``peak_flops`` not a positive number.
 
     Example::
 
@@ -116,11 +116,9 @@ class Throughput(Callback):
 
     def __init__(self, every_n_steps: int | None = None, window: int = 1, peak_flops: float | None = None) -> None:
         super().__init__()
-        self.every_n_steps = None if every_n_steps is None else check_positive_int("every_n_steps", every_n_steps)
-        self.window = check_positive_int("window", window)
-        if peak_flops is not None and not (isinstance(peak_flops, int | float) and peak_flops > 0):
-            raise ValueError(f"peak_flops={peak_flops!r} is not allowed; it must be a number > 0")
-        self.peak_flops = peak_flops
+        self.every_n_steps = None if every_n_steps is None else check.positive_int("every_n_steps", every_n_steps)
+        self.window = check.positive_int("window", window)
+        self.peak_flops = check.optional_number("peak_flops", peak_flops, 0.0, low_open=True)
         self._device = torch.device("cpu")
         self._clock = time.perf_counter
         self._reset()
