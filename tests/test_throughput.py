@@ -53,7 +53,8 @@ def test_rates_flops_and_mfu_on_the_logging_steps(tmp_path) -> None:
                                val_tokens=1_000, seed=0)
     trainer = pl.Trainer(accelerator="cpu", max_steps=6, log_every_n_steps=2, val_check_interval=3,
                          limit_val_batches=2, num_sanity_val_steps=0, logger=logger, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[FakeClock(monitor), monitor])
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[FakeClock(monitor), monitor],
+                         default_root_dir=tmp_path)  # the run's summary.json goes there, not into the working directory
     trainer.fit(module, data)
     rows = [(step, m) for step, m in logger.rows if any(k.startswith("throughput/") for k in m)]
     assert [step for step, _ in rows] == [2, 4, 6]
