@@ -18,6 +18,7 @@ from .jacobian import JacobianSensitivity, spectral_norm
 from .layout import StabilityLayout, stability_layout
 from .run_status import RunStatus
 from .suite import Instruments
+from .throughput import Throughput
 
 __all__ = [
     "DivergenceMonitor",
@@ -33,6 +34,7 @@ __all__ = [
     "SiteView",
     "StabilityLayout",
     "Statistic",
+    "Throughput",
     "register_statistic",
     "spectral_norm",
     "stability_layout",

@@ -36,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lnstab.errors import ConfigError
+from lnstab.loss import DEFAULT_CHUNK_ROWS, lm_head_loss
 
 
 @dataclass(frozen=True)
@@ -281,6 +282,8 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """GPT-2 language model; ``GPT(config)(idx)`` maps token ids ``(B, T)`` to logits ``(B, T, vocab_size)``."""
 
+    loss_chunk_rows: int = DEFAULT_CHUNK_ROWS  # rows per chunk of the head + loss in ``forward(idx, targets)``
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
@@ -334,9 +337,24 @@ class GPT(nn.Module):
         return n - self.transformer.wpe.weight.numel() if exclude_embeddings else n
 
     def forward(
-        self, idx: torch.Tensor, caches: list[KVCache] | None = None, start_pos: int = 0
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        caches: list[KVCache] | None = None,
+        start_pos: int = 0,
     ) -> torch.Tensor:
-        """Logits ``(B, T, vocab_size)`` for token ids ``idx`` ``(B, T)``.
+        """Logits ``(B, T, vocab_size)`` for token ids ``idx`` ``(B, T)``; with ``targets`` ``(B, T)``, the loss.
+
+        ::
+
+            idx ─ wte + wpe ─ drop ─ h[0] … h[L-1] ─ ln_f ─┬─ lm_head ────────────────────── logits  (targets=None)
+                                                           └─ lm_head_loss(·, lm_head.weight) ─ loss (targets given)
+
+        With ``targets`` the result is the mean next-token cross-entropy (fp32 scalar), computed by
+        :func:`lnstab.loss.lm_head_loss` in row chunks without the whole batch's logits; it equals
+        ``F.cross_entropy(model(idx).flatten(0, 1).float(), targets.flatten())`` within fp32 rounding. Either way the
+        final hidden state passes through ``transformer.ln_f``, so hooks there see it.
 
         ``caches`` (a list with one entry per layer, filled in place) and ``start_pos`` serve :meth:`generate`.
         """
@@ -353,6 +371,8 @@ class GPT(nn.Module):
             else:
                 x, caches[i] = block(x, caches[i])
         x = self.transformer.ln_f(x)  # (B, T, C)
+        if targets is not None:
+            return lm_head_loss(x, self.lm_head.weight, targets, self.config.vocab_size, self.loss_chunk_rows)  # ()
         logits = self.lm_head(x)  # (B, T, V_padded)
         if self.config.padded_vocab_size != self.config.vocab_size:
             logits = logits[..., : self.config.vocab_size]  # (B, T, V)

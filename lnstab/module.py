@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import inspect
 import math
-import time
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import FSDPStrategy
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
@@ -17,6 +18,7 @@ from lnstab import validation as check
 from lnstab.callbacks.run_status import trained_steps
 from lnstab.errors import ConfigError
 from lnstab.evaluation.core import safe_exp
+from lnstab.flops import training_flops
 from lnstab.model import GPT, GPTConfig
 from lnstab.rundir import update_summary
 
@@ -62,8 +64,10 @@ class GPTModule(pl.LightningModule):
         eps: AdamW epsilon.
         compile: Compile the model's forward with ``torch.compile`` (module names, hence hooks, are unchanged).
 
-    **Logged metrics**: ``train/loss``, ``train/lr``, ``train/tokens`` (seen so far, all ranks),
-    ``train/tokens_per_s``, ``val/loss``, ``val/ppl`` (``exp(val/loss)``), ``test/loss``, ``test/ppl``.
+    **Logged metrics**: ``train/loss``, ``train/lr``, ``train/tokens`` (seen so far, all ranks), on the Trainer's
+    logging steps only (``log_every_n_steps``; no host-device synchronisation on the other steps), ``val/loss``,
+    ``val/ppl`` (``exp(val/loss)``), ``test/loss``, ``test/ppl``. Throughput and MFU come from
+    :class:`lnstab.callbacks.Throughput`, which reads :attr:`flops_per_batch`.
     """
 
     def __init__(
@@ -108,7 +112,7 @@ class GPTModule(pl.LightningModule):
         self.test_loss = MeanMetric(nan_strategy="disable")
         self.loaded_step: int | None = None  # global step of the checkpoint these weights came from
         self.tokens_seen = 0
-        self._step_started: float | None = None
+        self.flops_per_batch: int | None = None  # training FLOPs of one batch, set by the first training batch
 
     @override
     def configure_model(self) -> None:
@@ -116,38 +120,37 @@ class GPTModule(pl.LightningModule):
             self.model.compile()  # in place: parameter and module names (hence hook names) stay as they are
             self._compiled = True
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.model(idx)
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``(B, T, V)``, or with ``targets`` the mean next-token loss without whole-batch logits."""
+        return self.model(idx, targets)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy in fp32 over all positions."""
+        """Mean next-token cross-entropy in fp32 over all positions, from logits (``self(x, y)`` skips the logits)."""
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
 
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._step_started = time.perf_counter()
+    def _logging_step(self) -> bool:
+        """Whether the Trainer writes logs after this training step (its own rule: every ``log_every_n_steps``)."""
+        n = self.trainer.log_every_n_steps
+        return n > 0 and ((self.trainer.global_step + 1) % n == 0 or self.trainer.should_stop)
 
     @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch  # (B, T), (B, T)
-        loss = self.loss(self(x), y)
-        tokens = y.numel() * self.trainer.world_size
-        self.tokens_seen += tokens
-        self.log("train/loss", loss, prog_bar=True)
-        self.log("train/tokens", float(self.tokens_seen))
-        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        loss = self(x, y)
+        self.tokens_seen += y.numel() * self.trainer.world_size
+        if self.flops_per_batch is None:
+            self.flops_per_batch = training_flops(self.config, *x.shape)
+        if self._logging_step():
+            # Reading a device tensor waits for the device, so only on the steps that write logs; and as CPU tensors,
+            # because Lightning re-reads the last progress-bar value after every batch, logged or not.
+            lr = self.trainer.optimizers[0].param_groups[0]["lr"]
+            self.log("train/loss", loss.detach().float().cpu(), prog_bar=True)
+            self.log_dict({"train/tokens": torch.tensor(float(self.tokens_seen)), "train/lr": torch.tensor(lr)})
         return loss
-
-    @override
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self._step_started is not None:
-            elapsed = time.perf_counter() - self._step_started
-            x, _ = batch
-            self.log("train/tokens_per_s", x.numel() * self.trainer.world_size / max(elapsed, 1e-9))
 
     def _eval_step(self, batch: tuple[torch.Tensor, torch.Tensor], metric: MeanMetric) -> torch.Tensor:
         x, y = batch
-        loss = self.loss(self(x), y)
+        loss = self(x, y)
         metric.update(loss, weight=y.numel())
         return loss
 
@@ -190,10 +193,12 @@ class GPTModule(pl.LightningModule):
     @override
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
-        # Fused AdamW unscales gradients itself, which Lightning's mixed-precision clipping refuses; with clipping
-        # on (the paper's setting) the multi-tensor foreach implementation is the fastest that composes with it.
+        # Fused AdamW (one kernel for every parameter) is the fastest; Lightning's mixed-precision plugin refuses to
+        # clip gradients for an optimizer that unscales them itself (fused does), so with clipping under 16/bf16-mixed
+        # the multi-tensor foreach implementation is used. 32-true clips with fused.
         clipping = bool(self._trainer is not None and self.trainer.gradient_clip_val)
-        kind = {"foreach": True} if clipping else {"fused": True}
+        mixed = self._trainer is not None and isinstance(self.trainer.precision_plugin, MixedPrecision)
+        kind = {"foreach": True} if clipping and mixed else {"fused": True}
         optimizer = torch.optim.AdamW(
             self.parameter_groups(), lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.eps, **kind
         )
@@ -209,6 +214,20 @@ class GPTModule(pl.LightningModule):
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, scale)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    @override
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Clip by the global norm; under FSDP through the sharded root's ``clip_grad_norm_`` (Lightning's FSDP
+        precision plugin refuses norm clipping, since the per-shard ``torch.nn.utils.clip_grad_norm_`` is wrong)."""
+        if gradient_clip_val and gradient_clip_algorithm in (None, "norm") and isinstance(
+            self.trainer.strategy, FSDPStrategy
+        ):
+            self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)
+            return
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

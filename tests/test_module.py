@@ -89,16 +89,62 @@ def test_short_cpu_fit_lowers_the_loss(placement: str, tmp_path) -> None:
 
 def test_logged_metrics_and_ppl(tmp_path) -> None:
     module, data = small_module(), small_data()
-    t = trainer(tmp_path, max_steps=6, val_check_interval=6)
+    t = trainer(tmp_path, max_steps=6, val_check_interval=6, log_every_n_steps=3)
     t.fit(module, data)
     metrics = t.callback_metrics
-    for key in ("train/loss", "train/lr", "train/tokens", "train/tokens_per_s", "val/loss", "val/ppl"):
+    for key in ("train/loss", "train/lr", "train/tokens", "val/loss", "val/ppl"):
         assert key in metrics, key
     assert metrics["val/ppl"].item() == pytest.approx(math.exp(metrics["val/loss"].item()), rel=1e-5)
     assert metrics["train/tokens"].item() == 6 * 8 * 32
     summary = read_summary(tmp_path)  # the run directory's summary.json keeps the latest validation
     assert summary["val"]["step"] == 6
     assert summary["val"]["loss"] == pytest.approx(metrics["val/loss"].item(), rel=1e-6)
+
+
+class StepOfRead(pl.Callback):
+    """The storage of every tensor read to the host (``item``, ``tolist``, ``bool``, ``float`` …), by training step."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.step: int | None = None
+        self.reads: dict[int | None, set[int]] = {}
+        for name in ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy"):
+            monkeypatch.setattr(torch.Tensor, name, self._counted(getattr(torch.Tensor, name)))
+
+    def _counted(self, fn):
+        def read(tensor, *args, **kwargs):
+            self.reads.setdefault(self.step, set()).add(tensor.untyped_storage().data_ptr())
+            return fn(tensor, *args, **kwargs)
+
+        return read
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.step = trainer.global_step  # reads until the next batch starts belong to this step (logging included)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self.step = None
+
+
+def test_no_host_reads_on_training_steps_that_do_not_log(tmp_path, monkeypatch) -> None:
+    # On a GPU, reading a device tensor waits for all queued work. The training step reads the loss only on the
+    # Trainer's logging steps (global steps 4 and 9 here); on the others, the only reads are Lightning re-reading the
+    # progress-bar value logged last, which the module logs as a CPU tensor. As `lnstab fit` runs: LNStabTrainer
+    # (its step progress bar), Throughput, clipping, fused AdamW.
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lnstab.callbacks import Throughput
+    from lnstab.trainer import LNStabTrainer
+
+    reads = StepOfRead(monkeypatch)
+    t = LNStabTrainer(accelerator="cpu", precision="auto", max_steps=10, log_every_n_steps=5, gradient_clip_val=1.0,
+                      logger=CSVLogger(tmp_path), callbacks=[reads, Throughput()], limit_val_batches=0,
+                      enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path)
+    t.fit(small_module(), small_data())
+    logged = reads.reads[4] | reads.reads[9]
+    for step in (0, 1, 2, 3):
+        assert step not in reads.reads, step
+    for step in (5, 6, 7, 8):
+        assert reads.reads.get(step, set()) <= reads.reads[4], step  # stale values only, nothing new
+    assert logged
 
 
 def same_batch_loader() -> torch.utils.data.DataLoader:
@@ -161,3 +207,27 @@ def test_a_nan_batch_makes_the_validation_loss_nan_instead_of_being_averaged_awa
         for value in (2.0, 4.0):
             metric.update(torch.tensor(value), weight=10)
         assert metric.compute().item() == pytest.approx(3.0)
+
+
+def test_fsdp_clips_through_the_sharded_root_and_fused_adamw_where_clipping_allows(monkeypatch) -> None:
+    # Lightning's FSDP precision plugin refuses norm clipping (torch.nn.utils.clip_grad_norm_ sees one shard only);
+    # the module clips through FullyShardedDataParallel.clip_grad_norm_ of the wrapped root instead.
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    calls = []
+    strategy = FSDPStrategy.__new__(FSDPStrategy)
+    monkeypatch.setattr(FSDPStrategy, "model", property(lambda self: SimpleNamespace(clip_grad_norm_=calls.append)))
+    module = small_module()
+    module._trainer = SimpleNamespace(strategy=strategy)
+    module.configure_gradient_clipping(None, 1.0, "norm")
+    assert calls == [1.0]
+
+    for precision, clip, expected in [("32-true", 1.0, "fused"), ("bf16-mixed", 1.0, "foreach"),
+                                      ("bf16-mixed", None, "fused")]:
+        t = pl.Trainer(accelerator="cpu", precision=precision, gradient_clip_val=clip, max_steps=10, logger=False)
+        module = small_module()
+        module.trainer = t
+        optimizer = module.configure_optimizers()["optimizer"]
+        assert optimizer.defaults[expected], (precision, clip)

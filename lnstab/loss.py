@@ -1,0 +1,125 @@
+"""Next-token loss of a language-model head without the whole batch's logits: the head and the loss in row chunks.
+
+At GPT-2's vocabulary the head dominates a small model's step: for 8 × 256 tokens the fp32 logits alone are
+8·256·50304·4 B = 412 MB, and the usual path (``logits = head(x)``; slice the padded columns; ``cross_entropy``) makes
+four or five tensors of that size per step (logits, the slice's copy, log-softmax, its gradient, the padded gradient).
+:func:`lm_head_loss` computes the same mean cross-entropy one chunk of rows at a time and, while the chunk's logits
+are at hand, also the gradients with respect to the hidden states and the head weight (``softmax − one_hot``, the
+derivative of cross-entropy), so the backward pass only scales two stored gradients. Peak memory of the head falls
+from ``O(B·T·V)`` to ``O(chunk·V)``, and the matrix products are the three of the usual path (no recomputation).
+
+Numbers are the usual path's within fp32 rounding (tests compare logits, loss and gradients).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+# Rows per chunk: 512 rows of 50257 fp32 logits are 103 MB. On a 1-thread AVX2 core, head + loss of 2048 rows took
+# the same time with 256, 512 or 1024-row chunks (benchmarks/bench_loss.py); fewer rows make thinner products.
+DEFAULT_CHUNK_ROWS = 512
+
+
+def reference_lm_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """The usual path, for tests and benchmarks: whole-batch logits, padded columns sliced off, fp32 cross-entropy."""
+    logits = F.linear(hidden, weight)[..., :vocab_size]  # (..., V)
+    return F.cross_entropy(logits.reshape(-1, vocab_size).float(), targets.reshape(-1))
+
+
+def lm_head_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_size: int | None = None,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+) -> torch.Tensor:
+    """Mean cross-entropy of ``hidden @ weight[:vocab_size].T`` against ``targets``, computed in row chunks.
+
+    Equals ``F.cross_entropy(F.linear(hidden, weight)[..., :vocab_size].float().flatten(0, -2), targets.flatten())``
+    within fp32 rounding, in value and in gradients with respect to ``hidden`` and ``weight``.
+
+    Under ``torch.autocast`` the products run in the autocast dtype (as ``F.linear`` would) while the softmax, the
+    loss and the accumulation of the weight's gradient stay in fp32.
+
+    Args:
+        hidden: Final hidden states ``(..., C)`` (after the final norm).
+        weight: Head weight ``(V_padded, C)`` (tied to the token embedding in GPT-2).
+        targets: Token ids ``(...)`` in ``[0, vocab_size)``.
+        vocab_size: Columns that are real tokens; the padded rows of ``weight`` beyond it are ignored (their gradient
+            is zero). ``None``: every row of ``weight``.
+        chunk_rows: Rows of ``hidden`` per chunk; memory of the head is ``chunk_rows × V_padded`` fp32 values.
+
+    Returns:
+        The scalar mean loss (fp32).
+
+    Raises:
+        ValueError: ``chunk_rows < 1``, or ``vocab_size`` larger than the weight's rows.
+    """
+    vocab_size = weight.size(0) if vocab_size is None else vocab_size
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows={chunk_rows!r} is not allowed; it must be >= 1")
+    if not 1 <= vocab_size <= weight.size(0):
+        raise ValueError(f"vocab_size={vocab_size!r} is not allowed; it must be in [1, {weight.size(0)}]")
+    device_type = hidden.device.type
+    # Under autocast the products run in the autocast dtype, as F.linear's would.
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    return _ChunkedHeadLoss.apply(hidden.reshape(-1, hidden.size(-1)), weight, targets.reshape(-1), vocab_size,
+                                  chunk_rows)
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """Loss and both gradients in one pass over row chunks; backward scales the stored gradients."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, vocab: int, chunk: int) -> torch.Tensor:
+        n = h.size(0)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(h) if need_h else None  # (N, C)
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None  # (V_padded, C)
+        w_real = w[:vocab]  # (V, C): a contiguous view, the padded rows never enter the products
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        buf = torch.empty(min(chunk, n), vocab, dtype=torch.float32, device=h.device)  # one chunk's logits, reused
+        off = torch.autocast(h.device.type, enabled=False) if torch.amp.is_autocast_available(h.device.type) else None
+        with off or contextlib.nullcontext():
+            for start in range(0, n, chunk):
+                hc, tc = h[start : start + chunk], t[start : start + chunk]  # (m, C), (m,)
+                logits = buf[: hc.size(0)]  # (m, V)
+                if h.dtype == torch.float32:
+                    torch.mm(hc, w_real.T, out=logits)
+                else:
+                    logits.copy_(hc @ w_real.T)
+                top = logits.amax(dim=1, keepdim=True)  # (m, 1)
+                target = logits.gather(1, tc[:, None])  # (m, 1)
+                exp = logits.sub_(top).exp_()  # (m, V) in place of the logits
+                sums = exp.sum(dim=1, keepdim=True)  # (m, 1)
+                total += (top + sums.log() - target).sum()  # log-sum-exp minus the target's logit
+                if not (need_h or need_w):
+                    continue
+                dlogits = exp.mul_(1.0 / (n * sums))  # softmax / N: d(mean loss)/d(logits), less one_hot / N below
+                dlogits.scatter_add_(1, tc[:, None], torch.full_like(target, -1.0 / n))
+                dlogits = dlogits.to(h.dtype)
+                if need_h:
+                    torch.mm(dlogits, w_real, out=grad_h[start : start + chunk])  # (m, C)
+                if need_w:
+                    gw = grad_w[:vocab]  # (V, C); addmm with out= (not addmm_) so FLOP counters see it
+                    if dlogits.dtype == torch.float32:
+                        torch.addmm(gw, dlogits.T, hc, out=gw)
+                    else:
+                        gw += (dlogits.T @ hc).float()
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.w_dtype = w.dtype
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
+        gw = (grad_w * grad_out).to(ctx.w_dtype) if grad_w is not None else None
+        return gh, gw, None, None, None

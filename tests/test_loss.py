@@ -1,0 +1,177 @@
+"""The step's optimisations change no numbers: chunked head loss, vocabulary padding, fused AdamW, torch.compile."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lnstab.loss import lm_head_loss, reference_lm_loss
+from lnstab.model import GPT, GPTConfig
+
+VOCAB = 97
+
+
+def tiny(**overrides) -> GPTConfig:
+    return GPTConfig.preset("tiny", vocab_size=VOCAB, block_size=16, **overrides)
+
+
+def batch(seed: int = 0, b: int = 3, t: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (b, t), generator=g), torch.randint(0, VOCAB, (b, t), generator=g)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 48, 1000])
+@pytest.mark.parametrize("padded_rows", [0, 31])
+def test_chunked_head_loss_equals_logits_then_cross_entropy(chunk_rows: int, padded_rows: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(3, 16, 24, generator=g, requires_grad=True)
+    w = torch.randn(VOCAB + padded_rows, 24, generator=g, requires_grad=True)
+    y = torch.randint(0, VOCAB, (3, 16), generator=g)
+    expected = reference_lm_loss(h, w, y, VOCAB)
+    eh, ew = torch.autograd.grad(2.5 * expected, (h, w))
+    got = lm_head_loss(h, w, y, VOCAB, chunk_rows=chunk_rows)
+    gh, gw = torch.autograd.grad(2.5 * got, (h, w))  # a non-unit upstream gradient reaches both inputs
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gh, eh, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(gw, ew, rtol=1e-5, atol=1e-7)
+    assert gw[VOCAB:].abs().max() == 0 if padded_rows else True
+    with torch.no_grad():  # the evaluation path forms no gradients
+        torch.testing.assert_close(lm_head_loss(h, w, y, VOCAB, chunk_rows=chunk_rows), expected)
+
+
+def test_chunked_head_loss_under_autocast_matches_the_usual_path() -> None:
+    # Products in the autocast dtype, softmax and loss in fp32, gradients in the inputs' dtype. fp16 stands in for
+    # bf16 here: the code path is the same and bf16 is emulated (slow) on CPUs without native bf16.
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(3, 16, 24, generator=g, requires_grad=True)
+    w = torch.randn(128, 24, generator=g, requires_grad=True)
+    y = torch.randint(0, VOCAB, (3, 16), generator=g)
+    with torch.autocast("cpu", dtype=torch.float16):
+        expected, got = reference_lm_loss(h, w, y, VOCAB), lm_head_loss(h, w, y, VOCAB, chunk_rows=7)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
+    for a, b in zip(torch.autograd.grad(got, (h, w)), torch.autograd.grad(expected, (h, w)), strict=True):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)
+
+
+def test_chunked_head_loss_refuses_bad_arguments() -> None:
+    h, w, y = torch.zeros(2, 4), torch.zeros(5, 4), torch.zeros(2, dtype=torch.long)
+    with pytest.raises(ValueError, match="chunk_rows=0 is not allowed"):
+        lm_head_loss(h, w, y, chunk_rows=0)
+    with pytest.raises(ValueError, match=r"vocab_size=6 is not allowed; it must be in \[1, 5\]"):
+        lm_head_loss(h, w, y, vocab_size=6)
+
+
+OPTIMIZERS = {
+    # SGD for comparing two computations of the loss: its update is linear in the gradient. Adam divides by √v, so
+    # gradients that are zero in exact arithmetic (attention key biases) become ±lr steps of rounding noise that
+    # differs between any two summation orders.
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1),
+    "fused": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True),
+    "foreach": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=True),
+}
+
+
+def train(model: GPT, steps: int, fused_loss: bool, optimizer: str = "sgd") -> tuple[list, list, dict]:
+    """Losses and gradients of a few steps with clipping, and the final parameters."""
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    losses, grads = [], []
+    for i in range(steps):
+        x, y = batch(i)
+        loss = model(x, y) if fused_loss else F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, grads, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_same_training(a: tuple, b: tuple, atol: float = 1e-6) -> None:
+    torch.testing.assert_close(torch.tensor(a[0]), torch.tensor(b[0]), rtol=1e-5, atol=atol)
+    for step, (ga, gb) in enumerate(zip(a[1], b[1], strict=True)):
+        for name in gb:
+            torch.testing.assert_close(ga[name], gb[name], rtol=1e-4, atol=atol, msg=f"step {step} grad {name}")
+    for name in b[2]:
+        torch.testing.assert_close(a[2][name], b[2][name], rtol=1e-4, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("placement", ["pre", "peri", "post"])
+def test_training_with_the_chunked_loss_equals_the_logits_path(placement: str) -> None:
+    torch.manual_seed(0)
+    model = GPT(tiny(norm_placement=placement, pad_vocab_multiple=64))
+    model.loss_chunk_rows = 10  # 48 rows: five chunks, the last one short
+    reference = copy.deepcopy(model)
+    x, _ = batch()
+    torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)  # logits: the same path as before
+    assert_same_training(train(model, 4, fused_loss=True), train(reference, 4, fused_loss=False))
+
+
+def test_vocabulary_padding_changes_no_output() -> None:
+    torch.manual_seed(0)
+    plain = GPT(tiny())
+    padded = GPT(tiny(pad_vocab_multiple=64))  # 97 -> 128 rows
+    state = plain.state_dict()
+    for key in ("transformer.wte.weight", "lm_head.weight"):
+        state[key] = torch.cat([state[key], torch.randn(128 - VOCAB, state[key].size(1))])  # junk padded rows
+    padded.load_state_dict(state)
+    x, _ = batch()
+    torch.testing.assert_close(padded(x), plain(x), rtol=1e-6, atol=1e-6)
+    a, b = train(padded, 3, fused_loss=True), train(plain, 3, fused_loss=True)
+    for grads in a[1]:  # the padded rows get no gradient: their tokens are never predicted nor embedded
+        assert grads["transformer.wte.weight"][VOCAB:].abs().max() == 0
+        grads["transformer.wte.weight"] = grads["transformer.wte.weight"][:VOCAB]  # tied: lm_head.weight too
+    for key in ("transformer.wte.weight", "lm_head.weight"):
+        a[2][key] = a[2][key][:VOCAB]
+    assert_same_training(a, b)
+
+
+def test_fused_adamw_equals_foreach() -> None:
+    # Each step both optimizers get the same parameters and gradients (training two copies apart would let Adam blow
+    # up rounding noise in gradients that are zero in exact arithmetic), so this compares the update itself.
+    torch.manual_seed(0)
+    fused_model = GPT(tiny())
+    foreach_model = copy.deepcopy(fused_model)
+    fused = OPTIMIZERS["fused"](fused_model.parameters())
+    foreach = OPTIMIZERS["foreach"](foreach_model.parameters())
+    for i in range(3):
+        x, y = batch(i)
+        fused_model(x, y).backward()
+        for p, q in zip(fused_model.parameters(), foreach_model.parameters(), strict=True):
+            q.grad = p.grad.clone()
+        fused.step()
+        foreach.step()
+        for (name, p), q in zip(fused_model.named_parameters(), foreach_model.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=f"step {i} {name}")
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(fused.state[p][key], foreach.state[q][key], rtol=1e-6, atol=1e-9)
+            with torch.no_grad():
+                q.copy_(p)
+        fused.zero_grad(set_to_none=True)
+        foreach.zero_grad(set_to_none=True)
+
+
+def test_compiled_model_trains_like_eager_with_the_same_hook_names() -> None:
+    try:
+        import torch._inductor  # noqa: F401
+    except Exception as exc:  # pragma: no cover - a build without the compiler
+        pytest.skip(f"torch.compile is unavailable here: {exc}")
+    torch.manual_seed(0)
+    eager = GPT(GPTConfig.preset("tiny", vocab_size=VOCAB, block_size=16, n_layer=1))
+    eager.loss_chunk_rows = 20  # 48 rows: the compiled loss loops over three chunks
+    compiled = copy.deepcopy(eager)
+    names = [n for n, _ in eager.named_modules()]
+    seen: list[str] = []
+    for name, module in compiled.named_modules():
+        if name.endswith(("resid_attn", "resid_mlp", "transformer.drop")):
+            module.register_forward_hook(lambda m, a, o, name=name: seen.append(name))
+    compiled.compile()  # in place, as GPTModule(compile=True) does
+    assert [n for n, _ in compiled.named_modules()] == names
+    assert_same_training(train(compiled, 3, fused_loss=True), train(eager, 3, fused_loss=True), atol=1e-5)
+    assert seen[:3] == ["transformer.drop", "transformer.h.0.resid_attn", "transformer.h.0.resid_mlp"]
+    assert len(seen) == 3 * 3  # the hooks fire on every compiled step
