@@ -12,6 +12,7 @@ from .growth_bound import GrowthBoundMonitor
 from .hidden_stats import HiddenStateStatistics
 from .jacobian import JacobianSensitivity
 from .layout import StabilityLayout
+from .throughput import Throughput
 
 
 class Instruments:
@@ -35,6 +36,7 @@ class Instruments:
         divergence_policy: ``stop``, ``skip`` or ``continue`` (see :class:`DivergenceMonitor`).
         fatal_kinds: Event kinds the divergence policy acts on.
         grad_norm_threshold: Total gradient norm that counts as an explosion (``None``: off).
+        throughput: Also log tokens/s, samples/s, FLOP/s and MFU (:class:`Throughput`, on the logging steps).
 
     Raises:
         ConfigError: A bad argument (the message names it).
@@ -55,6 +57,7 @@ class Instruments:
         divergence_policy: str = "stop",
         fatal_kinds: list[str] | tuple[str, ...] = FATAL,
         grad_norm_threshold: float | None = None,
+        throughput: bool = True,
     ) -> None:
         self.enabled = bool(enabled)
         self.every_n_steps = check.positive_int("instruments.every_n_steps", every_n_steps)
@@ -69,6 +72,7 @@ class Instruments:
         self.grad_norm_threshold = check.optional_number(
             "instruments.grad_norm_threshold", grad_norm_threshold, 0.0, low_open=True
         )
+        self.throughput = bool(throughput)
 
     def callbacks(self) -> list[Callback]:
         """The instrument callbacks (``[]`` when not ``enabled``)."""
@@ -92,4 +96,6 @@ class Instruments:
                 grad_norm_threshold=self.grad_norm_threshold,
             )
         )
+        if self.throughput:
+            out.append(Throughput())
         return out

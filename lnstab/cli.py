@@ -24,14 +24,14 @@ import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lnstab import runs
 from lnstab.callbacks import FinalEvaluation, Instruments, RunCheckpoint, RunStatus
 from lnstab.checkpoint import load_checkpoint
 from lnstab.errors import ConfigError, LNStabError
 from lnstab.module import GPTModule
-from lnstab.precision import resolve_precision
+from lnstab.precision import precision_warning, resolve_precision
 from lnstab.rundir import CONFIG_FILE
 from lnstab.trainer import LNStabTrainer
 
@@ -239,6 +239,8 @@ class LNStabCLI(LightningCLI):
             value, reason = resolve_precision("auto", str(c.trainer.accelerator))
             c.trainer.precision = value
             rank_zero_info(f"lnstab: precision auto -> {value} ({reason}); recorded in the run's config.yaml")
+        elif warning := precision_warning(c.trainer.precision, str(c.trainer.accelerator)):
+            rank_zero_warn(f"lnstab: {warning}")
         if self.subcommand and "weights_only" in c and c.weights_only is None:
             c.weights_only = True  # checkpoints are data, never code
 
