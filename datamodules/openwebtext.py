@@ -7,6 +7,7 @@ import itertools
 import logging
 import os
 import signal
+import threading
 from typing import Any
 
 import lightning.pytorch as pl
@@ -40,11 +41,27 @@ QUICKSTART_DATASET = "stas/openwebtext-10k"
 
 
 def ignore_stop_signals(worker_id: int) -> None:
-    """DataLoader workers ignore SIGINT/SIGTERM: Ctrl-C in a terminal (or a scheduler's SIGTERM to the whole job)
-    reaches the workers too, and a worker that died would crash the loop before the main process can stop at the
-    next optimizer step with a checkpoint. The workers still end with the main process."""
+    """A DataLoader worker ignores stop signals from anyone but the process that started it.
+
+    Ctrl-C in a terminal (SIGINT) and a scheduler's SIGTERM to the whole job reach the workers too, and a worker that
+    died would crash the loop before the main process can stop at the next optimizer step with a checkpoint: SIGINT
+    is ignored, and SIGTERM is taken by a thread that ends the worker only when the signal comes from its parent (the
+    DataLoader's shutdown, or ``multiprocessing``'s clean-up at exit, which terminates and then waits for its
+    daemonic children: a worker that ignored that SIGTERM would hang the parent's exit for ever). Where the OS cannot
+    say who sent a signal (no ``sigwaitinfo``), SIGTERM keeps its default action.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if not hasattr(signal, "sigwaitinfo"):
+        return
+    parent = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started from here on inherit the mask
+
+    def stop_when_the_parent_asks() -> None:
+        while True:
+            if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+                os._exit(0)
+
+    threading.Thread(target=stop_when_the_parent_asks, name="lnstab-worker-sigterm", daemon=True).start()
 
 
 class OpenWebTextDataModule(pl.LightningDataModule):

@@ -197,3 +197,40 @@ def test_slurm_requeue_signal_saves_then_requeues_through_lightning(tmp_path) ->
     hpc = sorted(run.glob("hpc_ckpt_*.ckpt"))  # Lightning's requeue checkpoint, in the run directory
     assert hpc and torch.load(hpc[-1], weights_only=True)["global_step"] == step
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == step
+
+
+WORKERS_SCRIPT = """
+import os, sys
+from lnstab.datamodules import OpenWebTextDataModule
+dm = OpenWebTextDataModule(block_size=16, batch_size=2, source="synthetic", synthetic_vocab_size=97,
+                           synthetic_tokens=20_000, val_tokens=1_000, num_workers=2)
+dm.setup("fit")
+it = iter(dm.train_dataloader())
+next(it)
+print(" ".join(str(w.pid) for w in it._workers), flush=True)
+sys.stdin.readline()  # the test signals the workers meanwhile
+for _ in range(4):
+    next(it)
+print("ok", flush=True)
+# leave with the iterator and its workers alive: multiprocessing terminates and joins them at exit
+"""
+
+
+def test_loader_workers_ignore_stop_signals_from_others_and_end_with_their_parent() -> None:
+    """SIGINT and SIGTERM from another process (a terminal, a scheduler) leave the workers serving batches; the
+    parent's exit with a live iterator still ends them (a worker that ignored every SIGTERM hung it for ever)."""
+    proc = subprocess.Popen([sys.executable, "-c", WORKERS_SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2, proc.stderr.read()
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, signal.SIGINT)
+        out, err = proc.communicate("go\n", timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and out.strip() == "ok", err[-3000:]
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
