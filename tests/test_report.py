@@ -3,6 +3,7 @@ among them), figures written, resumed TensorBoard logs, and one-line errors for 
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from pathlib import Path
@@ -208,3 +209,25 @@ def test_keys_that_vary_together_name_a_configuration_once(grid) -> None:
         r.config["data.init_args.seed"] = r.config.get("seed_everything")
         r.config["trainer.max_steps"] = 100 if r.config["model.norm_placement"] == "pre" else 200
     assert varying_keys(records) == ["model.norm_placement", "trainer.max_steps"]  # scalars are always shown
+
+
+def test_how_often_a_run_was_measured_is_not_part_of_its_configuration(grid) -> None:
+    """Runs that differ only in instrument and checkpoint cadence (the mini grid probes the Jacobian at one learning
+    rate only) are one configuration; a missing run takes its own overrides, not a sibling's cadence."""
+    from lnstab.report.tables import varying_keys
+
+    manifest = json.loads((grid / ".sweep" / "manifest.json").read_text())
+    for run in manifest["runs"]:
+        if run["name"].startswith("pre"):
+            run["overrides"]["instruments.jacobian_every_n_steps"] = 150
+    write_json(grid / ".sweep" / "manifest.json", manifest)
+    for name in ("pre_s0", "pre_s1", "pre_s2"):
+        path = grid / name / "config.yaml"
+        config = yaml.safe_load(path.read_text())
+        config["instruments"] = {"jacobian_every_n_steps": 150, "jacobian_n_iter": 8}
+        config["checkpoint"] = {"every_n_train_steps": 10}
+        path.write_text(yaml.safe_dump(config))
+    records = collect([grid])
+    assert varying_keys(records) == ["model.norm_placement"]
+    missing = {r.name: r for r in records if r.status == "missing"}
+    assert set(missing) == {"peri_s2"} and not any(k.startswith("instruments.") for k in missing["peri_s2"].config)

@@ -29,8 +29,12 @@ from lnstab.rundir import (
 )
 from lnstab.sweep.state import manifest_runs, read_manifest
 
-# Config keys that say where or as which replicate a run ran, not what it is: not part of a configuration.
-IGNORED_PREFIXES = ("trainer.logger", "trainer.default_root_dir", "run_dir", "ckpt_path", "extends")
+# Config keys that say where a run ran or how often it was measured and saved, not what it is: not part of a
+# configuration (two runs that differ only in how often a probe ran are the same configuration).
+IGNORED_PREFIXES = (
+    "trainer.logger", "trainer.default_root_dir", "run_dir", "ckpt_path", "extends", "instruments.", "checkpoint.",
+    "trainer.callbacks", "trainer.enable_progress_bar", "trainer.log_every_n_steps",
+)
 
 
 class ReportError(LNStabError):
@@ -190,11 +194,8 @@ def _missing(directory: Path, manifest: dict[str, Any], present: list[RunRecord]
         if name in have:
             continue
         config = dict(sibling.config) if sibling else {}
-        if sibling:
-            for key, value in overrides.items():
-                config.update({k: v for k, v in flatten(value, key).items()} if isinstance(value, dict)
-                              else {key: value})
-        else:
-            config = {k: v for k, v in overrides.items() if not k.startswith(IGNORED_PREFIXES)}
+        for key, value in overrides.items():
+            flat = flatten(value, key) if isinstance(value, dict) and sibling else {key: value}
+            config.update({k: v for k, v in flat.items() if not k.startswith(IGNORED_PREFIXES)})
         out.append(RunRecord(name=name, path=directory / name, status="missing", config=config))
     return out
