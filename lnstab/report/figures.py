@@ -14,6 +14,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from lnstab.report.collect import RunRecord
 from lnstab.report.tables import Configuration, jacobian_points, last_site
 
 STATS = (("mean_abs", "mean |x| (MA)"), ("var_entry", "entry-wise variance"), ("var_data", "data-wise variance"))
@@ -35,13 +36,14 @@ def _mean_by_key(pairs: list[tuple[Any, float]]) -> tuple[list[Any], list[float]
 
 def _save(fig: Figure, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")  # the legend sits outside the panels
     return path
 
 
 def _legend(ax: Any) -> None:
+    """The legend to the right of ``ax`` (the rightmost panel), where it hides no line."""
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7, loc="best")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
 
 
 def _log_if_positive(ax: Any) -> None:
@@ -61,60 +63,56 @@ def site_depth(tag: str) -> float | None:
     return None
 
 
-def depth_profile(configs: list[Configuration], path: Path) -> Path | None:
-    """MA, entry-wise and data-wise variance against depth at the end of training (log scale)."""
+def _three_stats(configs: list[Configuration], path: Path, points: Callable[[RunRecord, str], list[tuple]],
+                 title: str, xlabel: str, marker: str | None = None) -> Path | None:
+    """One panel per statistic of ``STATS`` (log scale), one line per configuration: the mean over its runs of the
+    ``(x, y)`` points that ``points(run, stat)`` gives."""
     fig = Figure(figsize=(13, 4))
     axes = fig.subplots(1, 3)
     drawn = False
     for i, c in enumerate(configs):
-        for ax, (stat, title) in zip(axes, STATS, strict=True):
-            pairs = []
-            for r in c.runs:
-                series = ((r.hidden or {}).get("stats") or {}).get(stat) or {}
-                for tag, values in series.items():
-                    depth = site_depth(tag)
-                    finite = [v for v in values if isinstance(v, int | float) and math.isfinite(v)]
-                    if depth is not None and finite:
-                        pairs.append((depth, finite[-1]))
-            xs, ys = _mean_by_key(pairs)
+        for ax, (stat, name) in zip(axes, STATS, strict=True):
+            xs, ys = _mean_by_key([p for r in c.runs for p in points(r, stat)])
             if xs:
-                ax.plot(xs, ys, marker=".", color=_colour(i), label=c.label)
+                ax.plot(xs, ys, marker=marker, color=_colour(i), label=c.label)
                 drawn = True
-            ax.set_title(f"{title}, end of training")
-            ax.set_xlabel("depth (layers; half steps: attention, MLP)")
+            ax.set_title(f"{name}, {title}")
+            ax.set_xlabel(xlabel)
     if not drawn:
         return None
     for ax in axes:
         _log_if_positive(ax)
-    _legend(axes[0])
+    _legend(axes[-1])
     return _save(fig, path)
+
+
+def _end_of_training_by_depth(run: RunRecord, stat: str) -> list[tuple[float, float]]:
+    series = ((run.hidden or {}).get("stats") or {}).get(stat) or {}
+    out = []
+    for tag, values in series.items():
+        depth = site_depth(tag)
+        finite = [v for v in values if isinstance(v, int | float) and math.isfinite(v)]
+        if depth is not None and finite:
+            out.append((depth, finite[-1]))
+    return out
+
+
+def _last_layer_by_step(run: RunRecord, stat: str) -> list[tuple]:
+    hidden = run.hidden or {}
+    site = last_site(hidden) if hidden else None
+    values = ((hidden.get("stats") or {}).get(stat) or {}).get(site, []) if site else []
+    return list(zip(hidden.get("steps") or [], values, strict=False))
+
+
+def depth_profile(configs: list[Configuration], path: Path) -> Path | None:
+    """MA, entry-wise and data-wise variance against depth at the end of training (log scale)."""
+    return _three_stats(configs, path, _end_of_training_by_depth, "end of training",
+                        "depth (layers; half steps: attention, MLP)", marker=".")
 
 
 def last_layer_over_steps(configs: list[Configuration], path: Path) -> Path | None:
     """MA, entry-wise and data-wise variance of the last layer's output over training steps (log scale)."""
-    fig = Figure(figsize=(13, 4))
-    axes = fig.subplots(1, 3)
-    drawn = False
-    for i, c in enumerate(configs):
-        for ax, (stat, title) in zip(axes, STATS, strict=True):
-            pairs = []
-            for r in c.runs:
-                hidden = r.hidden or {}
-                site = last_site(hidden) if hidden else None
-                values = ((hidden.get("stats") or {}).get(stat) or {}).get(site, []) if site else []
-                pairs += list(zip(hidden.get("steps") or [], values, strict=False))
-            xs, ys = _mean_by_key(pairs)
-            if xs:
-                ax.plot(xs, ys, color=_colour(i), label=c.label)
-                drawn = True
-            ax.set_title(f"{title}, last layer")
-            ax.set_xlabel("step")
-    if not drawn:
-        return None
-    for ax in axes:
-        _log_if_positive(ax)
-    _legend(axes[0])
-    return _save(fig, path)
+    return _three_stats(configs, path, _last_layer_by_step, "last layer", "step")
 
 
 def jacobian_vs_scale(configs: list[Configuration], path: Path) -> Path | None:
@@ -190,7 +188,7 @@ def loss_curves(configs: list[Configuration], path: Path) -> Path | None:
             ax.set_xlabel("step")
     if not drawn:
         return None
-    _legend(axes[0])
+    _legend(axes[-1])
     return _save(fig, path)
 
 

@@ -75,6 +75,16 @@ def short_names(keys: list[str]) -> dict[str, str]:
     return {k: (s if last.count(s) == 1 else k) for k, s in zip(keys, last, strict=True)}
 
 
+# Legend names of the paper's axes; the placement is named by its value alone ("pre, Δt=0.1, lr=0.01").
+LABELS = {"norm_placement": "", "residual_scale": "Δt", "learning_rate": "lr", "weight_decay": "wd"}
+
+
+def label_part(name: str, value: Any) -> str:
+    """``name=value`` for a figure legend, shortened for the paper's axes."""
+    short = LABELS.get(name, name)
+    return f"{short}={_show(value)}" if short else _show(value)
+
+
 @dataclass
 class Configuration:
     """Runs that share every varying config value but the seed."""
@@ -93,7 +103,7 @@ def group(records: list[RunRecord]) -> tuple[list[str], list[Configuration]]:
         ident = tuple(_norm(r.config.get(k)) for k in keys)
         if ident not in groups:
             values = {k: r.config.get(k) for k in keys}
-            label = ", ".join(f"{names[k]}={_show(v)}" for k, v in values.items()) or "all runs"
+            label = ", ".join(label_part(names[k], v) for k, v in values.items()) or "all runs"
             groups[ident] = Configuration(values, label)
         groups[ident].runs.append(r)
     return keys, list(groups.values())
