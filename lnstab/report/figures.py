@@ -21,8 +21,15 @@ STATS = (("mean_abs", "mean |x| (MA)"), ("var_entry", "entry-wise variance"), ("
 DPI = 110
 
 
+# matplotlib's ten default colours, then ten more of other hues, so that a grid's 11th-20th configurations are not
+# drawn in the colours of its first ten.
+COLOURS = [f"C{i}" for i in range(10)] + [
+    "#000000", "#1b9e77", "#3f007d", "#08306b", "#e6ab02", "#66a61e", "#e7298a", "#67000d", "#9ecae1", "#3f4f1f",
+]
+
+
 def _colour(i: int) -> str:
-    return f"C{i % 10}"
+    return COLOURS[i % len(COLOURS)]
 
 
 def _mean_by_key(pairs: list[tuple[Any, float]]) -> tuple[list[Any], list[float]]:
