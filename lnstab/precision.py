@@ -38,12 +38,6 @@ def _device_kind(accelerator: str) -> str:
     return "other"  # mps, tpu, ...: not checked
 
 
-def bf16_native(accelerator: str = "auto") -> bool:
-    """Whether the device ``accelerator`` resolves to runs bf16 matrix products natively (False if not known)."""
-    kind = _device_kind(str(accelerator))
-    return cuda_has_native_bf16() if kind == "cuda" else cpu_has_native_bf16() if kind == "cpu" else False
-
-
 def resolve_precision(requested: str | int | None, accelerator: str = "auto") -> tuple[str | int | None, str]:
     """The Lightning precision to train with, and why (one line; empty unless ``requested`` is ``"auto"``).
 
