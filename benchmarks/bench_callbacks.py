@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -38,6 +37,7 @@ from collections.abc import Callable
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from bench_model import machine_line
 from torch.utils.data import DataLoader, TensorDataset
 
 from lnstab.callbacks import (
@@ -132,14 +132,6 @@ class StepEnd(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.clock.stop(trainer)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def synchronize() -> None:
@@ -280,9 +272,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     rows = args.batch * max(args.steps + args.warmup, args.run_steps)
     x = torch.randint(0, config.vocab_size, (rows, args.seq), generator=g)
-    cpu = f"{cpu_name()} ({os.cpu_count()} cores, load {os.getloadavg()[0]:.1f})"
-    print(f"preset={args.preset} batch={args.batch}x{args.seq} vocab={args.vocab} {args.accelerator} {args.precision}, "
-          f"torch {torch.__version__}, threads={torch.get_num_threads()}, cpu={cpu}")
+    device = torch.device("cuda" if args.accelerator in ("gpu", "cuda") else "cpu")
+    print(f"machine: {machine_line(device)} ({os.cpu_count()} cores, load {os.getloadavg()[0]:.1f})")
+    print(f"preset={args.preset} batch={args.batch}x{args.seq} vocab={args.vocab} {args.accelerator} {args.precision}")
     if not args.skip_per_step:
         per_step(args, config, x)
     if not args.skip_run:
