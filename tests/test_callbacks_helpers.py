@@ -145,14 +145,3 @@ def direct_stats(x: torch.Tensor) -> dict[str, float]:
         "var_data": flat.var(dim=0, unbiased=False).mean().item(),
         "max_abs": flat.abs().max().item(),
     }
-
-
-class EndProcessGroup(pl.Callback):
-    """Ends the process group on every rank at teardown, after a barrier, instead of leaving it to each rank's
-    interpreter exit. There the ranks' exits race (rank 0 holds the store), and once, on a loaded machine, a rank
-    aborted with "terminate called without an active exception" after its fit had finished."""
-
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.barrier()
-            torch.distributed.destroy_process_group()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from test_callbacks_helpers import EndProcessGroup, LitLM, gpt, lit, loader, tokens, trainer
+from test_callbacks_helpers import LitLM, gpt, lit, loader, tokens, trainer
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lnstab.callbacks import (
@@ -99,7 +99,6 @@ def fit_hidden(tmp_path, name: str, **kwargs) -> dict:
         GradientStatistics(every_n_steps=1),
         DivergenceMonitor(),
         RunStatus(),
-        EndProcessGroup(),
     ]
     t = Trainer(
         accelerator="cpu",
