@@ -29,6 +29,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lnstab import runs
 from lnstab.callbacks import FinalEvaluation, Instruments, RunCheckpoint, RunStatus
 from lnstab.checkpoint import load_checkpoint
+from lnstab.configfiles import expand_extends, experiment_name
 from lnstab.errors import ConfigError, LNStabError
 from lnstab.module import GPTModule
 from lnstab.precision import precision_warning, resolve_precision
@@ -267,59 +268,6 @@ class LNStabCLI(LightningCLI):
                 f"model.vocab_size={vocab} is not allowed with this data: its token ids go up to {needed() - 1}; "
                 f"it must be >= {needed()}"
             )
-
-
-def expand_extends(argv: list[str]) -> list[str]:
-    """Put each ``--config`` file's ``extends`` chain (base first) in front of it as further ``--config`` args."""
-    out: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--config" and i + 1 < len(argv):
-            path, i = argv[i + 1], i + 2
-        elif arg.startswith("--config="):
-            path, i = arg.split("=", 1)[1], i + 1
-        else:
-            out.append(arg)
-            i += 1
-            continue
-        for p in _extends_chain(Path(path)):
-            out += ["--config", str(p)]
-    return out
-
-
-def _extends_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[Path]:
-    if not path.is_file():
-        raise LNStabError(f"--config {path} is not a file")
-    resolved = path.resolve()
-    if resolved in seen:
-        raise LNStabError(f"--config {path}: 'extends' forms a cycle through {', '.join(map(str, seen))}")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise LNStabError(f"--config {path} is not valid YAML{where}: {problem}") from None
-    if not isinstance(data, dict):
-        raise LNStabError(f"--config {path} is not allowed; it must hold a YAML mapping (key: value)")
-    base = data.get("extends")
-    if base is None:
-        return [path]
-    if not isinstance(base, str) or not base.strip():
-        raise LNStabError(f"--config {path}: extends={base!r} is not allowed; it must be one file name (a string)")
-    return _extends_chain(path.parent / base, (*seen, resolved)) + [path]
-
-
-def experiment_name(argv: list[str]) -> str | None:
-    """The stem of the last ``--config`` file on the command line: the run's default name."""
-    name = None
-    for i, arg in enumerate(argv):
-        if arg == "--config" and i + 1 < len(argv):
-            name = Path(argv[i + 1]).stem
-        elif arg.startswith("--config="):
-            name = Path(arg.split("=", 1)[1]).stem
-    return None if name == Path(CONFIG_FILE).stem else name
 
 
 def _default_config(argv: list[str]) -> list[str]:

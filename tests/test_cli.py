@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lnstab.cli import cli_main, expand_extends, main
+from lnstab.cli import cli_main, main
+from lnstab.configfiles import expand_extends
 from lnstab.errors import LNStabError
 from lnstab.module import gpt_config
 
