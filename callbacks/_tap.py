@@ -190,6 +190,10 @@ class SharedTap:
         watchers = [(s, i) for s, i in entry["watchers"] if s.active]
         if not watchers or self.root.__dict__.get(PAUSE_ATTR):
             return
+        if torch._C._current_graph_task_id() != -1:
+            # A forward inside a backward pass is activation checkpointing recomputing a micro-batch the tap has
+            # already seen (torch.utils.module_tracker tells backward from forward the same way): not a new capture.
+            return
         x = first_tensor(obj)
         if x is None:
             return

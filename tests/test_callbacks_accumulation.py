@@ -19,6 +19,7 @@ from lnstab.callbacks import (
     HiddenStateStatistics,
     JacobianSensitivity,
 )
+from lnstab.callbacks._tap import Subscription
 
 PREFIXES = ("hidden/", "bound/", "growth/", "grad/", "jacobian/")
 
@@ -57,7 +58,7 @@ class SGDLM(LitLM):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
-def fit(tmp_path, name: str, batch_size: int, accumulate: int, steps: int = 3) -> ListLogger:
+def fit(tmp_path, name: str, batch_size: int, accumulate: int, steps: int = 3, wrap=None) -> ListLogger:
     logger = ListLogger(tmp_path / name)
     callbacks = [
         HiddenStateStatistics(every_n_steps=1, log_heatmap=False, series_file=None),
@@ -68,7 +69,10 @@ def fit(tmp_path, name: str, batch_size: int, accumulate: int, steps: int = 3) -
     ]
     torch.manual_seed(0)
     t = trainer(tmp_path / name, callbacks, max_steps=steps, accumulate_grad_batches=accumulate, logger=logger)
-    t.fit(SGDLM(gpt()), loader(n=8 * steps, batch_size=batch_size))
+    module = SGDLM(gpt())
+    if wrap is not None:
+        wrap(module.model)
+    t.fit(module, loader(n=8 * steps, batch_size=batch_size))
     assert callbacks[-1].events == []
     return logger
 
@@ -144,3 +148,33 @@ def test_jacobian_measures_once_per_optimizer_step(tmp_path):
     callback.measure = lambda module, trainer=None: (measured.append(trainer.global_step), original(module, trainer))[1]
     trainer(tmp_path, [callback], max_steps=4, accumulate_grad_batches=3).fit(LitLM(gpt()), loader(n=24, batch_size=2))
     assert measured == [0, 2]
+
+
+def test_activation_checkpointing_recompute_is_not_counted_again(tmp_path, monkeypatch):
+    """Checkpointed blocks run their forward again inside backward; the instruments must see each micro-batch once,
+    so every statistic and every count equals the run without checkpointing (same weights, same data)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    from lnstab.model import Block
+
+    recomputed: list[bool] = []
+
+    def checkpoint_blocks(model: torch.nn.Module) -> None:  # as FSDP's activation_checkpointing_policy={Block} does
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+        in_backward = lambda *_: recomputed.append(torch._C._current_graph_task_id() != -1)  # noqa: E731
+        model.transformer.h[0].resid_attn.register_forward_hook(in_backward)
+
+    captures: Counter = Counter()
+    add = Subscription.add
+    monkeypatch.setattr(Subscription, "add", lambda sub, i, view: (captures.update([run]), add(sub, i, view))[1])
+    run = "plain"
+    plain = by_step(fit(tmp_path, "plain", batch_size=4, accumulate=2))
+    run = "checkpointed"
+    wrapped = by_step(fit(tmp_path, "checkpointed", batch_size=4, accumulate=2, wrap=checkpoint_blocks))
+    assert any(recomputed), "no block was recomputed in backward: the test would check nothing"
+    assert captures["checkpointed"] == captures["plain"] > 0  # every site captured once per micro-batch
+    assert wrapped[1] == plain[1]  # each instrument logged once per optimizer step
+    for step, metrics in plain[0].items():
+        assert set(wrapped[0][step]) == set(metrics)
+        for key, value in metrics.items():
+            assert wrapped[0][step][key] == pytest.approx(value, rel=2e-5, abs=1e-7), (step, key)
