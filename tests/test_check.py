@@ -91,6 +91,27 @@ def test_hugging_face_gpt2_directory_runs_end_to_end(tmp_path) -> None:
     assert read_summary(out / "tb" / "checked" / "lr0.01_seed0")["status"] == "completed"
 
 
+def test_hugging_face_llama_directory_runs_end_to_end(tmp_path) -> None:
+    """A Llama-family decoder (RMSNorm, gated MLP, grouped-query attention, rotary positions): blocks are found under
+    ``model.layers``, the final norm under ``model.norm``, and the references copy its shape from the config."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=32, bos_token_id=0,
+                         eos_token_id=0, pad_token_id=0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    out = tmp_path / "card"
+    code, report = check(out, "--hf", str(tmp_path / "llama"), "--hf-init", "--lrs", "1e-2", *TINY)
+    assert code == report["exit_code"] == (1 if report["status"] == "fail" else 0)
+    assert report["model"]["label"] == "checked (llama, init)"
+    assert report["model"]["shape"] == {"n_layer": 3, "n_embd": 32, "block_size": 32, "vocab_size": 128, "n_head": 4}
+    assert report["references"]["pre-ln"]["shape"] == report["model"]["shape"]
+    assert report["summaries"]["checked"]["profiles"]["init"]["mean_abs"][0] == [1.0, 2.0, 3.0]  # one per layer
+    assert rows(report)["bound"]["status"] == "n/a"  # no output norms: Theorem 4 does not apply
+    tags = scalar_tags(out / "tb" / "checked" / "lr0.01_seed0")
+    assert {"hidden/mean_abs/L02", "hidden/mean_abs/final", "jacobian/sensitivity/L02", "grad/norm/L02"} <= tags
+
+
 def test_hugging_face_directory_loads_its_trained_weights(tmp_path) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
