@@ -1,15 +1,18 @@
 """End a gloo process group while the interpreter is still whole.
 
 Lightning ends an NCCL process group at exit (an ``atexit`` handler) but leaves a gloo group to the interpreter's
-finalization. There, gloo's worker threads can still hold work objects whose tensors reference Python objects; freeing
-them once the interpreter is half torn down aborts the process ("terminate called without an active exception", then
-SIGABRT) after a run that completed. On CPU DDP/FSDP runs this struck about one two-process run in eight here.
+finalization. There, by PyTorch's c10d developers' account, gloo's worker threads can still hold work objects whose
+tensors reference Python objects, and freeing them once the interpreter is half torn down aborts the process
+("terminate called without an active exception", then SIGABRT) after a run that completed. Our two-process CPU tests
+saw such aborts about one run in eight in earlier sessions; it was not reproduced since, so this handler's effect on
+that rate is unmeasured.
 
 :func:`end_gloo_group_at_exit` registers, once per process, an ``atexit`` handler that destroys the default process
-group if it is still initialised and gloo-backed. Destroying a gloo group is local to the rank (no collective, no
-peer to wait for), so a rank whose peers have already gone still exits. ``import lnstab`` registers it, so every
-process that runs lnstab's trainer or callbacks — including ranks started by ``ddp_spawn``, which import lnstab when
-they unpickle the trainer — has it. A no-op in a process that never starts a gloo group.
+group if it is still initialised and gloo-backed. Destroying a gloo group is local to the rank (no collective; it
+waits only for work this rank has already queued), so a rank whose peers have already gone still exits.
+``import lnstab`` registers it, so every process that runs lnstab's trainer or callbacks — including ranks started by
+``ddp_spawn``, which import lnstab when they unpickle the trainer — has it. A no-op in a process that never starts a
+gloo group.
 """
 
 from __future__ import annotations
@@ -31,12 +34,14 @@ def end_gloo_group() -> bool:
     dist = sys.modules.get("torch.distributed")  # never imports torch: a process without it has no group to end
     if dist is None or not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "gloo":
         return False
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    # getsignal is None for a handler installed outside Python: leave that one alone
+    previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if previous is not None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         dist.destroy_process_group()
     finally:
-        if main:
+        if previous is not None:
             signal.signal(signal.SIGINT, previous)
     return True
 
