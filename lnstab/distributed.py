@@ -4,8 +4,8 @@ Lightning ends an NCCL process group at exit (an ``atexit`` handler) but leaves 
 finalization. There, by PyTorch's c10d developers' account, gloo's worker threads can still hold work objects whose
 tensors reference Python objects, and freeing them once the interpreter is half torn down aborts the process
 ("terminate called without an active exception", then SIGABRT) after a run that completed. Our two-process CPU tests
-saw such aborts about one run in eight in earlier sessions; it was not reproduced since, so this handler's effect on
-that rate is unmeasured.
+saw such aborts about one run in eight in earlier sessions. This handler is not the whole cure: a test run with it
+still had one (in an FSDP test); the tests retry that failure only.
 
 :func:`end_gloo_group_at_exit` registers, once per process, an ``atexit`` handler that destroys the default process
 group if it is still initialised and gloo-backed. Destroying a gloo group is local to the rank (no collective; it
