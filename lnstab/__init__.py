@@ -1,5 +1,7 @@
 """lnstab: stability of transformers under layer normalisation, as a Lightning experiment suite."""
 
-from lnstab.distributed import end_gloo_group_at_exit
+import atexit
 
-end_gloo_group_at_exit()  # gloo groups end before the interpreter's finalisation (see lnstab.distributed)
+from lnstab.distributed import end_gloo_group
+
+atexit.register(end_gloo_group)  # gloo groups end before the interpreter's finalisation (see lnstab.distributed)

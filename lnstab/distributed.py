@@ -7,23 +7,20 @@ tensors reference Python objects, and freeing them once the interpreter is half 
 saw such aborts about one run in eight in earlier sessions. This handler is not the whole cure: a test run with it
 still had one (in an FSDP test); the tests retry that failure only.
 
-:func:`end_gloo_group_at_exit` registers, once per process, an ``atexit`` handler that destroys the default process
-group if it is still initialised and gloo-backed. Destroying a gloo group is local to the rank (no collective; it
-waits only for work this rank has already queued), so a rank whose peers have already gone still exits.
-``import lnstab`` registers it, so every process that runs lnstab's trainer or callbacks — including ranks started by
-``ddp_spawn``, which import lnstab when they unpickle the trainer — has it. A no-op in a process that never starts a
-gloo group.
+``import lnstab`` registers :func:`end_gloo_group` with ``atexit``, once per process (a module runs once): it
+destroys the default process group if it is still initialised and gloo-backed, and is a no-op in a process that never
+starts one. Destroying a gloo group is local to the rank (no collective; it waits only for work this rank has already
+queued), so a rank whose peers have already gone still exits. Every process that runs lnstab's trainer or callbacks —
+including ranks started by ``ddp_spawn``, which import lnstab when they unpickle the trainer — has it. Lightning's own
+``_destroy_dist_connection`` is not reused: importing it would import torch and Lightning at ``import lnstab``, and it
+resets SIGINT to the default instead of restoring the previous handler.
 """
 
 from __future__ import annotations
 
-import atexit
 import signal
 import sys
 import threading
-
-_registered = False
-_lock = threading.Lock()
 
 
 def end_gloo_group() -> bool:
@@ -45,11 +42,3 @@ def end_gloo_group() -> bool:
             signal.signal(signal.SIGINT, previous)
     return True
 
-
-def end_gloo_group_at_exit() -> None:
-    """Register :func:`end_gloo_group` to run at interpreter exit, once per process."""
-    global _registered
-    with _lock:
-        if not _registered:
-            atexit.register(end_gloo_group)
-            _registered = True
