@@ -102,20 +102,42 @@ def test_logged_metrics_and_ppl(tmp_path) -> None:
 
 
 class StepOfRead(pl.Callback):
-    """The storage of every tensor read to the host (``item``, ``tolist``, ``bool``, ``float`` …), by training step."""
+    """The storage of every tensor read to the host (``item``, ``tolist``, ``bool``, ``float`` …), by training step.
+
+    Reads of the optimizer's step counters are left out, by identity: torch's non-capturable AdamW keeps each
+    parameter's ``step`` on the CPU whatever the parameter's device (so reading it never waits for a device) and its
+    foreach implementation, which ``bf16-mixed`` with clipping uses, reads it with ``item()`` every step. They are
+    counted apart, in ``step_counter_reads``, and must be CPU tensors.
+    """
 
     def __init__(self, monkeypatch) -> None:
         self.step: int | None = None
         self.reads: dict[int | None, set[int]] = {}
+        self.step_counter_reads = 0
+        self.optimizers: list[torch.optim.Optimizer] = []
         for name in ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy"):
             monkeypatch.setattr(torch.Tensor, name, self._counted(getattr(torch.Tensor, name)))
 
+    def _is_step_counter(self, tensor: torch.Tensor) -> bool:
+        for optimizer in self.optimizers:
+            for state in optimizer.state.values():
+                if state.get("step") is tensor:
+                    assert tensor.device.type == "cpu", "a step counter on a device would synchronise it"
+                    return True
+        return False
+
     def _counted(self, fn):
         def read(tensor, *args, **kwargs):
-            self.reads.setdefault(self.step, set()).add(tensor.untyped_storage().data_ptr())
+            if self._is_step_counter(tensor):
+                self.step_counter_reads += 1
+            else:
+                self.reads.setdefault(self.step, set()).add(tensor.untyped_storage().data_ptr())
             return fn(tensor, *args, **kwargs)
 
         return read
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.optimizers = list(trainer.optimizers)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.step = trainer.global_step  # reads until the next batch starts belong to this step (logging included)
@@ -124,21 +146,29 @@ class StepOfRead(pl.Callback):
         self.step = None
 
 
-def test_no_host_reads_on_training_steps_that_do_not_log(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_no_host_reads_on_training_steps_that_do_not_log(tmp_path, monkeypatch, precision: str) -> None:
     # On a GPU, reading a device tensor waits for all queued work. The training step reads the loss only on the
     # Trainer's logging steps (global steps 4 and 9 here); on the others, the only reads are Lightning re-reading the
     # progress-bar value logged last, which the module logs as a CPU tensor. As `lnstab fit` runs: LNStabTrainer
-    # (its step progress bar), Throughput, clipping, fused AdamW.
+    # (its step progress bar), Throughput, clipping, and the AdamW each precision uses (fused under 32-true, foreach
+    # under bf16-mixed with clipping), both precisions explicitly whatever `auto` would pick on this machine.
     from lightning.pytorch.loggers import CSVLogger
 
     from lnstab.callbacks import Throughput
     from lnstab.trainer import LNStabTrainer
 
     reads = StepOfRead(monkeypatch)
-    t = LNStabTrainer(accelerator="cpu", precision="auto", max_steps=10, log_every_n_steps=5, gradient_clip_val=1.0,
+    t = LNStabTrainer(accelerator="cpu", precision=precision, max_steps=10, log_every_n_steps=5, gradient_clip_val=1.0,
                       logger=CSVLogger(tmp_path), callbacks=[reads, Throughput()], limit_val_batches=0,
                       enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path)
-    t.fit(small_module(), small_data())
+    module = small_module()
+    t.fit(module, small_data())
+    foreach = bool(t.optimizers[0].defaults.get("foreach"))
+    assert foreach == (precision == "bf16-mixed")
+    # foreach reads every parameter's counter every step; fused reads none
+    assert (reads.step_counter_reads >= 10 * len(list(module.parameters()))) if foreach else \
+        reads.step_counter_reads == 0
     logged = reads.reads[4] | reads.reads[9]
     for step in (0, 1, 2, 3):
         assert step not in reads.reads, step
