@@ -1,14 +1,15 @@
 """The GPT-2 family under every LayerNorm placement, in plain PyTorch (no Lightning import).
 
-One ``Block`` serves every variant; the choice of placement only decides which norms are real modules and which are
-``nn.Identity()``, so every variant has the same state-dict keys and the same hook names::
+One ``Block`` serves every variant; the config only decides which optional pieces are real modules and which are
+``nn.Identity()``, so every variant has the same module names, hence the same hook names::
 
-    a  = ln_1_out(attn(ln_1(x)))         h  = ln_1_post(resid_attn(x, a))     resid_attn(x, a) = x + Δt·a
-    m  = ln_2_out(mlp(ln_2(h)))          x' = ln_2_post(resid_mlp(h, m))      resid_mlp(h, m)  = h + Δt·m
+    a  = gate_attn(ln_1_out(attn(ln_1(x))))     h  = ln_1_post(resid_attn(x, a))    resid_attn(x, a) = α·x + Δt·a
+    m  = gate_mlp(ln_2_out(mlp(ln_2(h))))       x' = ln_2_post(resid_mlp(h, m))     resid_mlp(h, m)  = α·h + Δt·m
 
 Which of the four norms exist is one row of :data:`PLACEMENTS` (``input`` = ``ln_1``/``ln_2``, ``output`` =
-``ln_*_out``, ``post`` = ``ln_*_post``, ``final`` = ``ln_f``); ``Block``, ``GPT``, the Hugging Face export
-(:mod:`lnstab.hf`) and the growth bound (through :meth:`GPT.output_norms`) all read that table::
+``ln_*_out``, ``post`` = ``ln_*_post``, ``final`` = ``ln_f``), as are the stream weight α (1 but for DeepNorm) and
+DeepNorm's initialisation; ``Block``, ``GPT``, the Hugging Face export (:mod:`lnstab.hf`) and the growth bound
+(through :meth:`GPT.output_norms`) all read that table::
 
     placement  input  output  post  final   update of one half-step
     pre        ✓      ·       ·     ✓       x + Δt·f(LN(x))
@@ -16,12 +17,16 @@ Which of the four norms exist is one row of :data:`PLACEMENTS` (``input`` = ``ln
     post       ·      ·       ✓     ·       LN(x + Δt·f(x))              (original Transformer)
     output     ·      ✓       ·     ✓       x + Δt·LN(f(x))              (OLMo 2 reordered norm)
     none       ·      ·       ·     ·       x + Δt·f(x)
+    deepnorm   ·      ·       ✓     ·       LN(α·x + Δt·f(x))            (DeepNet, α = (2N)^¼, N layers)
 
-Adding a placement is one :class:`Placement` row plus its tests.
-``resid_attn`` and ``resid_mlp`` are parameter-free :class:`Residual` modules: a forward hook on them sees the residual
-stream after every half-step (for ``post`` that is the sum *before* its norm), which is where lnstab's instruments
-attach. State-dict keys follow GPT-2 (``transformer.h.{i}.attn.c_attn`` …) with ``nn.Linear`` weights, so a nanoGPT
-checkpoint loads as is; see :mod:`lnstab.hf` for Hugging Face interop.
+Adding a placement is one :class:`Placement` row plus its tests. The other options are :class:`GPTConfig` fields,
+all off by default (the default is GPT-2 and loads its weights): ``norm_type`` (LayerNorm, RMSNorm or DyT for every
+norm), ``qk_norm`` (``attn.q_norm``/``attn.k_norm``), ``residual_gate`` (``gate_attn``/``gate_mlp``: ReZero,
+LayerScale), ``z_loss`` (in the loss, :mod:`lnstab.loss`). The pieces themselves live in :mod:`lnstab.layers`.
+``resid_attn`` and ``resid_mlp`` are parameter-free :class:`~lnstab.layers.Residual` modules: a forward hook on them
+sees the residual stream after every half-step (for ``post``/``deepnorm`` that is the sum *before* its norm), which
+is where lnstab's instruments attach. State-dict keys follow GPT-2 (``transformer.h.{i}.attn.c_attn`` …) with
+``nn.Linear`` weights, so a nanoGPT checkpoint loads as is; see :mod:`lnstab.hf` for Hugging Face interop.
 """
 
 from __future__ import annotations
@@ -35,59 +40,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lnstab import validation as check
 from lnstab.errors import ConfigError
-from lnstab.loss import DEFAULT_CHUNK_ROWS, lm_head_loss
+from lnstab.layers import NORM_MODULES, NORM_TYPES, RESIDUAL_GATES, Gate, Residual, cait_layerscale_init, make_gate
+from lnstab.layers import make_norm as _make_norm
+from lnstab.loss import DEFAULT_CHUNK_ROWS, HeadLoss, lm_head_losses
+from lnstab.placements import NORM_PLACEMENTS, PLACEMENTS, Placement
 
-
-@dataclass(frozen=True)
-class Placement:
-    """One LayerNorm placement: which of a block's norms are real modules (the others are ``nn.Identity()``).
-
-    Attributes:
-        name: The ``norm_placement`` value that selects it.
-        input: ``ln_1``/``ln_2`` normalise each sublayer's input.
-        output: ``ln_1_out``/``ln_2_out`` normalise each sublayer's output before it is added to the stream.
-        post: ``ln_1_post``/``ln_2_post`` normalise the stream after each residual add.
-        final: ``ln_f`` normalises the stream before the head.
-        doc: What the placement is and where it comes from (its docstring).
-    """
-
-    name: str
-    input: bool
-    output: bool
-    post: bool
-    final: bool
-    doc: str
-
-    @property
-    def norms(self) -> frozenset[str]:
-        """The norms that exist, by field name (``{"input", "final"}`` for ``pre``)."""
-        return frozenset(k for k in ("input", "output", "post", "final") if getattr(self, k))
-
-    @property
-    def normalised_updates(self) -> bool:
-        """Whether every residual update is ``x + Δt·N(y)`` with an output norm ``N`` that nothing renormalises
-        afterwards: the form Theorem 4's growth bound needs."""
-        return self.output and not self.post
-
-
-PLACEMENTS: dict[str, Placement] = {
-    p.name: p
-    for p in (
-        Placement("pre", input=True, output=False, post=False, final=True,
-                  doc="Pre-LN (GPT-2): x + Δt·f(LN(x)); the stream itself is never normalised until ln_f."),
-        Placement("peri", input=True, output=True, post=False, final=True,
-                  doc="Peri-LN (Gemma 2, Kan et al. §4): x + Δt·LN_out(f(LN_in(x))); every update is normalised."),
-        Placement("post", input=False, output=False, post=True, final=False,
-                  doc="Post-LN (the original Transformer): LN(x + Δt·f(x)); renormalises the stream each half-step."),
-        Placement("output", input=False, output=True, post=False, final=True,
-                  doc="Output-LN (OLMo 2's reordered norm): x + Δt·LN(f(x)); the sublayer sees the raw stream."),
-        Placement("none", input=False, output=False, post=False, final=False,
-                  doc="No normalisation at all: x + Δt·f(x) (the unstable baseline)."),
-    )
-}
-NORM_PLACEMENTS = tuple(PLACEMENTS)
-NORM_TYPES = ("layernorm", "rmsnorm")
+__all__ = ["GPT", "NORM_PLACEMENTS", "NORM_TYPES", "PLACEMENTS", "PRESETS", "Block", "GPTConfig", "Placement"]
 
 # GPT-2's published shapes (Radford et al. 2019) plus small presets that train on a CPU in minutes.
 PRESETS: dict[str, dict[str, int]] = {
@@ -102,14 +62,9 @@ PRESETS: dict[str, dict[str, int]] = {
 }
 
 
-def _check_choice(field: str, value: Any, allowed: tuple[str, ...] | list[str]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{field}={value!r} is not allowed; choose one of: {', '.join(allowed)}")
-
-
 @dataclass
 class GPTConfig:
-    """Shape and variant of a GPT. Defaults are GPT-2 124M (``bias=True``, Pre-LN, Δt = 1).
+    """Shape and variant of a GPT. Defaults are GPT-2 124M (``bias=True``, Pre-LN, Δt = 1, no option on).
 
     Attributes:
         block_size: Longest sequence the position embedding covers.
@@ -119,10 +74,27 @@ class GPTConfig:
         n_layer, n_head, n_embd: Depth, heads, width.
         dropout: Dropout on embeddings, attention weights and sublayer outputs.
         bias: Biases in linear layers and LayerNorms.
-        norm_placement: A key of :data:`PLACEMENTS`: ``pre``, ``peri``, ``post``, ``output``, ``none``.
-        norm_type: ``layernorm`` or ``rmsnorm``, for every norm of the model.
+        norm_placement: A key of :data:`PLACEMENTS`: ``pre``, ``peri``, ``post``, ``output``, ``none``,
+            ``deepnorm``.
+        norm_type: ``layernorm``, ``rmsnorm`` or ``dyt`` (:class:`~lnstab.layers.DyT`), for every norm of the model
+            (those of the placement and, with ``qk_norm``, the query and key norms).
         residual_scale: Δt > 0, the residual step size applied to both sublayers.
-        norm_eps: Epsilon of every norm.
+        norm_eps: Epsilon of every LayerNorm or RMSNorm.
+        qk_norm: Normalise queries and keys per head, over the head dimension (a norm of width ``n_embd/n_head``
+            shared by the heads, of ``norm_type``), right before the attention product: ``attn.q_norm`` and
+            ``attn.k_norm`` (Dehghani et al. 2023, ViT-22B; OLMo 2 normalises the whole ``n_embd``-wide projection
+            instead).
+        z_loss: Coefficient ``c ≥ 0`` of the auxiliary loss ``c·mean_tokens (log Z)²``, ``log Z`` the log-sum-exp
+            of a token's logits (PaLM, Chowdhery et al. 2022, uses 1e-4); computed in the chunked head loss
+            (:func:`lnstab.loss.lm_head_losses`). It changes training only, not the model's function.
+        dyt_alpha_init: Initial α of every DyT (Zhu et al. 2025's default 0.5); used with ``norm_type='dyt'`` only.
+        residual_gate: ``none``, ``rezero`` (one scalar per sublayer, 0 at init: ``x + Δt·α·f(x)``, Bachlechner et al.
+            2020) or ``layerscale`` (one gain per channel: ``x + Δt·diag(λ)·f(x)``, Touvron et al. 2021); the gate
+            multiplies the sublayer's output (after its output norm, if any) before Δt. Bachlechner et al.'s ReZero
+            has no norms: ``norm_placement='none'`` with ``residual_gate='rezero'``.
+        layerscale_init: LayerScale's λ at initialisation; ``None``: CaiT's depth rule
+            (:func:`~lnstab.layers.cait_layerscale_init`: 0.1 up to 18 layers, 1e-5 up to 24, 1e-6 beyond). Used
+            with ``residual_gate='layerscale'`` only.
     """
 
     block_size: int = 1024
@@ -137,26 +109,34 @@ class GPTConfig:
     norm_type: str = "layernorm"
     residual_scale: float = 1.0
     norm_eps: float = 1e-5
+    qk_norm: bool = False
+    z_loss: float = 0.0
+    dyt_alpha_init: float = 0.5
+    residual_gate: str = "none"
+    layerscale_init: float | None = None
 
     def __post_init__(self) -> None:
-        _check_choice("norm_placement", self.norm_placement, list(PLACEMENTS))
-        _check_choice("norm_type", self.norm_type, NORM_TYPES)
+        check.choice("norm_placement", self.norm_placement, list(PLACEMENTS))
+        check.choice("norm_type", self.norm_type, NORM_TYPES)
+        check.choice("residual_gate", self.residual_gate, RESIDUAL_GATES)
         for name in ("block_size", "vocab_size", "pad_vocab_multiple", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name}={value!r} is not allowed; it must be a positive integer")
-        if not (isinstance(self.residual_scale, int | float) and math.isfinite(self.residual_scale)) or (
-            self.residual_scale <= 0
-        ):
-            raise ConfigError(f"residual_scale={self.residual_scale!r} is not allowed; it must be a finite number > 0")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"dropout={self.dropout!r} is not allowed; it must be in [0, 1)")
+            check.positive_int(name, getattr(self, name))
+        for name in ("residual_scale", "norm_eps", "dyt_alpha_init"):
+            check.number(name, getattr(self, name), 0.0, low_open=True)
+        check.number("dropout", self.dropout, 0.0, 1.0, high_open=True)
+        check.number("z_loss", self.z_loss, 0.0)
+        check.optional_number("layerscale_init", self.layerscale_init, 0.0, low_open=True)
+        if not isinstance(self.qk_norm, bool):
+            raise ConfigError(f"qk_norm={self.qk_norm!r} is not allowed; it must be true or false")
         if self.n_embd % self.n_head:
             raise ConfigError(
                 f"n_embd={self.n_embd} is not allowed with n_head={self.n_head}; n_embd must be divisible by n_head"
             )
-        if self.norm_eps <= 0:
-            raise ConfigError(f"norm_eps={self.norm_eps!r} is not allowed; it must be > 0")
+
+    @property
+    def layerscale(self) -> float:
+        """LayerScale's λ at initialisation: ``layerscale_init``, or CaiT's rule for ``n_layer`` when it is ``None``."""
+        return cait_layerscale_init(self.n_layer) if self.layerscale_init is None else self.layerscale_init
 
     @property
     def padded_vocab_size(self) -> int:
@@ -168,7 +148,7 @@ class GPTConfig:
     def preset(cls, name: str, **overrides: Any) -> GPTConfig:
         """A named shape (``gpt2``, ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``, ``tiny``, ``mini``, ``small``,
         ``deep-narrow``) with any field overridden; ``None`` overrides are ignored."""
-        _check_choice("preset", name, list(PRESETS))
+        check.choice("preset", name, list(PRESETS))
         fields = {f.name for f in dataclasses.fields(cls)}
         for key in overrides:
             if key not in fields:
@@ -177,36 +157,28 @@ class GPTConfig:
         return cls(**values)
 
 
-def make_norm(config: GPTConfig, enabled: bool = True) -> nn.Module:
-    """A LayerNorm or RMSNorm of width ``n_embd``, or ``nn.Identity()`` where this placement has no norm."""
-    if not enabled:
-        return nn.Identity()
-    if config.norm_type == "rmsnorm":
-        return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
-    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+def make_norm(config: GPTConfig, enabled: bool = True, width: int | None = None) -> nn.Module:
+    """A norm of ``config.norm_type`` and width ``n_embd`` (or ``width``), or ``nn.Identity()`` where there is none."""
+    return _make_norm(config.norm_type, width or config.n_embd, enabled=enabled, eps=config.norm_eps,
+                      bias=config.bias, alpha_init=config.dyt_alpha_init)
 
 
-class Residual(nn.Module):
-    """Parameter-free residual update ``x + scale * fx``: hooks on it see every update of the residual stream."""
-
-    def __init__(self, scale: float) -> None:
-        super().__init__()
-        self.scale = float(scale)
-
-    def forward(self, x: torch.Tensor, fx: torch.Tensor) -> torch.Tensor:
-        if self.scale == 1.0:
-            return x + fx
-        return torch.add(x, fx, alpha=self.scale)
-
-    def extra_repr(self) -> str:
-        return f"scale={self.scale}"
+def make_residual(config: GPTConfig) -> Residual:
+    """The residual update ``α·x + Δt·fx`` of one half-step: Δt from the config, α from the placement's row."""
+    alpha = PLACEMENTS[config.norm_placement].stream_scale
+    return Residual(config.residual_scale, alpha(config.n_layer) if alpha else 1.0)
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention through ``F.scaled_dot_product_attention``."""
+    """Multi-head causal self-attention through ``F.scaled_dot_product_attention``.
+
+    ``q_norm`` and ``k_norm`` (``nn.Identity()`` unless ``qk_norm``) take q and k shaped ``(B, n_head, T, head_size)``
+    right before the attention product, so a forward hook on them sees the queries and keys the attention uses (with
+    a KV cache, ``k_norm`` sees the new positions' keys; the cache holds normalised keys).
+    """
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -214,6 +186,8 @@ class CausalSelfAttention(nn.Module):
         self.n_embd = config.n_embd
         self.dropout = config.dropout
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.q_norm = make_norm(config, config.qk_norm, width=config.n_embd // config.n_head)
+        self.k_norm = make_norm(config, config.qk_norm, width=config.n_embd // config.n_head)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -224,6 +198,7 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        q, k = self.q_norm(q), self.k_norm(k)  # (B, nh, T, hs), normalised over hs when qk_norm
         mask, causal = None, True
         if cache is not None:
             k = torch.cat([cache[0], k], dim=2)  # (B, nh, P+T, hs)
@@ -261,21 +236,24 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         p = PLACEMENTS[config.norm_placement]
+        gate, width, init = config.residual_gate, config.n_embd, config.layerscale
         self.ln_1 = make_norm(config, p.input)
         self.attn = CausalSelfAttention(config)
         self.ln_1_out = make_norm(config, p.output)
-        self.resid_attn = Residual(config.residual_scale)
+        self.gate_attn = make_gate(gate, width, init)
+        self.resid_attn = make_residual(config)
         self.ln_1_post = make_norm(config, p.post)
         self.ln_2 = make_norm(config, p.input)
         self.mlp = MLP(config)
         self.ln_2_out = make_norm(config, p.output)
-        self.resid_mlp = Residual(config.residual_scale)
+        self.gate_mlp = make_gate(gate, width, init)
+        self.resid_mlp = make_residual(config)
         self.ln_2_post = make_norm(config, p.post)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> tuple[torch.Tensor, KVCache | None]:
         a, cache = self.attn(self.ln_1(x), cache)
-        x = self.ln_1_post(self.resid_attn(x, self.ln_1_out(a)))  # (B, T, C)
-        x = self.ln_2_post(self.resid_mlp(x, self.ln_2_out(self.mlp(self.ln_2(x)))))  # (B, T, C)
+        x = self.ln_1_post(self.resid_attn(x, self.gate_attn(self.ln_1_out(a))))  # (B, T, C)
+        x = self.ln_2_post(self.resid_mlp(x, self.gate_mlp(self.ln_2_out(self.mlp(self.ln_2(x))))))  # (B, T, C)
         return x, cache
 
 
@@ -301,7 +279,10 @@ class GPT(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """GPT-2 init: N(0, 0.02) weights, zero biases, residual projections N(0, 0.02/√(2·n_layer)), unit norms."""
+        """GPT-2 init: N(0, 0.02) weights, zero biases, residual projections N(0, 0.02/√(2·n_layer)), unit norms,
+        gates at their init. A placement with an ``init_gain`` β (DeepNorm) then redraws the block matrices as
+        DeepNet does: Xavier normal with gain 1 for the query and key projections, gain β for the value, attention
+        output and both MLP projections (each of q, k, v with its own fans, as three ``C × C`` matrices)."""
         resid_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
@@ -311,8 +292,16 @@ class GPT(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            elif isinstance(module, nn.LayerNorm | nn.RMSNorm):
+            elif isinstance(module, NORM_MODULES + (Gate,)):
                 module.reset_parameters()
+        gain = self.placement.init_gain
+        if gain is not None:
+            beta = gain(self.config.n_layer)
+            for block in self.transformer.h:
+                q, k, v = block.attn.c_attn.weight.split(self.config.n_embd)  # 3 × (C, C) views
+                for weight, g in ((q, 1.0), (k, 1.0), (v, beta), (block.attn.c_proj.weight, beta),
+                                  (block.mlp.c_fc.weight, beta), (block.mlp.c_proj.weight, beta)):
+                    nn.init.xavier_normal_(weight, gain=g)
 
     @property
     def placement(self) -> Placement:
@@ -331,6 +320,11 @@ class GPT(nn.Module):
             for norm, resid in ((block.ln_1_out, block.resid_attn), (block.ln_2_out, block.resid_mlp))
         ]
 
+    def residual_gates(self) -> list[nn.Module]:
+        """The gate of every residual update in update order (``gate_attn``, ``gate_mlp`` of block 0, …), aligned
+        with :meth:`output_norms`; ``nn.Identity()`` where ``residual_gate`` is ``none``."""
+        return [gate for block in self.transformer.h for gate in (block.gate_attn, block.gate_mlp)]
+
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Unique parameters (the tied head counted once); optionally without the position embedding."""
         n = sum(p.numel() for p in self.parameters())
@@ -343,18 +337,21 @@ class GPT(nn.Module):
         *,
         caches: list[KVCache] | None = None,
         start_pos: int = 0,
-    ) -> torch.Tensor:
+        loss_parts: bool = False,
+    ) -> torch.Tensor | HeadLoss:
         """Logits ``(B, T, vocab_size)`` for token ids ``idx`` ``(B, T)``; with ``targets`` ``(B, T)``, the loss.
 
         ::
 
-            idx ─ wte + wpe ─ drop ─ h[0] … h[L-1] ─ ln_f ─┬─ lm_head ────────────────────── logits  (targets=None)
-                                                           └─ lm_head_loss(·, lm_head.weight) ─ loss (targets given)
+            idx ─ wte + wpe ─ drop ─ h[0] … h[L-1] ─ ln_f ─┬─ lm_head ──────────────────────── logits (targets=None)
+                                                           └─ lm_head_losses(·, lm_head.weight) ─ loss (targets given)
 
-        With ``targets`` the result is the mean next-token cross-entropy (fp32 scalar), computed by
-        :func:`lnstab.loss.lm_head_loss` in row chunks without the whole batch's logits; it equals
-        ``F.cross_entropy(model(idx).flatten(0, 1).float(), targets.flatten())`` within fp32 rounding. Either way the
-        final hidden state passes through ``transformer.ln_f``, so hooks there see it.
+        With ``targets`` the result is the training objective (fp32 scalar): the mean next-token cross-entropy plus,
+        when ``config.z_loss > 0``, the z-loss term ``z_loss·mean (log Z)²``, computed by
+        :func:`lnstab.loss.lm_head_losses` in row chunks without the whole batch's logits; the cross-entropy equals
+        ``F.cross_entropy(model(idx).flatten(0, 1).float(), targets.flatten())`` within fp32 rounding. With
+        ``loss_parts`` the result is the :class:`~lnstab.loss.HeadLoss` (objective, cross-entropy, z-loss term).
+        Either way the final hidden state passes through ``transformer.ln_f``, so hooks there see it.
 
         ``caches`` (a list with one entry per layer, filled in place) and ``start_pos`` serve :meth:`generate`.
         """
@@ -372,7 +369,9 @@ class GPT(nn.Module):
                 x, caches[i] = block(x, caches[i])
         x = self.transformer.ln_f(x)  # (B, T, C)
         if targets is not None:
-            return lm_head_loss(x, self.lm_head.weight, targets, self.config.vocab_size, self.loss_chunk_rows)  # ()
+            parts = lm_head_losses(x, self.lm_head.weight, targets, self.config.vocab_size, self.loss_chunk_rows,
+                                   z_loss=self.config.z_loss)
+            return parts if loss_parts else parts.loss  # () each
         logits = self.lm_head(x)  # (B, T, V_padded)
         if self.config.padded_vocab_size != self.config.vocab_size:
             logits = logits[..., : self.config.vocab_size]  # (B, T, V)

@@ -75,10 +75,11 @@ def test_residual_update_is_exactly_dt_times_branch(placement: str, dt: float) -
     seen = capture(model, "resid_attn")
     seen_mlp = capture(model, "resid_mlp")
     model(torch.randint(0, 97, (3, 16)))
+    alpha = (2 * 2) ** 0.25 if placement == "deepnorm" else 1.0  # DeepNet's (2N)^(1/4) for N = 2 layers
     assert len(seen["outputs"]) == 2 and len(seen_mlp["outputs"]) == 2
     for s in (seen, seen_mlp):
         for (x, fx), out in zip(s["inputs"], s["outputs"], strict=True):
-            torch.testing.assert_close(out, x + dt * fx, rtol=0, atol=1e-6)
+            torch.testing.assert_close(out, alpha * x + dt * fx, rtol=0, atol=1e-6)
             assert fx.abs().mean() > 1e-6  # the branch is not trivially zero
 
 

@@ -52,15 +52,17 @@ def add(x: torch.Tensor, fx: torch.Tensor, dt: float) -> torch.Tensor:
     return x + fx if dt == 1.0 else torch.add(x, fx, alpha=dt)
 
 
-# One half-step of each placement, written out from the paper's update rules (not from the table).
+# One half-step of each placement, written out from the paper's update rules (not from the table); L = n_layer.
 HALF_STEP = {
-    "pre": lambda x, f, n_in, n_out, n_post, dt: add(x, f(norm(n_in, x)), dt),
-    "peri": lambda x, f, n_in, n_out, n_post, dt: add(x, norm(n_out, f(norm(n_in, x))), dt),
-    "post": lambda x, f, n_in, n_out, n_post, dt: norm(n_post, add(x, f(x), dt)),
-    "output": lambda x, f, n_in, n_out, n_post, dt: add(x, norm(n_out, f(x)), dt),
-    "none": lambda x, f, n_in, n_out, n_post, dt: add(x, f(x), dt),
+    "pre": lambda x, f, n_in, n_out, n_post, dt, L: add(x, f(norm(n_in, x)), dt),
+    "peri": lambda x, f, n_in, n_out, n_post, dt, L: add(x, norm(n_out, f(norm(n_in, x))), dt),
+    "post": lambda x, f, n_in, n_out, n_post, dt, L: norm(n_post, add(x, f(x), dt)),
+    "output": lambda x, f, n_in, n_out, n_post, dt, L: add(x, norm(n_out, f(x)), dt),
+    "none": lambda x, f, n_in, n_out, n_post, dt, L: add(x, f(x), dt),
+    # DeepNet (Wang et al. 2022): LN(α·x + f(x)), α = (2N)^(1/4) for an N-layer decoder
+    "deepnorm": lambda x, f, n_in, n_out, n_post, dt, L: norm(n_post, add(x * (2 * L) ** 0.25, f(x), dt)),
 }
-HAS_FINAL = {"pre": True, "peri": True, "post": False, "output": True, "none": False}
+HAS_FINAL = {"pre": True, "peri": True, "post": False, "output": True, "none": False, "deepnorm": False}
 
 
 def by_hand(model: GPT, idx: torch.Tensor) -> torch.Tensor:
@@ -68,15 +70,15 @@ def by_hand(model: GPT, idx: torch.Tensor) -> torch.Tensor:
     x = t.wte(idx) + t.wpe(torch.arange(idx.size(1)))
     step = HALF_STEP[c.norm_placement]
     for b in t.h:
-        x = step(x, lambda z, b=b: attention(b, z), b.ln_1, b.ln_1_out, b.ln_1_post, c.residual_scale)
-        x = step(x, lambda z, b=b: mlp(b, z), b.ln_2, b.ln_2_out, b.ln_2_post, c.residual_scale)
+        x = step(x, lambda z, b=b: attention(b, z), b.ln_1, b.ln_1_out, b.ln_1_post, c.residual_scale, c.n_layer)
+        x = step(x, lambda z, b=b: mlp(b, z), b.ln_2, b.ln_2_out, b.ln_2_post, c.residual_scale, c.n_layer)
     if HAS_FINAL[c.norm_placement]:
         x = norm(t.ln_f, x)
     return F.linear(x, t.wte.weight)[..., : c.vocab_size]
 
 
 def test_table_lists_every_placement_once_with_a_docstring() -> None:
-    assert NORM_PLACEMENTS == ("pre", "peri", "post", "output", "none") == tuple(HALF_STEP)
+    assert NORM_PLACEMENTS == ("pre", "peri", "post", "output", "none", "deepnorm") == tuple(HALF_STEP)
     for name, row in PLACEMENTS.items():
         assert row.name == name and len(row.doc) > 20
     assert PLACEMENTS["pre"].norms == {"input", "final"}

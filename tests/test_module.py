@@ -68,7 +68,7 @@ def test_only_matrices_decay() -> None:
 
 # Δt per placement: with Δt = 1, 'output' adds a unit-variance branch to a 0.02-scale embedding at every half-step
 # and needs ~200 steps to move (measured: 4.18 -> 4.09 after 60 steps, 3.62 after 200); Δt = 0.1 trains at once.
-STEP_SIZES = {"pre": 1.0, "peri": 1.0, "post": 1.0, "output": 0.1, "none": 0.5}
+STEP_SIZES = {"pre": 1.0, "peri": 1.0, "post": 1.0, "output": 0.1, "none": 0.5, "deepnorm": 1.0}
 
 
 @pytest.mark.parametrize("placement", NORM_PLACEMENTS)
