@@ -24,7 +24,8 @@ from lnstab.rundir import update_summary
 
 # GPTModule arguments that are GPTConfig fields (the rest are optimisation settings).
 MODEL_ARGS = ("norm_placement", "norm_type", "residual_scale", "block_size", "n_layer", "n_head", "n_embd",
-              "vocab_size", "pad_vocab_multiple", "bias", "dropout")
+              "vocab_size", "pad_vocab_multiple", "bias", "dropout", "qk_norm", "z_loss", "dyt_alpha_init",
+              "residual_gate", "layerscale_init")
 
 
 def gpt_config(hparams: dict[str, Any]) -> GPTConfig:
@@ -50,11 +51,14 @@ class GPTModule(pl.LightningModule):
     Args:
         preset: Shape preset (``gpt2``, ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``, ``tiny``, ``mini``, ``small``,
             ``deep-narrow``); the fields below that are ``None`` keep the preset's value.
-        norm_placement: ``pre``, ``peri``, ``post``, ``output`` or ``none``.
-        norm_type: ``layernorm`` or ``rmsnorm``.
+        norm_placement: ``pre``, ``peri``, ``post``, ``output``, ``none`` or ``deepnorm``.
+        norm_type: ``layernorm``, ``rmsnorm`` or ``dyt``.
         residual_scale: Δt > 0, the residual step size.
         block_size: Context length (linked to the data's block size by the CLI).
         n_layer, n_head, n_embd, vocab_size, pad_vocab_multiple, bias, dropout: Overrides of the preset.
+        qk_norm, z_loss, dyt_alpha_init, residual_gate, layerscale_init: The model options of
+            :class:`lnstab.model.GPTConfig` (all off by default): query/key norms, the z-loss coefficient, DyT's
+            initial α, ``none``/``rezero``/``layerscale`` gates and LayerScale's initial λ (``None``: CaiT's rule).
         learning_rate: Peak learning rate after warmup.
         min_lr: Learning rate at the end of the cosine decay.
         warmup_steps: Linear warmup steps.
@@ -64,10 +68,13 @@ class GPTModule(pl.LightningModule):
         eps: AdamW epsilon.
         compile: Compile the model's forward with ``torch.compile`` (module names, hence hooks, are unchanged).
 
-    **Logged metrics**: ``train/loss``, ``train/lr``, ``train/tokens`` (seen so far, all ranks), on the Trainer's
-    logging steps only (``log_every_n_steps``; no host-device synchronisation on the other steps), ``val/loss``,
-    ``val/ppl`` (``exp(val/loss)``), ``test/loss``, ``test/ppl``. Throughput and MFU come from
-    :class:`lnstab.callbacks.Throughput`, which reads :attr:`flops_per_batch`.
+    **Logged metrics**: ``train/loss``, ``train/lr``, ``train/tokens`` (seen so far, all ranks) and, with
+    ``z_loss > 0``, ``train/z_loss``, on the Trainer's logging steps only (``log_every_n_steps``; no host-device
+    synchronisation on the other steps), ``val/loss``, ``val/ppl`` (``exp(val/loss)``), ``test/loss``, ``test/ppl``.
+    ``train/loss``, ``val/loss`` and ``test/loss`` are the cross-entropy alone, so they compare across runs with and
+    without z-loss; the objective that is minimised is ``train/loss + train/z_loss`` (the z-loss term
+    ``z_loss·mean (log Z)²``). Throughput and MFU come from :class:`lnstab.callbacks.Throughput`, which reads
+    :attr:`flops_per_batch`.
     """
 
     def __init__(
@@ -84,6 +91,11 @@ class GPTModule(pl.LightningModule):
         pad_vocab_multiple: int | None = None,
         bias: bool | None = None,
         dropout: float | None = None,
+        qk_norm: bool = False,
+        z_loss: float = 0.0,
+        dyt_alpha_init: float = 0.5,
+        residual_gate: str = "none",
+        layerscale_init: float | None = None,
         learning_rate: float = 6e-4,
         min_lr: float = 6e-5,
         warmup_steps: int = 2000,
@@ -121,7 +133,8 @@ class GPTModule(pl.LightningModule):
             self._compiled = True
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``(B, T, V)``, or with ``targets`` the mean next-token loss without whole-batch logits."""
+        """Logits ``(B, T, V)``, or with ``targets`` the training objective (the mean next-token cross-entropy, plus
+        the z-loss term when ``z_loss > 0``) without whole-batch logits."""
         return self.model(idx, targets)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -136,7 +149,7 @@ class GPTModule(pl.LightningModule):
     @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch  # (B, T), (B, T)
-        loss = self(x, y)
+        parts = self.model(x, y, loss_parts=True)
         self.tokens_seen += y.numel() * self.trainer.world_size
         if self.flops_per_batch is None:
             self.flops_per_batch = training_flops(self.config, *x.shape)
@@ -144,13 +157,16 @@ class GPTModule(pl.LightningModule):
             # Reading a device tensor waits for the device, so only on the steps that write logs; and as CPU tensors,
             # because Lightning re-reads the last progress-bar value after every batch, logged or not.
             lr = self.trainer.optimizers[0].param_groups[0]["lr"]
-            self.log("train/loss", loss.detach().float().cpu(), prog_bar=True)
+            ce, z = torch.stack([parts.cross_entropy, parts.z_loss]).cpu()  # one read for both
+            self.log("train/loss", ce, prog_bar=True)
             self.log_dict({"train/tokens": torch.tensor(float(self.tokens_seen)), "train/lr": torch.tensor(lr)})
-        return loss
+            if self.config.z_loss > 0:
+                self.log("train/z_loss", z)
+        return parts.loss
 
     def _eval_step(self, batch: tuple[torch.Tensor, torch.Tensor], metric: MeanMetric) -> torch.Tensor:
         x, y = batch
-        loss = self(x, y)
+        loss = self.model(x, y, loss_parts=True).cross_entropy  # the cross-entropy, with or without z-loss
         metric.update(loss, weight=y.numel())
         return loss
 
