@@ -3,6 +3,10 @@
 Hugging Face stores GPT-2's projections as ``Conv1D`` with weights ``(in, out)``; lnstab (like nanoGPT) uses
 ``nn.Linear`` with ``(out, in)``, so exactly those four weights per block are transposed and everything else is
 copied as is. Imported lazily: ``transformers`` is needed only when these functions are called.
+
+The export refuses, in one line, every option Hugging Face's GPT-2 cannot express: a placement other than Pre-LN
+(or one that weights the stream, as DeepNorm), RMSNorm or DyT, ``qk_norm``, a residual gate, Δt ≠ 1, no biases.
+``z_loss`` exports: it shapes training only, and the exported model computes the same logits.
 """
 
 from __future__ import annotations
@@ -75,7 +79,7 @@ def gpt_to_hf(model: GPT) -> GPT2LMHeadModel:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     c = model.config
-    exportable = [name for name, p in PLACEMENTS.items() if p.norms == HF_GPT2_NORMS]
+    exportable = [name for name, p in PLACEMENTS.items() if p.norms == HF_GPT2_NORMS and p.stream_scale is None]
     if c.norm_placement not in exportable or c.norm_type != "layernorm":
         raise ConfigError(
             f"norm_placement={c.norm_placement!r}, norm_type={c.norm_type!r} cannot be exported; Hugging Face's "
@@ -85,6 +89,12 @@ def gpt_to_hf(model: GPT) -> GPT2LMHeadModel:
         raise ConfigError("bias=False cannot be exported; Hugging Face's GPT-2 has biases (use bias=True)")
     if c.residual_scale != 1.0:
         raise ConfigError(f"residual_scale={c.residual_scale} cannot be exported; Hugging Face's GPT-2 has Δt = 1")
+    if c.qk_norm:
+        raise ConfigError("qk_norm=True cannot be exported; Hugging Face's GPT-2 has no query/key norms")
+    if c.residual_gate != "none":
+        raise ConfigError(
+            f"residual_gate={c.residual_gate!r} cannot be exported; Hugging Face's GPT-2 has no residual gates"
+        )
     hf_config = GPT2Config(
         vocab_size=c.vocab_size,
         n_positions=c.block_size,
