@@ -12,6 +12,7 @@ from torch import nn
 from typing_extensions import override
 
 from lnstab import validation as check
+from lnstab.layers import NORM_MODULES
 
 from ._sites import EMBED_PATTERN, FINAL_PATTERN, Site, auto_sites, clean_name, log_metrics, resolve_types
 from ._strategy import abs_max, all_reduce_, reduce_over_shards_, require_strategy
@@ -20,6 +21,7 @@ from ._tap import TapCallback
 # Output norms by name, for models that do not expose ``output_norms()`` (lnstab's GPT does).
 OUTPUT_NORMS = r"(?:^|\.)h\.(\d+)\.ln_([12])_out$"
 _SIBLING = {"ln_1_out": "resid_attn", "ln_2_out": "resid_mlp"}
+_GATE = {"ln_1_out": "gate_attn", "ln_2_out": "gate_mlp"}
 
 
 def fit_line(x: list[float], y: list[float]) -> tuple[float, float]:
@@ -41,9 +43,12 @@ class GrowthBoundMonitor(TapCallback):
 
     **Bound.** When every residual update is ``x ← x + Δt·N(y)`` with an output norm ``N`` (LayerNorm or RMSNorm,
     weight γ, bias β) the normalised vector of each token has RMS ≤ 1, so each update adds at most
-    ``Δt·(γmax + βmax)·√d`` to a token's Euclidean norm (γmax = max |γ|, βmax = max |β|, 0 without bias). With
-    ``S = Σ_updates Δt·(γmax + βmax)`` over the 2D output norms and, per sequence of n tokens of width d,
-    ``RMS(X) = ‖X‖_F/√(nd)`` and ``MA(X) = mean |x|``:
+    ``Δt·(γmax + βmax)·√d`` to a token's Euclidean norm (γmax = max |γ|, βmax = max |β|, 0 without bias). A DyT
+    output norm (``γ·tanh(αx) + β``, :class:`lnstab.layers.DyT`) obeys the same: ``|γ·tanh(αx) + β| ≤ |γ| + |β|``
+    entry-wise, whatever α. A residual gate ``g`` (ReZero's scalar, LayerScale's ``diag(λ)``) multiplies the
+    normalised update, ``x ← x + Δt·g ⊙ N(y)``, so it scales that increment by at most ``gmax = max |g|`` (1 without
+    a gate). With ``S = Σ_updates Δt·gmax·(γmax + βmax)`` over the 2D output norms and, per sequence of n tokens of
+    width d, ``RMS(X) = ‖X‖_F/√(nd)`` and ``MA(X) = mean |x|``:
 
     * MA bound (Theorem 4): ``MA(X_D) ≤ RMS(X_D) ≤ RMS(X_0) + S``;
     * variance bound: ``Var_entry(X_D) ≤ mean(X_D²) = RMS(X_D)² ≤ (RMS(X_0) + S)²``.
@@ -54,8 +59,10 @@ class GrowthBoundMonitor(TapCallback):
     final-norm input. The output norms and their Δt come from the model's ``output_norms()`` (lnstab's GPT: empty
     unless its placement normalises every update, see :data:`lnstab.model.PLACEMENTS`); models without that method
     are searched with ``norm_pattern``, Δt read from each norm's sibling ``resid_attn``/``resid_mlp`` ``.scale``.
-    ``residual_scale`` overrides Δt. Models without output norms get no bound metrics, only the growth law. Under
-    FSDP γmax, βmax are maxima over the shards (exact).
+    The gates come from the model's ``residual_gates()`` (aligned with ``output_norms()``), else from each norm's
+    sibling ``gate_attn``/``gate_mlp`` (its ``weight``), else none. ``residual_scale`` overrides Δt. Models without
+    output norms get no bound metrics, only the growth law. Under FSDP γmax, βmax, gmax are maxima over the shards
+    (exact).
 
     **Growth law.** ``y_k`` = MA after the k-th site (X_0 at depth 0, half-step k at depth k/2 layers) averaged
     over the batch; least-squares fits ``y = a + b·depth`` and ``log y = a + r·depth`` give the per-layer slope
@@ -104,6 +111,7 @@ class GrowthBoundMonitor(TapCallback):
         self.last: dict[str, float] = {}
         self.sites: list[Site] = []
         self.norms: list[tuple[nn.Module, float]] = []
+        self.gates: list[nn.Module | None] = []  # the gate of each update in self.norms (None: gain 1)
         self.depths: list[float] = []
         self._step: int | None = None
         self._gsum: torch.Tensor | None = None
@@ -116,26 +124,38 @@ class GrowthBoundMonitor(TapCallback):
     def find_norms(self, root: nn.Module) -> list[tuple[nn.Module, float]]:
         """``(norm, Δt)`` per residual update: the model's ``output_norms()``, else the modules ``norm_pattern``
         matches."""
+        return [(m, dt) for m, dt, _ in self._find_updates(root)]
+
+    def _find_updates(self, root: nn.Module) -> list[tuple[nn.Module, float, nn.Module | None]]:
+        """``(norm, Δt, gate)`` per residual update (``gate`` ``None`` where no gate has a ``weight``)."""
         for module in root.modules():
             if callable(getattr(module, "output_norms", None)):
                 norms = list(module.output_norms())
+                gates = list(module.residual_gates()) if callable(getattr(module, "residual_gates", None)) else []
+                gates = gates if len(gates) == len(norms) else [None] * len(norms)
+                updates = [(m, dt, g) for (m, dt), g in zip(norms, gates, strict=True)]
                 break
         else:
             named = {clean_name(n): m for n, m in root.named_modules()}
-            norms = [
-                (m, self._sibling_scale(named, name))
+            updates = [
+                (m, self._sibling_scale(named, name), self._sibling_gate(named, name))
                 for name, m in named.items()
-                if self.norm_pattern.search(name) and isinstance(m, nn.LayerNorm | nn.RMSNorm)
+                if self.norm_pattern.search(name) and isinstance(m, NORM_MODULES)
             ]
         if self.residual_scale is not None:
-            norms = [(m, float(self.residual_scale)) for m, _ in norms]
-        return norms
+            updates = [(m, float(self.residual_scale), g) for m, _, g in updates]
+        return [(m, dt, g if isinstance(getattr(g, "weight", None), torch.Tensor) else None) for m, dt, g in updates]
 
     @staticmethod
     def _sibling_scale(named: dict[str, nn.Module], name: str) -> float:
         parent, _, leaf = name.rpartition(".")
         sibling = named.get(f"{parent}.{_SIBLING[leaf]}") if leaf in _SIBLING and parent else None
         return float(getattr(sibling, "scale", 1.0))
+
+    @staticmethod
+    def _sibling_gate(named: dict[str, nn.Module], name: str) -> nn.Module | None:
+        parent, _, leaf = name.rpartition(".")
+        return named.get(f"{parent}.{_GATE[leaf]}") if leaf in _GATE and parent else None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -152,10 +172,11 @@ class GrowthBoundMonitor(TapCallback):
         n_layers = len({s.tag.split("_")[0] for s in layers}) or 1
         per_layer = len(layers) / n_layers
         self.depths = [0.0] + [(k + 1) / per_layer for k in range(len(layers))]
-        self.norms = self.find_norms(pl_module)
+        updates = self._find_updates(pl_module)
+        self.norms, self.gates = [(m, dt) for m, dt, _ in updates], [g for _, _, g in updates]
         if self.norms and len(self.norms) != len(layers):
             rank_zero_warn(f"{len(self.norms)} output norms for {len(layers)} residual updates; bound not checked")
-            self.norms = []
+            self.norms, self.gates = [], []
         last = len(self.sites) - 1
         stats = [
             (("mean_abs",) if s.tag != "final" else ())
@@ -166,19 +187,23 @@ class GrowthBoundMonitor(TapCallback):
         self.subscribe(pl_module, self.sites, stats)
 
     def growth_sum(self, trainer: Any = None) -> torch.Tensor | float:
-        """``S = Σ Δt·(γmax + βmax)`` over the output norms from the live parameters, as a device tensor (no host
-        sync); γmax is 1 for a norm without weight, βmax 0 without bias; maxima over shards under FSDP."""
+        """``S = Σ Δt·gmax·(γmax + βmax)`` over the output norms from the live parameters, as a device tensor (no
+        host sync); γmax is 1 for a norm without weight, βmax 0 without bias, gmax 1 without a gate; maxima over
+        shards under FSDP."""
         if not self.norms:
             return 0.0
         weights = [getattr(m, "weight", None) for m, _ in self.norms]
+        gates = [getattr(g, "weight", None) for g in self.gates] if self.gates else [None] * len(weights)
         device = next((w.device for w in weights if w is not None), torch.device("cpu"))
-        maxes = abs_max(weights + [getattr(m, "bias", None) for m, _ in self.norms], device)
-        reduce_over_shards_(maxes, "max", trainer)  # one collective for every norm
+        maxes = abs_max(weights + [getattr(m, "bias", None) for m, _ in self.norms] + gates, device)
+        reduce_over_shards_(maxes, "max", trainer)  # one collective for every norm and gate
         n = len(self.norms)
         no_weight = torch.tensor([w is None for w in weights], device=device)
+        no_gate = torch.tensor([g is None for g in gates], device=device)
         gamma = maxes[:n].masked_fill(no_weight, 1.0)
+        gain = maxes[2 * n :].masked_fill(no_gate, 1.0)
         dts = torch.tensor([dt for _, dt in self.norms], device=device, dtype=maxes.dtype)
-        return (dts * (gamma + maxes[n:])).sum()
+        return (dts * gain * (gamma + maxes[n : 2 * n])).sum()
 
     @override
     def on_train_batch_start(
