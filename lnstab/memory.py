@@ -9,9 +9,16 @@ Saved activations per layer, for ``n = B·T`` tokens of width ``C`` (``a`` bytes
 ``bf16-mixed``, 4 under ``32-true``; norms run in fp32 under autocast, so their saved inputs are 4 bytes)::
 
     c_attn input a·C, q/k/v a·3C, attention output a·C, c_fc input a·C, MLP hidden a·4C, GELU output a·4C
-    + every real norm's fp32 input 4·C (2 for pre, 4 for peri, 2 for post, 2 for output, 0 for none), with
-      mean/rstd (LayerNorm) or the normalised input and rstd (RMSNorm, composite in torch: another 4·C)
+    + every real norm's fp32 input 4·C (2 per block for pre, post, output and deepnorm, 4 for peri, 0 for none:
+      the placement table's row), with mean/rstd (LayerNorm), the normalised input and rstd (RMSNorm, composite
+      in torch: another 4·C) or tanh's output (DyT: another 4·C)
     + the attention's log-sum-exp, 4 bytes per head
+    + with ``qk_norm``: the normalised q and k (2·4·C) and what their norms keep beside them, and for LayerNorm and
+      RMSNorm a copy of the attention output (4·C) (:func:`qk_norm_bytes_per_token`)
+    + with a residual gate: the sublayer output each gate multiplies (2·4·C; ``a·C`` each under bf16 without an
+      output norm)
+
+``z_loss`` adds nothing: its gradient only rescales the softmax rows the chunked head already forms.
 
 The head and loss (:func:`lnstab.loss.lm_head_loss`) keep ``a·n·C`` (the hidden state's gradient) and an fp32 weight
 gradient ``4·V·C``; the usual path keeps fp32 log-probabilities ``4·n·V`` and needs two more such tensors in the
@@ -23,10 +30,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lnstab.model import GPTConfig
+from lnstab.model import PLACEMENTS, GPTConfig
 
 GIB = 1024**3
-NORMS_PER_BLOCK = {"pre": 2, "peri": 4, "post": 2, "output": 2, "none": 0}
 STRATEGIES = ("ddp", "fsdp", "single")
 PRECISIONS = ("bf16-mixed", "32-true")
 
@@ -53,39 +59,65 @@ class MemoryEstimate:
         return {**{k: v / GIB for k, v in vars(self).items()}, "total": self.total / GIB}
 
 
+def norms_per_block(config: GPTConfig) -> int:
+    """Real norms of one Block under the config's placement (its row of :data:`lnstab.model.PLACEMENTS`)."""
+    row = PLACEMENTS[config.norm_placement]
+    return 2 * (row.input + row.output + row.post)
+
+
+def norm_params(config: GPTConfig, width: int) -> int:
+    """Parameters of one norm of ``width`` channels: γ, β with biases (LayerNorm, DyT), and DyT's α."""
+    beta = width if config.bias and config.norm_type != "rmsnorm" else 0
+    return width + beta + (1 if config.norm_type == "dyt" else 0)
+
+
 def block_params(config: GPTConfig) -> int:
-    """Parameters of one Block: four matrices (12·C²), their biases, and the norms' gains/biases."""
+    """Parameters of one Block: four matrices (12·C²), their biases, the norms' and query/key norms' parameters,
+    and the gates."""
     C, bias = config.n_embd, config.bias
     n = 12 * C * C + (9 * C if bias else 0)  # c_attn 3C² + 3C, attn c_proj C² + C, c_fc 4C² + 4C, mlp c_proj 4C² + C
-    norm = C * (2 if bias and config.norm_type == "layernorm" else 1)
-    p = config.norm_placement
-    n_norms = sum((p in ("pre", "peri"), p in ("peri", "output"), p == "post")) * 2
-    return n + n_norms * norm
+    qk = 2 * norm_params(config, C // config.n_head) if config.qk_norm else 0
+    gates = 2 * {"none": 0, "rezero": 1, "layerscale": C}[config.residual_gate]
+    return n + norms_per_block(config) * norm_params(config, C) + qk + gates
 
 
 def total_params(config: GPTConfig) -> int:
     """Unique parameters of the GPT (tied head counted once), as ``GPT(config).num_params()``."""
     C = config.n_embd
-    norm = C * (2 if config.bias and config.norm_type == "layernorm" else 1)
-    final = norm if config.norm_placement not in ("post", "none") else 0
+    final = norm_params(config, C) if PLACEMENTS[config.norm_placement].final else 0
     return config.padded_vocab_size * C + config.block_size * C + config.n_layer * block_params(config) + final
 
 
 def norm_bytes_per_token(config: GPTConfig) -> int:
     """What one norm saves per token: LayerNorm its fp32 input, mean and rstd; RMSNorm (composite in torch) its input,
-    the normalised input and rstd."""
+    the normalised input and rstd; DyT its input and tanh's output."""
     C = config.n_embd
-    return 4 * C + 8 if config.norm_type == "layernorm" else 8 * C + 4
+    return {"layernorm": 4 * C + 8, "rmsnorm": 8 * C + 4, "dyt": 8 * C}[config.norm_type]
+
+
+def qk_norm_bytes_per_token(config: GPTConfig) -> int:
+    """What ``qk_norm`` adds per token to one Block's saved tensors (0 when off), as measured with the CPU kernels:
+    the normalised q and k (2·4·C; their inputs are views of the c_attn output, already kept) and what each norm
+    keeps beside them (LayerNorm mean and rstd, 8 bytes per head; RMSNorm the normalised input and rstd, 4·C + 4 per
+    head; DyT tanh's output, 4·C); LayerNorm and RMSNorm return q in a fresh layout, so the attention output is then
+    copied to ``(B, T, C)`` (4·C), which DyT (elementwise, layout-preserving) avoids."""
+    if not config.qk_norm:
+        return 0
+    C, H = config.n_embd, config.n_head
+    per_norm = {"layernorm": 4 * C + 8 * H, "rmsnorm": 8 * C + 4 * H, "dyt": 8 * C}[config.norm_type]
+    return 2 * per_norm + (0 if config.norm_type == "dyt" else 4 * C)
 
 
 def activation_bytes_per_layer(config: GPTConfig, tokens: int, act_bytes: int) -> int:
     """Bytes autograd keeps for one Block over ``tokens`` positions (module docstring)."""
     C, H = config.n_embd, config.n_head
     linear_side = act_bytes * (C + 3 * C + C + C + 4 * C + 4 * C)  # c_attn in, qkv, attn out, c_fc in, hidden, GELU
-    norms = NORMS_PER_BLOCK[config.norm_placement]
-    norm_side = norms * norm_bytes_per_token(config)
+    norm_side = norms_per_block(config) * norm_bytes_per_token(config) + qk_norm_bytes_per_token(config)
     lse = 4 * H  # attention log-sum-exp per head per token
-    return tokens * (linear_side + norm_side + lse)
+    # a gate keeps the sublayer output it multiplies: fp32 after an output norm, else in the activations' dtype
+    gated = 4 if PLACEMENTS[config.norm_placement].output else act_bytes
+    gates = 0 if config.residual_gate == "none" else 2 * C * gated
+    return tokens * (linear_side + norm_side + lse + gates)
 
 
 def estimate_memory(
@@ -149,7 +181,7 @@ def estimate_memory(
         activations = L * 4 * n * C + layer  # block inputs, and one block rebuilt in the backward pass
     else:
         activations = L * layer
-    if config.norm_placement not in ("post", "none"):
+    if PLACEMENTS[config.norm_placement].final:
         activations += n * norm_bytes_per_token(config)  # the final norm
     activations += 8 * (n + T)  # token and position ids for the embeddings' backward
     working = 3 * 4 * n * 4 * C  # backward of one MLP: gradients of its widest tensors
