@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -17,10 +20,26 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lnstab import runlock
 from lnstab import validation as check
 from lnstab.rundir import CHECKPOINT_DIR, LAST_CHECKPOINT, read_summary, run_dir, update_summary
 
-SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
+SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGHUP")
+
+
+class RunInterrupted(BaseException):
+    """A handled signal ended the run where there was no optimizer step to wait for (the final evaluation), or a
+    second Ctrl-C asked to stop at once. A ``BaseException``, like ``KeyboardInterrupt``, so that ``except
+    Exception`` blocks do not swallow it; ``lnstab fit`` exits with ``128 + signum``.
+
+    Attributes:
+        signum: The signal.
+        at_once: A second Ctrl-C (no checkpoint of this step was written).
+    """
+
+    def __init__(self, signum: int, at_once: bool = False) -> None:
+        super().__init__(f"{signal.Signals(signum).name} received" + (" twice: stopped at once" if at_once else ""))
+        self.signum, self.at_once = int(signum), at_once
 
 
 def _now() -> str:
@@ -38,14 +57,23 @@ class RunStatus(Callback):
     ``status``.
 
     **Signals.** From ``on_train_start`` to ``teardown`` the handled signals (SIGINT = Ctrl-C, SIGTERM = a
-    scheduler's or ``kill``'s stop, SIGUSR1 = SLURM's requeue signal) only set a flag; at the end of the next
+    scheduler's or ``kill``'s stop, SIGUSR1 = SLURM's requeue signal, SIGHUP = a closed terminal or ssh session) only
+    set a flag; at the end of the next
     optimizer step (every rank agrees through ``trainer.strategy.reduce_boolean_decision``) the run saves
     ``checkpoints/last.ckpt`` — resumable exactly, like any step checkpoint — records ``status: interrupted``,
     ``interrupted_step`` and ``signal``, skips the validation Lightning would run on stopping and the final
     evaluation, and stops. Under SLURM, SLURM's requeue signal is
     then passed on to Lightning's own handler, which requeues the job (``scontrol requeue``). A second Ctrl-C stops
-    at once (``KeyboardInterrupt``, no checkpoint). ``lnstab fit`` exits with ``128 + signal number`` after an
-    interruption.
+    at once (:class:`RunInterrupted`, no checkpoint of that step). Work after the last step that runs inside
+    :func:`stop_at_once_on_signal` (the final evaluation) has no step boundary to wait for: a signal there ends the
+    run at once, ``interrupted`` at the final step, whose ``last.ckpt`` a resume evaluates. After SIGHUP the
+    process's output, if it went to the closed terminal, goes to ``/dev/null``. A run a signal stopped is recorded
+    ``interrupted`` even when an error follows the signal (a worker killed by the same signal, say), never
+    ``failed``. ``lnstab fit`` exits with ``128 + signal number`` after an interruption.
+
+    **One owner per run directory.** On global rank zero ``setup`` takes the run directory's lock
+    (:mod:`lnstab.runlock`) for the rest of the process: a second fit into a directory a live run holds is refused
+    in one line before it writes anything.
 
     Args:
         signals: Signal names to handle (any of ``SIGINT``, ``SIGTERM``, ``SIGUSR1``); ``[]`` handles none.
@@ -71,7 +99,10 @@ class RunStatus(Callback):
         self._started = time.monotonic()
         self._wall_before = 0.0
         self._step_at_batch_start = 0
+        self._at_boundary = True  # between optimizer steps (no micro-batch of a step started and unfinished)
+        self._urgent = 0  # inside stop_at_once_on_signal
         self._val_limit: int | float | None = None
+        self._owns_dir = False
 
     # ------------------------------------------------------------------ summary
     @override
@@ -81,23 +112,35 @@ class RunStatus(Callback):
         self._started = time.monotonic()
         self.requested = self.signal = self.interrupted_step = None
         if trainer.is_global_zero:
-            before = read_summary(run_dir(trainer))
-            self._wall_before = float(before.get("wall_s") or 0.0)
+            directory = run_dir(trainer)
+            note = runlock.hold(directory)  # RunDirInUse (one line) while another live run trains here
+            self._owns_dir = True
+            if note:
+                rank_zero_info(note)
+            before = _previous_summary(directory)
+            self._wall_before = float(before.get("wall_s") or 0.0) if _is_number(before.get("wall_s")) else 0.0
             update_summary(trainer, status="running", started_at=before.get("started_at") or _now(), ended_at=None,
                            error=None, signal=None, interrupted_step=None)
+        else:
+            self._owns_dir = True  # rank zero holds the lock for the run
 
     def _wall(self) -> float:
         return round(self._wall_before + time.monotonic() - self._started, 3)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._restore_signals()
+        # Signal handlers stay until on_fit_end/teardown: the final evaluation runs after this hook (or before it,
+        # by callback order) and a signal there must end the run as interrupted (stop_at_once_on_signal).
         if self._val_limit is not None:
             trainer.limit_val_batches, self._val_limit = self._val_limit, None
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After every on_train_end (the final evaluation included): the status is the run's last word.
+        self._restore_signals()
+        if self.requested is not None and self.signal is None:
+            rank_zero_info(f"lnstab: {signal.Signals(self.requested).name} came after the last step, with nothing "
+                           f"left to do; the run is complete")
         diverged = [cb.diverged_step for cb in trainer.callbacks if getattr(cb, "diverged_step", None) is not None]
         if self.signal is not None:
             status = "interrupted"
@@ -116,18 +159,37 @@ class RunStatus(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._restore_signals()
-        if trainer.state.fn != TrainerFn.FITTING:
-            return  # a failed validate/test/evaluate says nothing about the run that trained the checkpoint
-        interrupted = isinstance(exception, KeyboardInterrupt)
-        update_summary(
-            trainer,
-            status="interrupted" if interrupted else "failed",
-            error=f"{type(exception).__name__}: {exception}"[:2000],
-            final_step=trainer.global_step,
-            ended_at=_now(),
-            wall_s=self._wall(),
-            **({"signal": "SIGINT", "interrupted_step": None} if interrupted else {}),
-        )
+        if trainer.state.fn != TrainerFn.FITTING or not self._owns_dir:
+            return  # a failed validate/test/evaluate says nothing about the run; nor does a fit refused its directory
+        fields: dict[str, Any] = {"error": f"{type(exception).__name__}: {exception}"[:2000],
+                                  "final_step": trainer.global_step, "ended_at": _now(), "wall_s": self._wall()}
+        signum = self._signal_behind(exception)
+        if signum is None:
+            update_summary(trainer, status="failed", **fields)
+            return
+        self.signal = signum
+        step: int | None = trainer.global_step
+        if isinstance(exception, RunInterrupted) and not exception.at_once:
+            pass  # after the last step (the final evaluation): last.ckpt holds that step
+        elif self._at_boundary and self.save_on_interrupt and trainer.world_size == 1 and not isinstance(
+                exception, KeyboardInterrupt | RunInterrupted):
+            # a signal, then an error between two steps (e.g. a loader worker the same signal killed): the state is
+            # that of a step boundary, so this checkpoint resumes exactly (one process only: a save may be collective)
+            with contextlib.suppress(Exception):
+                trainer.save_checkpoint(self.checkpoint_path(trainer))
+        else:
+            step = None  # stopped mid-step: resume from the newest checkpoint
+        self.interrupted_step = step
+        update_summary(trainer, status="interrupted", signal=signal.Signals(signum).name, interrupted_step=step,
+                       **fields)
+
+    def _signal_behind(self, exception: BaseException) -> int | None:
+        """The signal that ended the run, if one did: a RunInterrupted, a Ctrl-C, or any error after a signal."""
+        if isinstance(exception, RunInterrupted):
+            return exception.signum
+        if isinstance(exception, KeyboardInterrupt):
+            return int(signal.SIGINT)
+        return self.requested if self.requested is not None else self.signal
 
     # ------------------------------------------------------------------ signals
     @override
@@ -142,10 +204,14 @@ class RunStatus(Callback):
             signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == getattr(signal, "SIGHUP", None):
+            _detach_from_closed_terminal()
         if self.requested is not None and signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+            raise RunInterrupted(signum, at_once=True)  # a second Ctrl-C: stop now
         self.requested = signum
+        if self._urgent:
+            raise RunInterrupted(signum)
         rank_zero_info(
             f"lnstab: received {signal.Signals(signum).name}; stopping after this optimizer step with a resumable "
             f"checkpoint (Ctrl-C again to stop at once, without one)"
@@ -156,13 +222,17 @@ class RunStatus(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._step_at_batch_start = trainer.global_step
+        self._at_boundary = False
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self.signals or trainer.global_step == self._step_at_batch_start:
+        if trainer.global_step == self._step_at_batch_start:
             return  # inside gradient accumulation: not a step boundary
+        self._at_boundary = True
+        if not self.signals:
+            return
         stop = self.requested is not None
         if trainer.world_size > 1:
             stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
@@ -197,10 +267,63 @@ class RunStatus(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._restore_signals()
 
+    def raise_if_requested(self) -> None:
+        """Raise :class:`RunInterrupted` if a handled signal arrived and was not acted on yet."""
+        if self.requested is not None and self.signal is None:
+            raise RunInterrupted(self.requested)
+
     @property
     def exit_code(self) -> int:
         """``128 + signal number`` after a signal stopped the run, else 0."""
         return 128 + int(self.signal) if self.signal is not None else 0
+
+
+@contextlib.contextmanager
+def stop_at_once_on_signal(trainer: pl.Trainer) -> Iterator[None]:
+    """Inside this block a signal the trainer's :class:`RunStatus` handles ends the run at once
+    (:class:`RunInterrupted`) instead of at the next optimizer step, which would never come: for work after the last
+    step, such as the final evaluation. A signal that arrived before the block raises on entry. Without a
+    ``RunStatus`` (or outside the main thread) this does nothing."""
+    status = next((cb for cb in trainer.callbacks if isinstance(cb, RunStatus)), None)
+    if status is None or not status._previous:  # no handlers installed: signals keep their previous meaning
+        yield
+        return
+    status.raise_if_requested()
+    status._urgent += 1
+    try:
+        yield
+    finally:
+        status._urgent -= 1
+
+
+def _previous_summary(directory: Path) -> dict[str, Any]:
+    """The summary a resumed run continues (``{}`` for a new run, or when the file is damaged: a damaged summary
+    must not stop the run that can repair it; the fields it loses are the wall time and start time)."""
+    try:
+        return read_summary(directory)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file: damaged
+        rank_zero_info(f"lnstab: {directory / 'summary.json'} is damaged ({type(exc).__name__}); it is rewritten")
+        return {}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _detach_from_closed_terminal() -> None:
+    """After SIGHUP: point stdout/stderr that are a terminal at ``/dev/null`` (writing to a hung-up terminal fails
+    with EIO, which would turn a clean stop into a traceback)."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        return
+    try:
+        for fd in (1, 2):
+            with contextlib.suppress(OSError):
+                if os.isatty(fd):
+                    os.dup2(null, fd)
+    finally:
+        os.close(null)
 
 
 def interrupted(trainer: pl.Trainer) -> bool:
@@ -217,4 +340,4 @@ def trained_steps(trainer: pl.Trainer, pl_module: Any) -> int:
     return int(loaded)
 
 
-__all__ = ["RunStatus", "interrupted", "trained_steps"]
+__all__ = ["RunInterrupted", "RunStatus", "interrupted", "stop_at_once_on_signal", "trained_steps"]

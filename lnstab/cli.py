@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,14 +27,16 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lnstab import runs
+from lnstab import runlock, runs
 from lnstab.callbacks import FinalEvaluation, Instruments, RunCheckpoint, RunStatus
+from lnstab.callbacks.run_status import RunInterrupted
 from lnstab.checkpoint import load_checkpoint
 from lnstab.configfiles import expand_extends, experiment_name
 from lnstab.errors import ConfigError, LNStabError
 from lnstab.module import GPTModule
 from lnstab.precision import precision_warning, resolve_precision
-from lnstab.rundir import CONFIG_FILE
+from lnstab.rundir import CONFIG_FILE, latest_eval, read_summary
+from lnstab.rundir import run_dir as trainer_run_dir
 from lnstab.trainer import LNStabTrainer
 
 # Subcommands that are not Trainer methods: name -> "module:function" taking argv (imported only when used).
@@ -130,6 +133,7 @@ class LNStabCLI(LightningCLI):
 
     experiment: str | None = None
     argv: list[str] = []
+    run_status: RunStatus | None = None  # the RunStatus of the trainer being run
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -198,9 +202,10 @@ class LNStabCLI(LightningCLI):
                 c.trainer.enable_autolog_hparams = False
         c.run_dir, c.ckpt_path = run_dir, ckpt
         if ckpt and not Path(ckpt).is_dir():
-            explicit = {k: c.model[k] for k in runs.explicit_keys(self.argv, "model") if k in c.model}
-            if explicit:
-                runs.check_against_checkpoint(load_checkpoint(ckpt, mmap=True), explicit, ckpt)
+            runs.check_against_checkpoint(load_checkpoint(ckpt, mmap=True), c.model.as_dict(), ckpt,
+                                          runs.explicit_keys(self.argv, "model"))
+        if sub == "fit" and ckpt is not None and run_dir:
+            runs.check_resumable(run_dir)
         if sub in CKPT_SUBCOMMANDS and run_dir and not runs.explicit_keys(self.argv, "data"):
             self._data_from_run(sub, Path(run_dir))
 
@@ -231,6 +236,39 @@ class LNStabCLI(LightningCLI):
     def before_test(self) -> None:
         self._check_evaluation()
 
+    def before_fit(self) -> None:
+        self._evaluate_if_owed()
+
+    def _evaluate_if_owed(self) -> None:
+        """A run whose final evaluation a signal interrupted resumes at its last step; with nothing left to train
+        Lightning skips the whole training loop, the end-of-fit evaluation included, so evaluate it here (through
+        ``test``, like ``lnstab evaluate``, recorded as the fit's evaluation). A signal meanwhile leaves the run
+        ``interrupted``: the next resume tries again."""
+        c = self.config[self.subcommand]
+        ckpt, run, max_steps = c.get("ckpt_path"), c.get("run_dir"), self.trainer.max_steps
+        if not ckpt or not run or Path(ckpt).is_dir() or max_steps is None or max_steps < 1:
+            return
+        evaluators = [cb for cb in self.trainer.callbacks if isinstance(cb, FinalEvaluation) and cb.run_on["fit"]]
+        step = load_checkpoint(ckpt, mmap=True).get("global_step")
+        if not evaluators or step is None or step < max_steps:
+            return
+        try:
+            status = read_summary(run).get("status")
+            done = latest_eval(run)
+        except Exception:  # noqa: BLE001 - a damaged record: the fit repairs what it can
+            return
+        if status != "interrupted" or (done or {}).get("global_step") == step:
+            return
+        rank_zero_info(f"lnstab: {run} trained all {step} steps; its final evaluation was interrupted: evaluating")
+        saved = [(cb, dict(cb.run_on), cb.test_stage) for cb in evaluators]
+        for cb in evaluators:
+            cb.run_on["test"], cb.test_stage = True, "fit"
+        try:
+            self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path=ckpt, weights_only=True)
+        finally:
+            for cb, run_on, stage in saved:
+                cb.run_on, cb.test_stage = run_on, stage
+
     def before_evaluate(self) -> None:
         self._check_evaluation()
 
@@ -250,11 +288,19 @@ class LNStabCLI(LightningCLI):
         callbacks = list(c["trainer"].get("callbacks") or [])
         suite = c.get("instruments")
         callbacks += suite.callbacks() if suite is not None else []
-        callbacks.append(RunStatus())
+        LNStabCLI.run_status = RunStatus()
+        callbacks.append(LNStabCLI.run_status)
         return super().instantiate_trainer(callbacks=callbacks, **kwargs)
 
     def after_instantiate_classes(self) -> None:
         c = self.config[self.subcommand] if self.subcommand else self.config
+        if self.subcommand == "fit" and runlock.launched_as_rank_zero():
+            # one owner per run directory, taken once every class is built (a bad setting has failed by now) and
+            # before the trainer's setup, where the logger creates its event file (RunStatus.setup takes it too,
+            # for Trainers used without this CLI)
+            note = runlock.hold(trainer_run_dir(self.trainer))
+            if note:
+                rank_zero_info(note)
         hp = getattr(self.datamodule, "hparams", {})
         if hp.get("resolved_source") and c.get("data.init_args.source") == "auto":
             c.data.init_args.source = hp["resolved_source"]  # the saved config names the data actually used
@@ -293,6 +339,7 @@ def cli_main(args: list[str] | None = None, run: bool = True) -> LNStabCLI:
     argv, sys.argv = sys.argv, sys.argv[:1]  # LightningCLI warns when it sees both sys.argv and args
     LNStabCLI.experiment, LNStabCLI.argv = experiment_name(raw), raw
     LNStabArgumentParser.experiment = LNStabCLI.experiment
+    LNStabCLI.run_status = None
     try:
         return LNStabCLI(
             GPTModule,
@@ -337,7 +384,14 @@ def main(argv: list[str] | None = None) -> None:
             getattr(importlib.import_module(module), func)(argv[1:])
             return
         cli = cli_main(argv)
+    except RunInterrupted as exc:  # a signal during the final evaluation, or a second Ctrl-C
+        raise SystemExit(128 + exc.signum) from None
     except Exception as exc:
+        status = LNStabCLI.run_status
+        if status is not None and status.signal is not None:  # an error after a signal: the run is interrupted
+            print(f"lnstab: the run was stopping on {signal.Signals(status.signal).name} when "
+                  f"{type(exc).__name__}: {_one_line(exc)[:300]}; recorded as interrupted", file=sys.stderr)
+            raise SystemExit(128 + int(status.signal)) from None
         user_error = find_user_error(exc)
         if user_error is None or os.environ.get("LNSTAB_DEBUG"):
             raise

@@ -117,24 +117,72 @@ def explicit_keys(argv: list[str], prefix: str) -> list[str]:
     return keys
 
 
-def check_against_checkpoint(ckpt: dict[str, Any], explicit: dict[str, Any], ckpt_path: str) -> None:
-    """Refuse explicit ``--model.*`` values that contradict the checkpoint's hyperparameters (which would win).
+# GPTModule settings that leave the trained function and its optimisation unchanged: a resume may change them.
+NOT_COMPARED = ("compile",)
+
+
+def check_against_checkpoint(ckpt: dict[str, Any], model: dict[str, Any], ckpt_path: str,
+                             explicit: tuple[str, ...] | list[str] = ()) -> None:
+    """Refuse model settings, from any source, that contradict the checkpoint's hyperparameters.
+
+    ``model`` is the model section as parsed from every source (``--config`` files, a grid's overrides, ``--model.*``
+    flags); the checkpoint's own values would silently win over it, so a difference is an error. Architecture fields
+    are compared as the shape they build (a preset expanded), the rest as values; a setting the checkpoint does not
+    record (added to lnstab after it was written) must be at its default.
+
+    Args:
+        ckpt: The loaded checkpoint (``hyper_parameters`` is read).
+        model: Parsed model settings (``GPTModule`` arguments).
+        ckpt_path: For the message.
+        explicit: Keys given as ``--model.*`` flags (the message then names the flag).
 
     Raises:
-        ConfigError: One line naming the first contradicting key.
+        ConfigError: One line naming the first contradicting key, both values and where it was set.
     """
-    hparams = dict(ckpt.get("hyper_parameters") or {})
-    if "preset" in hparams:  # a GPTModule: compare architecture flags with the checkpoint's effective shape
-        from lnstab.module import MODEL_ARGS, gpt_config
+    import inspect
 
-        arch = gpt_config(hparams)
-        hparams.update({k: getattr(arch, k) for k in MODEL_ARGS})
-    for key, value in explicit.items():
-        if key in hparams and value is not None and _normal(hparams[key]) != _normal(value):
+    from lnstab.module import MODEL_ARGS, GPTModule, gpt_config
+
+    hparams = dict(ckpt.get("hyper_parameters") or {})
+    if "preset" not in hparams:
+        return  # not a GPTModule checkpoint: nothing to compare with
+    defaults = {k: v.default for k, v in inspect.signature(GPTModule.__init__).parameters.items() if k != "self"}
+    mine, theirs = dict(model), {**defaults, **hparams}
+    arch_mine, arch_theirs = gpt_config({**defaults, **mine}), gpt_config(theirs)
+    for key in defaults:
+        if key in NOT_COMPARED or key not in mine:
+            continue
+        if key in MODEL_ARGS or key == "preset":
+            if key == "preset":
+                continue  # compared through the shape it builds
+            a, b = getattr(arch_mine, key), getattr(arch_theirs, key)
+        else:
+            a, b = mine[key], theirs[key]
+        if _normal(a) != _normal(b):
+            where = f"--model.{key} {a!r}" if key in explicit else f"model.{key}={a!r} (from the --config files)"
             raise ConfigError(
-                f"--model.{key} {value!r} contradicts the checkpoint's {key}={hparams[key]!r} ({ckpt_path}); a resumed "
-                f"model keeps its checkpoint's settings: drop the flag, or start a new run without --ckpt_path"
+                f"{where} contradicts the checkpoint's {key}={b!r} ({ckpt_path}); a resumed model keeps its "
+                f"checkpoint's settings: resume with the run's own config (its config.yaml), or start a new run "
+                f"without --ckpt_path"
             )
+
+
+def check_resumable(run_dir: str | os.PathLike) -> None:
+    """Refuse to resume a run that ended ``diverged``: a divergence is a result (training on would record its events
+    again and overwrite what diverged); a run whose summary is unreadable may resume.
+
+    Raises:
+        ConfigError: The run's ``summary.json`` says ``diverged``.
+    """
+    try:
+        summary = read_summary(run_dir)
+    except Exception:  # noqa: BLE001 - a damaged summary: resuming is how the run repairs it
+        return
+    if summary.get("status") == "diverged":
+        raise ConfigError(
+            f"--ckpt_path with --run_dir {run_dir} is not allowed; that run ended diverged at step "
+            f"{summary.get('diverged_step')}, a result to keep: start a new run in another --run_dir"
+        )
 
 
 def _normal(value: Any) -> Any:
@@ -150,6 +198,7 @@ __all__ = [
     "CheckpointError",
     "check_against_checkpoint",
     "check_fresh_run_dir",
+    "check_resumable",
     "explicit_keys",
     "newest_run_checkpoint",
     "resolve_resume",

@@ -12,7 +12,7 @@ from typing_extensions import override
 
 from lnstab import validation as check
 from lnstab.callbacks._strategy import unsharded
-from lnstab.callbacks.run_status import interrupted, trained_steps
+from lnstab.callbacks.run_status import interrupted, stop_at_once_on_signal, trained_steps
 from lnstab.errors import LNStabError
 from lnstab.evaluation import metrics
 from lnstab.evaluation.core import eval_scalars, evaluate_model, write_eval_json
@@ -86,7 +86,8 @@ class FinalEvaluation(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # The last hook of fit before the strategy tears down (``on_fit_end`` runs after the model went to the CPU).
         if self.run_on["fit"] and not interrupted(trainer):
-            self.evaluate(trainer, pl_module, "fit")
+            with stop_at_once_on_signal(trainer):  # no optimizer step to wait for: a signal ends the run now
+                self.evaluate(trainer, pl_module, "fit")
 
     @override
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

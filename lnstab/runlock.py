@@ -1,0 +1,136 @@
+"""One owner per run directory: ``lnstab fit`` holds an exclusive lock on ``<run>/.lnstab.lock`` while it trains.
+
+Two processes that train into one directory interleave their event files, configs and checkpoints, and one's atomic
+save can delete the other's temporary file. :func:`hold` takes a ``flock`` on the directory's lock file for the life of
+the process (rank zero only: the other ranks of the run write nothing there) and writes who holds it into the file; a
+second :func:`hold` of the same directory, from any process on this machine, fails in one line naming the holder.
+
+A lock never goes stale: the kernel releases a ``flock`` when its holder ends, however it ends (``kill -9``
+included), so the file a killed run leaves behind is simply taken over by the next run, which says so. ``flock`` is
+per machine on most network filesystems: two hosts training into one shared directory are not caught.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import errno
+import fcntl
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from lnstab.errors import ConfigError
+
+LOCK_FILE = ".lnstab.lock"
+
+_held: dict[Path, int] = {}  # resolved run directory -> open descriptor holding its lock
+
+
+class RunDirInUse(ConfigError):
+    """Another live process holds the run directory's lock."""
+
+
+def holder(directory: str | os.PathLike) -> dict[str, Any]:
+    """What the lock file of ``directory`` says about its last holder (``{}`` if nothing readable)."""
+    try:
+        data = json.loads((Path(directory) / LOCK_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def hold(directory: str | os.PathLike, what: str = "lnstab fit") -> str | None:
+    """Lock ``directory`` for this process until it exits (creating the directory); idempotent in one process.
+
+    Returns:
+        A line to print when the lock file of an earlier, ended holder was taken over, else ``None``.
+
+    Raises:
+        RunDirInUse: Another live process holds the lock (the message names its pid, host and start).
+        ConfigError: The lock file cannot be created.
+    """
+    path = Path(directory)
+    key = path.resolve()
+    if key in _held:
+        return None
+    path.mkdir(parents=True, exist_ok=True)
+    lock = path / LOCK_FILE
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise ConfigError(f"--run_dir {directory} is not allowed; cannot create {lock} ({exc.strerror})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            raise ConfigError(f"--run_dir {directory}: cannot lock {lock} ({exc.strerror})") from None
+        who = holder(path)
+        desc = (f"{who.get('what', 'another process')} (pid {who.get('pid', '?')} on {who.get('host', '?')} since "
+                f"{who.get('since', '?')})") if who else "another process"
+        raise RunDirInUse(
+            f"--run_dir {directory} is in use by {desc}; two runs cannot train into one directory: wait for it to "
+            f"end, or choose another --run_dir"
+        ) from None
+    before = holder(path)
+    record = {"pid": os.getpid(), "host": socket.gethostname(), "what": what,
+              "since": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+    _held[key] = fd
+    if before and (before.get("pid"), before.get("host")) != (record["pid"], record["host"]):
+        return (f"lnstab: {lock} was left by {before.get('what', 'a run')} (pid {before.get('pid')} on "
+                f"{before.get('host')}), which has ended; this run holds it now")
+    return None
+
+
+# Environment variables in which launchers give a process its rank: torchrun/torch.distributed (RANK), SLURM's srun
+# (SLURM_PROCID), Lightning's own launcher for its child processes (LOCAL_RANK, NODE_RANK), MPI launchers.
+RANK_VARIABLES = ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK")
+
+
+def launched_as_rank_zero() -> bool:
+    """Whether this process is global rank zero as far as its launcher's environment says (before any process group
+    exists): no rank variable is a non-zero integer."""
+    for name in RANK_VARIABLES:
+        value = os.environ.get(name, "").strip()
+        if value.isdigit() and int(value) != 0:
+            return False
+    return True
+
+
+def claim_next_version(root: str | os.PathLike, prefix: str = "version_") -> Path:
+    """Create and return ``root/<prefix>N`` for the first ``N`` past every existing one, atomically (``mkdir``), so
+    two runs started at once never share a version directory."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    taken = [int(p.name[len(prefix):]) for p in root.iterdir() if p.name.startswith(prefix)
+             and p.name[len(prefix):].isdigit()]
+    n = max(taken, default=-1) + 1
+    while True:
+        path = root / f"{prefix}{n}"
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            n += 1
+
+
+def release(directory: str | os.PathLike) -> None:
+    """Give up this process's lock of ``directory`` (a no-op if it holds none); exiting does the same."""
+    fd = _held.pop(Path(directory).resolve(), None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def holds(directory: str | os.PathLike) -> bool:
+    """Whether this process holds the lock of ``directory``."""
+    return Path(directory).resolve() in _held
+
+
+__all__ = ["LOCK_FILE", "RunDirInUse", "claim_next_version", "hold", "holder", "holds", "launched_as_rank_zero",
+           "release"]

@@ -1,0 +1,226 @@
+"""Signals at every stage of a run, and one owner per run directory: a signal is never recorded as a failure or a
+completion it did not let happen, the exit status says which signal, and a second run cannot train into a live one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from test_cli_runs import fit, one_line_error, tiny_config
+
+from lnstab import runlock
+from lnstab.cli import main
+from lnstab.rundir import read_summary
+
+LNSTAB = str(Path(sys.executable).with_name("lnstab"))
+
+
+def ckpt_step(path: Path) -> int:
+    return torch.load(path, weights_only=True)["global_step"]
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT", "SIGHUP"])
+def test_a_signal_during_the_final_evaluation_ends_the_run_interrupted_and_a_resume_evaluates(
+        signame, tmp_path, monkeypatch) -> None:
+    """Before: SIGTERM there was swallowed (exit 0, ``completed`` without an evaluation), SIGINT exited 1, SIGHUP
+    gave a traceback and left ``running``."""
+    import lnstab.evaluation.callback as callback
+
+    signum = getattr(signal, signame)
+    real = callback.evaluate_model
+    cfg = tiny_config(tmp_path)
+    run = tmp_path / "run"
+
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), signum)  # what a scheduler or a terminal does while the evaluation runs
+        for _ in range(100):
+            time.sleep(0.05)
+        raise AssertionError("the signal did not stop the evaluation")
+
+    monkeypatch.setattr(callback, "evaluate_model", signalled)
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--config", str(cfg), "--run_dir", str(run)])
+    assert info.value.code == 128 + signum
+    summary = read_summary(run)
+    assert summary["status"] == "interrupted" and summary["signal"] == signame
+    assert summary["interrupted_step"] == summary["final_step"] == 4
+    assert ckpt_step(run / "checkpoints" / "last.ckpt") == 4 and not (run / "eval.json").exists()
+
+    monkeypatch.setattr(callback, "evaluate_model", real)
+    main(["fit", "--config", str(cfg), "--run_dir", str(run), "--ckpt_path", "last"])  # nothing to train: evaluates
+    summary = read_summary(run)
+    assert summary["status"] == "completed" and summary["final_step"] == 4 and (run / "eval.json").is_file()
+
+
+SIGNAL_HELPERS = '''
+import os
+from lightning.pytorch.callbacks import Callback
+from lnstab.datamodules import OpenWebTextDataModule
+
+
+class SignalAt(Callback):
+    """At the end of optimizer step ``at``, signal this process ``times`` times."""
+
+    def __init__(self, at: int = 2, signum: int = 15, times: int = 1) -> None:
+        self.at, self.signum, self.times, self.sent = at, signum, times, False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.at and not self.sent:
+            self.sent = True
+            for _ in range(self.times):
+                os.kill(os.getpid(), self.signum)
+
+
+class SignalThenFailingData(OpenWebTextDataModule):
+    """Fetching training batch ``fail_at`` (0-based) delivers SIGTERM to this process and then fails, as a loop
+    does whose loader worker the job's signal killed: the error comes before any step boundary."""
+
+    def __init__(self, fail_at: int = 3, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.fail_at = fail_at
+
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        if self.trainer.training and self.batches_consumed == self.fail_at:
+            os.kill(os.getpid(), 15)
+            raise RuntimeError("DataLoader worker (pid 4242) exited unexpectedly")
+        return batch
+'''
+
+
+def with_helpers(tmp_path: Path, monkeypatch, callback: dict | None = None, data: dict | None = None) -> Path:
+    """The tiny config, 8 steps, with a callback or a data module from :data:`SIGNAL_HELPERS`."""
+    (tmp_path / "signal_helpers.py").write_text(SIGNAL_HELPERS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = tiny_config(tmp_path, **{"trainer.max_steps": 8})
+    config = yaml.safe_load(cfg.read_text())
+    if callback is not None:
+        config["trainer"]["callbacks"] = [{"class_path": "signal_helpers.SignalAt", "init_args": callback}]
+    if data is not None:
+        config["data"] = {"class_path": "signal_helpers.SignalThenFailingData",
+                          "init_args": {**config["data"]["init_args"], **data}}
+    cfg.write_text(yaml.safe_dump(config))
+    return cfg
+
+
+def test_a_second_ctrl_c_stops_at_once_with_exit_130(tmp_path, monkeypatch) -> None:
+    """Before: the second Ctrl-C's KeyboardInterrupt made Lightning exit 1."""
+    cfg = with_helpers(tmp_path, monkeypatch, callback={"at": 2, "signum": int(signal.SIGINT), "times": 2})
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--config", str(cfg), "--run_dir", str(run)])
+    assert info.value.code == 130
+    summary = read_summary(run)
+    assert summary["status"] == "interrupted" and summary["signal"] == "SIGINT"
+    assert summary["interrupted_step"] is None  # no checkpoint of the step it stopped in
+
+
+def test_an_error_after_a_signal_is_an_interruption_that_resumes_exactly(tmp_path, monkeypatch, capsys) -> None:
+    """Before: a loader worker killed by the job's signal failed the run (``failed``), and the requeued sweep
+    element then skipped it for ever."""
+    cfg = with_helpers(tmp_path, monkeypatch, data={"fail_at": 3})
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--config", str(cfg), "--run_dir", str(run)])
+    assert info.value.code == 128 + signal.SIGTERM
+    assert "recorded as interrupted" in capsys.readouterr().err
+    summary = read_summary(run)
+    assert summary["status"] == "interrupted" and summary["signal"] == "SIGTERM", summary
+    assert summary["interrupted_step"] == 3 and ckpt_step(run / "checkpoints" / "last.ckpt") == 3
+    # the checkpoint written between two steps resumes exactly: equal to an uninterrupted run
+    fit("--config", str(cfg), "--run_dir", str(run), "--ckpt_path", "last", "--data.init_args.fail_at", "-1")
+    fit("--config", str(cfg), "--run_dir", str(tmp_path / "straight"), "--data.init_args.fail_at", "-1")
+    resumed = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    straight = torch.load(tmp_path / "straight" / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    for key, value in straight.items():
+        torch.testing.assert_close(resumed[key], value, rtol=0, atol=0, msg=key)
+
+
+def test_a_second_fit_into_a_live_run_directory_is_refused_and_writes_nothing(tmp_path, capsys) -> None:
+    """Before: both trained into it (two event files, the other's config beside the first's, a crashed save)."""
+    cfg = tiny_config(tmp_path, **{"trainer.max_steps": 100000})
+    run = tmp_path / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    first = subprocess.Popen([LNSTAB, "fit", "--config", str(cfg), "--run_dir", str(run)], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (run / "checkpoints" / "last.ckpt").exists():
+            assert first.poll() is None, first.stderr.read()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        err = one_line_error(capsys, "fit", "--config", str(cfg), "--run_dir", str(run), "--ckpt_path", "last")
+        assert "is in use by lnstab fit (pid" in err and f"pid {first.pid} " in err
+        # nothing of this process's: no event file (named with the writer's pid), no second config
+        assert not [p for p in run.glob("events.out.tfevents.*") if f".{os.getpid()}." in p.name]
+        assert not list(run.glob("config-*.yaml")) and read_summary(run)["status"] == "running"
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=120)
+    assert first.returncode == 128 + signal.SIGTERM
+    # the lock ends with its holder: the run resumes in the same directory
+    fit("--config", str(cfg), "--run_dir", str(run), "--ckpt_path", "last", "--trainer.max_steps",
+        str(read_summary(run)["final_step"] + 2))
+    assert read_summary(run)["status"] == "completed"
+
+
+def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path) -> None:
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from lnstab import runlock; "
+                               f"runlock.hold({str(run)!r}); print('held', flush=True); time.sleep(600)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(runlock.RunDirInUse, match=f"pid {holder.pid} "):
+            runlock.hold(run)
+    finally:
+        holder.kill()
+        holder.wait()
+    note = runlock.hold(run)  # SIGKILL released the flock; the file it left names it
+    try:
+        assert note is not None and f"pid {holder.pid}" in note and "has ended" in note
+        assert runlock.holder(run)["pid"] == os.getpid()
+    finally:
+        runlock.release(run)
+
+
+def test_resuming_refuses_model_settings_from_a_config_file_that_contradict_the_checkpoint(tmp_path, capsys) -> None:
+    """Before: only --model.* flags were compared; a --config file (or an edited base YAML under a sweep) was
+    silently overridden by the checkpoint."""
+    cfg = tiny_config(tmp_path)
+    run = tmp_path / "run"
+    fit("--config", str(cfg), "--run_dir", str(run))
+    dt = tmp_path / "dt.yaml"
+    dt.write_text("model: {residual_scale: 0.1}\n")
+    err = one_line_error(capsys, "fit", "--config", str(cfg), "--config", str(dt), "--run_dir", str(run),
+                         "--ckpt_path", "last", "--trainer.max_steps", "6")
+    assert "model.residual_scale=0.1 (from the --config files) contradicts the checkpoint's residual_scale=1.0" in err
+    err = one_line_error(capsys, "fit", "--config", str(cfg), "--run_dir", str(run), "--ckpt_path", "last",
+                         "--trainer.max_steps", "6", "--model.learning_rate", "0.01")
+    assert "--model.learning_rate 0.01 contradicts the checkpoint's learning_rate=0.003" in err
+    assert read_summary(run)["final_step"] == 4  # nothing trained on
+    # settings that do not change what is trained may differ, and the run's own config always resumes it
+    fit("--config", str(run / "config.yaml"), "--run_dir", str(run), "--ckpt_path", "last",
+        "--trainer.max_steps", "6")
+    assert read_summary(run)["final_step"] == 6
+
+
+def test_resuming_a_diverged_run_is_refused(tmp_path, capsys) -> None:
+    """Before: it trained on and recorded its events a second time."""
+    cfg = tiny_config(tmp_path)
+    run = tmp_path / "run"
+    fit("--config", str(cfg), "--run_dir", str(run), "--model.learning_rate", "1000", "--model.min_lr", "1",
+        "--model.norm_placement", "none", "--trainer.max_steps", "30")
+    summary = read_summary(run)
+    assert summary["status"] == "diverged", summary
+    err = one_line_error(capsys, "fit", "--config", str(cfg), "--run_dir", str(run), "--ckpt_path", "last",
+                         "--model.learning_rate", "1000", "--model.min_lr", "1", "--model.norm_placement", "none",
+                         "--trainer.max_steps", "40")
+    assert f"that run ended diverged at step {summary['diverged_step']}" in err
+    assert read_summary(run) == summary
