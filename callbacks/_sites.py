@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,14 +38,34 @@ def clean_name(name: str) -> str:
     return WRAPPER_SEGMENTS.sub("", name).lstrip(".")
 
 
+# What a capture's hooks hand the tap: a function that builds the micro-batch's view (``None``: nothing to measure
+# yet), called only when some instrument is measuring this step.
+Emit = Callable[[Callable[[], Any]], None]
+
+
+class Capture:
+    """How the calls of one site become a :class:`~lnstab.callbacks._stats.SiteView`, for sites that are not one
+    tensor (an attention layer's q and k come from two module outputs, or from a projection and the rotary embedding
+    its parent receives). Subclasses set ``key`` (equal keys on one module share one set of hooks, so two instruments
+    share one view and its primitives) and ``attach``."""
+
+    key: str = ""
+
+    def attach(self, module: nn.Module, emit: Emit) -> list[Any]:
+        """Register the hooks (on ``module`` or its sub-modules) that call ``emit(build)``; returns their handles."""
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
 class Site:
-    """One watched module: ``tag`` for metric names, ``name`` in ``named_modules``, ``use_input`` for pre-hooks."""
+    """One watched module: ``tag`` for metric names, ``name`` in ``named_modules``, ``use_input`` for pre-hooks,
+    ``capture`` for sites that are not the module's first output (or input) tensor."""
 
     tag: str
     name: str
     module: nn.Module
     use_input: bool = False
+    capture: Capture | None = None
 
 
 def _layer_tag(match: re.Match, fallback: int) -> str:
@@ -90,6 +111,12 @@ def find_sites(
             f"layer_pattern matching modules with duplicate tags {tags} is not allowed; add a capture group per layer"
         )
     return embed + [s for _, _, s in sorted(layers, key=lambda t: t[:2])] + final
+
+
+def block_tag(name: str, fallback: int) -> str:
+    """``L07`` for a module inside block 7 (``…h.7.attn``, ``…layers.7.self_attn``), else ``L<fallback>``."""
+    match = re.search(PARAM_LAYER_PATTERN, clean_name(name) + ".")
+    return f"L{int(match.group(1)) if match else fallback:02d}"
 
 
 def resolve_types(name: str, value: Any) -> tuple[type, ...]:

@@ -13,8 +13,13 @@ how the pooled value becomes the logged number (``finish``)::
 
 ``moments`` are per-entry moments across the samples of the batch: the mean of every entry (a float32 vector of the
 entry count) and the *sum over entries* of the centred sums of squares (a scalar), which is all the data-wise variance
-needs; both are merged with Chan et al.'s update, so nothing cancels catastrophically in float32. Adding a statistic
-is one :func:`register` call (and a test).
+needs; both are merged with Chan et al.'s update, so nothing cancels catastrophically in float32. A minimum is a
+``max`` of negated values whose ``finish`` negates it back (``attn_entropy_min``), so it pools and reduces exactly,
+NaN included. Adding a statistic is one :func:`register` call (and a test).
+
+Each statistic also names the ``view`` it reads: ``stream`` (a :class:`SiteView` of one residual-stream tensor,
+what :class:`HiddenStateStatistics` logs), ``attention`` (an :class:`~lnstab.callbacks._views.AttentionView` of one
+layer's q and k) or ``logits`` (a :class:`~lnstab.callbacks._views.LogitView` of the output logits).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from lnstab.errors import ConfigError
 from lnstab.validation import choice
 
 KINDS = ("sum", "max", "moments", "sequence")
+VIEWS = ("stream", "attention", "logits")
 
 
 class SiteView:
@@ -103,6 +109,7 @@ class Statistic:
         finish: Pooled (and rank-reduced) value -> the statistic, a 0-dim tensor (``sequence``: left as is).
         doc: What it is, for readers of the registry and of the tag guide.
         default: Logged by :class:`HiddenStateStatistics` unless its ``stats`` argument says otherwise.
+        view: What ``measure`` reads: ``stream``, ``attention`` or ``logits`` (module docstring).
     """
 
     name: str
@@ -111,9 +118,11 @@ class Statistic:
     finish: Callable[[Any], torch.Tensor] = lambda value: value
     doc: str = ""
     default: bool = False
+    view: str = "stream"
 
     def __post_init__(self) -> None:
         choice("kind", self.kind, KINDS)
+        choice("view", self.view, VIEWS)
 
 
 REGISTRY: dict[str, Statistic] = {}
@@ -139,7 +148,12 @@ def get(name: str) -> Statistic:
 
 def default_stats() -> tuple[str, ...]:
     """Names of the statistics :class:`HiddenStateStatistics` logs by default, in registration order."""
-    return tuple(name for name, stat in REGISTRY.items() if stat.default)
+    return tuple(name for name, stat in REGISTRY.items() if stat.default and stat.view == "stream")
+
+
+def names_of(view: str) -> tuple[str, ...]:
+    """Names of the registered non-``sequence`` statistics that read ``view``, in registration order."""
+    return tuple(name for name, stat in REGISTRY.items() if stat.view == view and stat.kind != "sequence")
 
 
 def _count(view: SiteView) -> torch.Tensor:
@@ -174,6 +188,40 @@ register(Statistic(
     "seq_rms_var", "sequence",
     lambda v: torch.stack([(v.seq_var_mean[0] + v.seq_var_mean[1].square()).sqrt(), v.seq_var_mean[0]]),
     doc="RMS and population variance over the entries of each sequence, (2, B)",
+))
+
+
+# One layer's attention (``AttentionView.attention``: one chunked pass gives all four).
+register(Statistic(
+    "attn_max_logit", "max", lambda v: v.attention.max_logit, view="attention",
+    doc="largest |q·k|·scale over heads, batch and causal (query, key) pairs (NaN when any is NaN)",
+))
+register(Statistic(
+    "attn_entropy_mean", "sum", lambda v: torch.stack([v.attention.entropy_sum, v.attention.rows_tensor]),
+    lambda s: s[0] / s[1], view="attention",
+    doc="mean entropy (nats) of the attention rows: each query's softmax over the keys it may see",
+))
+register(Statistic(
+    "attn_entropy_min", "max", lambda v: v.attention.neg_entropy_max, lambda m: -m, view="attention",
+    doc="smallest attention-row entropy (nats), pooled as the max of negated entropies",
+))
+register(Statistic(
+    "attn_collapsed", "sum", lambda v: torch.stack([v.attention.collapsed, v.attention.rows_tensor]),
+    lambda s: s[0] / s[1], view="attention",
+    doc="fraction of attention rows whose largest weight exceeds the collapse weight (0.99)",
+))
+# The output logits (``LogitView.logits``: per-token log Z and the largest logit, in row chunks).
+register(Statistic(
+    "output_log_z_mean", "sum", lambda v: torch.stack([v.logits.log_z.double().sum(), v.logits.count]),
+    lambda s: s[0] / s[1], view="logits", doc="mean over tokens of log Z = logsumexp of the logits",
+))
+register(Statistic(
+    "output_log_z_std", "moments", lambda v: v.logits.log_z_moments, lambda m: (m.m2 / m.n).sqrt(), view="logits",
+    doc="population standard deviation over tokens of log Z",
+))
+register(Statistic(
+    "output_max_logit", "max", lambda v: v.logits.max_logit, view="logits",
+    doc="largest logit over tokens and vocabulary (NaN when any is NaN)",
 ))
 
 

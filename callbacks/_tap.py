@@ -7,6 +7,11 @@ tensor and hands it to every *active* subscription watching that site, so a prim
 ``max |x|``) is computed once; with no active subscription the hook returns at once. A subscription pools its
 statistics over the micro-batches of an optimizer step, holding per-site state only between :meth:`~Subscription.reset`
 and the read, and reduces them over ranks (:meth:`~Subscription.reduce`) as each statistic's kind prescribes.
+
+A site whose view is not one tensor carries a :class:`~lnstab.callbacks._sites.Capture`: its hooks (an attention
+layer's q and k outputs, say) hand the tap a function that builds the view, which the tap calls — under ``no_grad``
+— only when some subscription is active, so on other steps those hooks too return at once.
+:class:`MeasuringTapCallback` is the base of instruments that measure every N optimizer steps and log what they read.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing_extensions import override
 from lnstab.errors import ConfigError
 
 from . import _stats
-from ._sites import Site, first_tensor
+from ._sites import Site, first_tensor, log_metrics
 from ._strategy import all_reduce_, distributed
 
 TAP_ATTR = "_lnstab_shared_tap"
@@ -165,14 +170,11 @@ class SharedTap:
             )
         sub = Subscription(self, sites, stats)
         for i, site in enumerate(sites):
-            key = (id(site.module), site.use_input)
+            key = (id(site.module), site.use_input, site.capture.key if site.capture is not None else None)
             entry = self.hooks.get(key)
             if entry is None:
                 entry = {"watchers": [], "module": site.module}
-                if site.use_input:
-                    entry["handle"] = site.module.register_forward_pre_hook(self._pre_hook(entry))
-                else:
-                    entry["handle"] = site.module.register_forward_hook(self._hook(entry))
+                entry["handles"] = self._attach(site, entry)
                 self.hooks[key] = entry
             entry["watchers"].append((sub, i))
         return sub
@@ -181,12 +183,27 @@ class SharedTap:
         for key, entry in list(self.hooks.items()):
             entry["watchers"] = [(s, i) for s, i in entry["watchers"] if s is not sub]
             if not entry["watchers"]:
-                entry["handle"].remove()
+                for handle in entry["handles"]:
+                    handle.remove()
                 del self.hooks[key]
         if not self.hooks and self.root.__dict__.get(TAP_ATTR) is self:
             del self.root.__dict__[TAP_ATTR]
 
-    def _dispatch(self, entry: dict[str, Any], obj: Any) -> None:
+    def _attach(self, site: Site, entry: dict[str, Any]) -> list[Any]:
+        """The hooks of one site: its capture's, or a hook on the module's first output (input) tensor."""
+
+        def emit(build: Callable[[], _stats.SiteView | None]) -> None:
+            self._dispatch(entry, build)
+
+        if site.capture is not None:
+            return site.capture.attach(site.module, emit)
+        if site.use_input:
+            return [site.module.register_forward_pre_hook(lambda module, args: emit(lambda: _tensor_view(args)))]
+        return [site.module.register_forward_hook(lambda module, args, output: emit(lambda: _tensor_view(output)))]
+
+    def _dispatch(self, entry: dict[str, Any], build: Callable[[], _stats.SiteView | None]) -> None:
+        """Hand the view ``build()`` makes to every active watcher of ``entry``; nothing is built (and nothing read)
+        when none is active, the tap is paused, or the forward runs inside a backward pass."""
         watchers = [(s, i) for s, i in entry["watchers"] if s.active]
         if not watchers or self.root.__dict__.get(PAUSE_ATTR):
             return
@@ -194,24 +211,12 @@ class SharedTap:
             # A forward inside a backward pass is activation checkpointing recomputing a micro-batch the tap has
             # already seen (torch.utils.module_tracker tells backward from forward the same way): not a new capture.
             return
-        x = first_tensor(obj)
-        if x is None:
-            return
-        view = _stats.SiteView(x.detach())
-        for sub, i in watchers:
-            sub.add(i, view)
-
-    def _hook(self, entry: dict[str, Any]) -> Callable:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            self._dispatch(entry, output)
-
-        return hook
-
-    def _pre_hook(self, entry: dict[str, Any]) -> Callable:
-        def hook(module: nn.Module, args: Any) -> None:
-            self._dispatch(entry, args)
-
-        return hook
+        with torch.no_grad():  # statistics never enter the autograd graph
+            view = build()
+            if view is None:
+                return
+            for sub, i in watchers:
+                sub.add(i, view)
 
     @staticmethod
     def device_of(pooled: list[dict[str, Any] | None]) -> torch.device:
@@ -221,6 +226,12 @@ class SharedTap:
                 tensor = tensor[0] if isinstance(tensor, list) else tensor
                 return tensor.device
         return torch.device("cpu")
+
+
+def _tensor_view(obj: Any) -> _stats.SiteView | None:
+    """The view of a plain site: the first tensor of a module's output (or of its positional inputs), detached."""
+    x = first_tensor(obj)
+    return None if x is None else _stats.SiteView(x.detach())
 
 
 class TapCallback(Callback):
@@ -257,3 +268,78 @@ class TapCallback(Callback):
             self.subscription.close()
             self.subscription = None
         self._open_step = None
+
+
+class MeasuringTapCallback(TapCallback):
+    """A :class:`TapCallback` that measures on optimizer steps ``0, N, 2N, …`` (``every_n_steps``): its subscription
+    is reset and activated on the first micro-batch of such a step (on every other step its hooks return at once,
+    with no tensor work and no host read); once the step's last micro-batch has run, the statistics ``stats`` pooled
+    over its micro-batches are reduced over ranks and read with one host sync, kept in :attr:`last` and logged as
+    :meth:`metric_name` gives. Subclasses subscribe in ``setup``."""
+
+    every_n_steps: int
+    stats: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.last: dict[str, float] = {}
+        self._capture_step: int | None = None
+
+    def metric_name(self, stat: str, tag: str) -> str:
+        """The logged name of statistic ``stat`` at the site tagged ``tag``."""
+        raise NotImplementedError
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.subscription is None or not self.step_begins(trainer):
+            return  # later micro-batches of a step keep capturing (or not) as its first one decided
+        step = trainer.global_step
+        if step % self.every_n_steps == 0 and step not in self.steps:
+            self.subscription.reset()
+            self.subscription.active = True
+            self._capture_step = step
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._capture_step is not None and self.step_ended(trainer):
+            self._finalize(trainer)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._capture_step is not None:
+            self._finalize(trainer)
+
+    def _finalize(self, trainer: pl.Trainer) -> None:
+        step, self._capture_step = self._capture_step, None
+        sub = self.subscription
+        sub.active = False
+        if not sub.complete:
+            sub.reset()
+            return
+        table = sub.reduce(trainer, self.stats)
+        sub.reset()  # frees the per-site state until the next measuring step
+        values = torch.stack([table[name] for name in self.stats]).tolist()  # the one host sync of this step
+        self.steps.append(step)
+        self.last = {
+            self.metric_name(stat, site.tag): value
+            for stat, row in zip(self.stats, values, strict=True)
+            for site, value in zip(sub.sites, row, strict=True)
+        }
+        log_metrics(trainer, self.last, step)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().teardown(trainer, pl_module, stage)
+        self._capture_step = None
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": list(self.steps)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.steps = list(state_dict.get("steps", []))
