@@ -1,7 +1,9 @@
 """Reusable Lightning callbacks that measure the stability of a Transformer while it trains.
 
 Every callback finds lnstab's residual modules by name by default and works on other models through a module-name
-regex (``layer_pattern``) or module types; see each class's docstring for its metrics. The activation instruments
+regex (``layer_pattern``) or module types; see each class's docstring for its metrics. The attention and
+output-logit instruments find q, k and the logits of lnstab's GPT and of Hugging Face GPT-2 and Llama themselves
+(:mod:`lnstab.callbacks._captures`), or of any model through module-name patterns. The activation instruments
 share one tap per model and read the statistics registry (:class:`Statistic`, :func:`register_statistic`);
 :func:`unsharded` gives any callback a full-parameter view of the model under every served strategy.
 """
@@ -9,6 +11,7 @@ share one tap per model and read the statistics registry (:class:`Statistic`, :f
 from ._stats import SiteView, Statistic
 from ._stats import register as register_statistic
 from ._strategy import unsharded
+from .attention import AttentionLogitStatistics
 from .checkpoint import RunCheckpoint
 from .divergence import DivergenceMonitor, NonFiniteCheckpointError
 from .grad_stats import GradientStatistics
@@ -16,11 +19,13 @@ from .growth_bound import GrowthBoundMonitor
 from .hidden_stats import HiddenStateStatistics
 from .jacobian import JacobianSensitivity, spectral_norm
 from .layout import StabilityLayout, stability_layout
+from .output_logits import OutputLogitStatistics
 from .run_status import RunStatus
 from .suite import Instruments
 from .throughput import Throughput
 
 __all__ = [
+    "AttentionLogitStatistics",
     "DivergenceMonitor",
     "FinalEvaluation",
     "GradientStatistics",
@@ -29,6 +34,7 @@ __all__ = [
     "Instruments",
     "JacobianSensitivity",
     "NonFiniteCheckpointError",
+    "OutputLogitStatistics",
     "RunCheckpoint",
     "RunStatus",
     "SiteView",

@@ -1,0 +1,233 @@
+"""Where q, k and the output logits come from, per model family, and the hooks that hand them to the shared tap.
+
+Attention sites (one per self-attention layer; tag ``L07`` from the block index in the module's name):
+
+* lnstab's ``CausalSelfAttention`` (and nanoGPT's): the outputs of ``attn.q_norm`` and ``attn.k_norm`` when it has
+  them (q and k ``(B, n_head, T, hs)`` right before SDPA; ``nn.Identity()`` when QK-norm is off), else q and k split
+  from ``c_attn``'s output ``(B, T, 3C)``; scale ``1/√hs``.
+* Hugging Face ``GPT2Attention`` (self-attention only): q and k split from ``c_attn``'s output; scale
+  ``module.scaling`` (it includes ``scale_attn_by_inverse_layer_idx``).
+* Hugging Face ``LlamaAttention``: ``q_proj``/``k_proj`` outputs ``(B, T, heads·head_dim)`` with the rotary
+  embedding applied as the module applies it, from the ``position_embeddings`` (cos, sin) its forward receives (a
+  pre-hook with kwargs); k heads shared by ``num_key_value_groups`` q heads (grouped-query attention); scale
+  ``module.scaling``. A hook on the projections alone would see pre-rotary q and k: the wrong logits.
+* Any model, by name: ``q_pattern`` and ``k_pattern`` select projection modules whose outputs are
+  ``(B, T, heads·head_size)`` and ``n_head`` gives the q heads (k heads follow from k's width: GQA). Such q and k are
+  used as they leave the projections: a rotary embedding, a norm or anything else applied between the projection and
+  the attention product is not seen, so this path is for models that have none.
+
+Every path assumes causal self-attention over the whole sequence: padding masks, sliding windows, cross-attention
+and KV caches (earlier keys) are not taken into account.
+
+Output site: lnstab's GPT never forms logits while training (its loss is the chunked head of :mod:`lnstab.loss`), so
+the logits come from the output of ``transformer.ln_f`` times ``lm_head.weight`` (an extra head product, on measuring
+steps only, without the padded vocabulary rows); any other model from the output of its ``lm_head``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from lnstab.errors import ConfigError
+
+from ._sites import Capture, Emit, Site, block_tag, clean_name, first_tensor
+from ._views import AttentionView, LogitView
+
+HEAD_PATTERN = r"(?:^|\.)lm_head$"
+
+
+def _names(cls: type) -> set[str]:
+    return {c.__name__ for c in cls.__mro__}
+
+
+class FusedQKV(Capture):
+    """q and k split from a fused projection's output ``(B, T, ≥ 2·width)`` (``[q | k | v]``), ``n_head`` heads."""
+
+    def __init__(self, proj: nn.Module, n_head: int, width: int, scale: float, options: dict[str, Any]) -> None:
+        self.proj, self.n_head, self.width, self.scale, self.options = proj, n_head, width, scale, options
+        self.key = f"attn:fused:{options.get('min_keys')}:{options.get('collapse_weight')}"
+
+    def attach(self, module: nn.Module, emit: Emit) -> list[Any]:
+        return [self.proj.register_forward_hook(lambda m, args, out: emit(lambda: self.view(out)))]
+
+    def view(self, out: Any) -> AttentionView:
+        x = first_tensor(out).detach()  # (B, T, 3C)
+        B, T, C, nh = x.shape[0], x.shape[1], self.width, self.n_head
+        q = x[..., :C].reshape(B, T, nh, C // nh).transpose(1, 2)  # (B, nh, T, hs)
+        k = x[..., C : 2 * C].reshape(B, T, nh, C // nh).transpose(1, 2)  # (B, nh, T, hs)
+        return AttentionView(q, k, self.scale, **self.options)
+
+
+class SplitQK(Capture):
+    """q and k from two module outputs: ``(B, heads, T, hs)`` as they are (``flat=False``) or ``(B, T, heads·hs)``
+    split into heads of ``head_dim`` (``flat=True``); with ``rotary``, the ``position_embeddings`` that ``module``'s
+    forward receives are applied by ``rotary(q, k, cos, sin)`` first. ``scale`` ``None``: ``1/√head_size``."""
+
+    def __init__(self, q_src: nn.Module, k_src: nn.Module, scale: float | None, options: dict[str, Any], *,
+                 flat: bool = False, head_dim: int | None = None, n_head: int | None = None,
+                 rotary: Any = None) -> None:
+        self.q_src, self.k_src, self.scale, self.options = q_src, k_src, scale, options
+        self.flat, self.head_dim, self.n_head, self.rotary = flat, head_dim, n_head, rotary
+        self.key = f"attn:split:{id(q_src)}:{id(k_src)}:{options.get('min_keys')}:{options.get('collapse_weight')}"
+        self._parts: dict[str, Any] = {}
+
+    def attach(self, module: nn.Module, emit: Emit) -> list[Any]:
+        handles = [
+            self.q_src.register_forward_hook(lambda m, args, out: emit(lambda: self._arrive("q", out))),
+            self.k_src.register_forward_hook(lambda m, args, out: emit(lambda: self._arrive("k", out))),
+        ]
+        if self.rotary is not None:
+            def pre(m: nn.Module, args: tuple, kwargs: dict) -> None:
+                embeddings = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
+                emit(lambda: self._arrive("rope", embeddings))
+
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        return handles
+
+    def _arrive(self, part: str, value: Any) -> AttentionView | None:
+        self._parts[part] = value if part == "rope" else first_tensor(value).detach()
+        if "q" not in self._parts or "k" not in self._parts or (self.rotary is not None and "rope" not in self._parts):
+            return None
+        parts, self._parts = self._parts, {}
+        q = self._heads(parts["q"], self.head_dim or (parts["q"].size(-1) // self.n_head if self.flat else None))
+        k = self._heads(parts["k"], q.size(-1))
+        if self.rotary is not None:
+            if parts["rope"] is None:
+                raise ConfigError("position_embeddings=None is not allowed; the attention module must receive "
+                                  "(cos, sin) for its rotary embedding to be applied to q and k")
+            cos, sin = parts["rope"]
+            q, k = self.rotary(q, k, cos, sin)  # (B, heads, T, hd) each
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.size(-1))
+        return AttentionView(q, k, scale, **self.options)
+
+    def _heads(self, x: torch.Tensor, head_dim: int | None) -> torch.Tensor:
+        if not self.flat:
+            return x  # (B, heads, T, hs)
+        B, T, width = x.shape
+        return x.reshape(B, T, width // head_dim, head_dim).transpose(1, 2)  # (B, heads, T, hd)
+
+
+def _auto_capture(module: nn.Module, options: dict[str, Any]) -> Capture | None:
+    names = _names(type(module))
+    if "CausalSelfAttention" in names and hasattr(module, "c_attn") and hasattr(module, "n_head"):
+        width = module.c_attn.weight.shape[0] // 3 if hasattr(module.c_attn, "weight") else module.n_embd
+        scale = 1.0 / math.sqrt(width // module.n_head)
+        q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
+        if isinstance(q_norm, nn.Module) and isinstance(k_norm, nn.Module):
+            return SplitQK(q_norm, k_norm, scale, options)
+        return FusedQKV(module.c_attn, module.n_head, width, scale, options)
+    if "GPT2Attention" in names and not getattr(module, "is_cross_attention", False):
+        return FusedQKV(module.c_attn, module.num_heads, module.split_size, module.scaling, options)
+    if "LlamaAttention" in names:
+        rotary = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", None)
+        if rotary is None:
+            rotary = sys.modules["transformers.models.llama.modeling_llama"].apply_rotary_pos_emb
+        return SplitQK(module.q_proj, module.k_proj, module.scaling, options, flat=True, head_dim=module.head_dim,
+                       rotary=rotary)
+    return None
+
+
+def _by_tag(root: nn.Module, pattern: re.Pattern) -> dict[str, tuple[str, nn.Module]]:
+    """Modules whose names ``pattern`` matches, by layer tag: its first group when that is a number, else the block
+    index in the name, else the order."""
+    out: dict[str, tuple[str, nn.Module]] = {}
+    for name, module in root.named_modules():
+        match = pattern.search(clean_name(name))
+        if match:
+            first = next((g for g in match.groups() if g is not None), None)
+            tag = f"L{int(first):02d}" if first is not None and first.isdigit() else block_tag(name, len(out))
+            if tag in out:
+                raise ConfigError(f"pattern={pattern.pattern!r} is not allowed; it matches two modules of layer {tag} "
+                                  f"({out[tag][0]}, {name})")
+            out[tag] = (name, module)
+    return out
+
+
+def attention_sites(root: nn.Module, options: dict[str, Any], q_pattern: re.Pattern | None = None,
+                    k_pattern: re.Pattern | None = None, n_head: int | None = None,
+                    scale: float | None = None, who: str = "AttentionLogitStatistics") -> list[Site]:
+    """One site per self-attention layer of ``root`` in depth order (module docstring), or a one-line
+    :class:`ConfigError` when q and k cannot be found. ``options`` go to every :class:`AttentionView`."""
+    found: list[tuple[int, int, Site]] = []
+    if q_pattern is not None:
+        qs, ks = _by_tag(root, q_pattern), _by_tag(root, k_pattern)
+        if set(qs) != set(ks) or not qs:
+            raise ConfigError(f"q_pattern={q_pattern.pattern!r} and k_pattern={k_pattern.pattern!r} are not allowed; "
+                              f"they match layers {sorted(qs)} and {sorted(ks)}, and each layer needs one of each")
+        for i, (tag, (q_name, q_mod)) in enumerate(qs.items()):
+            capture = SplitQK(q_mod, ks[tag][1], scale, options, flat=True, n_head=n_head)
+            found.append((int(tag[1:]), i, Site(tag, q_name, q_mod, capture=capture)))
+    else:
+        for i, (name, module) in enumerate(root.named_modules()):
+            capture = _auto_capture(module, options)
+            if capture is not None:
+                tag = block_tag(name, len(found))
+                found.append((int(tag[1:]), i, Site(tag, name, module, capture=capture)))
+    if not found:
+        raise ConfigError(
+            f"model={type(root).__name__} is not allowed with {who}; no attention module whose q and k can be found "
+            "(lnstab's CausalSelfAttention, Hugging Face GPT2Attention or LlamaAttention): name the projections "
+            "with q_pattern, k_pattern and n_head"
+        )
+    tags = [s.tag for _, _, s in found]
+    if len(set(tags)) != len(tags):
+        raise ConfigError(f"attention modules with duplicate tags {tags} are not allowed with {who}; "
+                          "one attention module per block")
+    return [s for _, _, s in sorted(found, key=lambda t: t[:2])]
+
+
+class OutputLogits(Capture):
+    """The logits: ``module``'s output times ``head``'s weight (``head`` given), or ``module``'s output itself."""
+
+    def __init__(self, head: nn.Module | None, vocab_size: int | None, chunk_rows: int) -> None:
+        self.head, self.vocab_size, self.chunk_rows = head, vocab_size, chunk_rows
+        self.key = f"logits:{'hidden' if head is not None else 'head'}:{vocab_size}"
+
+    def attach(self, module: nn.Module, emit: Emit) -> list[Any]:
+        return [module.register_forward_hook(lambda m, args, out: emit(lambda: self.view(out)))]
+
+    def view(self, out: Any) -> LogitView:
+        x = first_tensor(out).detach()
+        if self.head is None:
+            return LogitView(x, vocab_size=self.vocab_size, chunk_rows=self.chunk_rows)
+        weight = self.head.weight.detach()  # read at call time: under FSDP, the gathered parameter
+        bias = self.head.bias.detach() if getattr(self.head, "bias", None) is not None else None
+        return LogitView(x, weight, bias, self.vocab_size, self.chunk_rows)
+
+
+def _lnstab_gpt(root: nn.Module) -> nn.Module | None:
+    for module in root.modules():
+        transformer = getattr(module, "transformer", None)
+        if (hasattr(module, "loss_chunk_rows") and isinstance(getattr(module, "lm_head", None), nn.Module)
+                and transformer is not None and "ln_f" in transformer):
+            return module
+    return None
+
+
+def output_site(root: nn.Module, source: str, final_pattern: re.Pattern, head_pattern: re.Pattern,
+                vocab_size: int | None, chunk_rows: int, who: str = "OutputLogitStatistics") -> Site:
+    """The site whose calls give the output logits (module docstring), or a one-line :class:`ConfigError`."""
+    modules = {clean_name(n): (n, m) for n, m in root.named_modules()}
+    gpt = _lnstab_gpt(root) if source == "auto" else None
+    if gpt is not None:
+        name = next(n for n, m in root.named_modules() if m is gpt.transformer.ln_f)
+        vocab = vocab_size or gpt.config.vocab_size
+        return Site("output", name, gpt.transformer.ln_f, capture=OutputLogits(gpt.lm_head, vocab, chunk_rows))
+    head = next(((n, m) for c, (n, m) in modules.items() if head_pattern.search(c)), None)
+    if source == "final_hidden":
+        final = next(((n, m) for c, (n, m) in modules.items() if final_pattern.search(c)), None)
+        if final is None or head is None or not isinstance(getattr(head[1], "weight", None), torch.Tensor):
+            raise ConfigError(f"source='final_hidden' is not allowed with {who} on {type(root).__name__}; no module "
+                              f"matches final_pattern={final_pattern.pattern!r} or head_pattern="
+                              f"{head_pattern.pattern!r} (with a weight)")
+        return Site("output", final[0], final[1], capture=OutputLogits(head[1], vocab_size, chunk_rows))
+    if head is None:
+        raise ConfigError(f"model={type(root).__name__} is not allowed with {who}; no module matches head_pattern="
+                          f"{head_pattern.pattern!r}, so the output logits cannot be found")
+    return Site("output", head[0], head[1], capture=OutputLogits(None, vocab_size, chunk_rows))

@@ -1,0 +1,327 @@
+"""AttentionLogitStatistics: every statistic equals a direct computation on materialised attention (lnstab's GPT, its
+QK-norm interface, Hugging Face GPT-2 and Llama with rotary embeddings and grouped-query heads), chunking changes
+nothing and bounds memory, 1 × 8 equals 4 × 2 micro-batches, no host reads on other steps, hooks go in teardown."""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from test_callbacks_accumulation import SGDLM, ListLogger
+from test_callbacks_helpers import VOCAB, EncoderLM, LitLM, gpt, lit, loader, tokens, trainer
+from test_callbacks_tap import SyncCounter, hook_counts
+from torch import nn
+
+from lnstab.callbacks import AttentionLogitStatistics, DivergenceMonitor, OutputLogitStatistics
+from lnstab.callbacks._views import AttentionView
+from lnstab.errors import ConfigError
+
+NAMES = ("max_logit", "entropy_mean", "entropy_min", "collapsed")
+
+
+def direct(qs: list[torch.Tensor], ks: list[torch.Tensor], scale: float, min_keys: int = 2) -> dict[str, float]:
+    """The four statistics from the materialised float64 attention of micro-batches ``(q, k)`` pooled together;
+    q ``(B, H, T, hs)``, k ``(B, H_kv, T, hs)`` (each k head repeated for its group of q heads, as Llama does)."""
+    q = torch.cat(qs).double()
+    k = torch.cat(ks).double()
+    k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)  # (B, H, T, hs)
+    T = q.size(2)
+    z = q @ k.transpose(-1, -2) * scale  # (B, H, T, T)
+    visible = torch.ones(T, T, dtype=torch.bool).tril()
+    p = z.masked_fill(~visible, -math.inf).softmax(dim=-1)
+    entropy = -(p * p.clamp_min(1e-300).log()).sum(dim=-1)[..., min_keys - 1 :]  # (B, H, T')
+    collapsed = (p.amax(dim=-1)[..., min_keys - 1 :] > 0.99).double()
+    return {"max_logit": z[..., visible].abs().max().item(), "entropy_mean": entropy.mean().item(),
+            "entropy_min": entropy.min().item(), "collapsed": collapsed.mean().item()}
+
+
+def keep(store: dict, key, value) -> None:
+    """Store ``value`` under ``key`` once; returns ``None``, so a hook that calls it never replaces an output."""
+    store.setdefault(key, value)
+
+
+def logged(logger: ListLogger) -> dict[int, dict[str, float]]:
+    out: dict[int, dict[str, float]] = {}
+    for step, metrics in logger.rows:
+        out.setdefault(step, {}).update({k: v for k, v in metrics.items() if k.startswith(("attn/", "output/"))})
+    return {s: m for s, m in out.items() if m}
+
+
+def assert_close(got: dict[str, float], expected: dict[str, float], layer: str, context=None) -> None:
+    for name in NAMES:
+        assert got[f"attn/{name}/{layer}"] == pytest.approx(expected[name], rel=1e-5, abs=1e-5), (context, name)
+
+
+def sharpen(model: nn.Module, factor: float) -> None:
+    """Scale every q/k projection so that attention is far from uniform (some rows collapse, some do not)."""
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.attn.c_attn.weight[: 2 * block.attn.n_embd] *= factor
+
+
+def fit_fixed(tmp_path, module: LitLM, callbacks: list, steps: int = 2, batch_size: int = 2, accumulate: int = 2):
+    """``steps`` optimizer steps at lr 0 (the weights never change) of ``batch_size × accumulate`` sequences."""
+    logger = ListLogger(tmp_path)
+    module.lr = 0.0
+    t = trainer(tmp_path, callbacks, max_steps=steps, accumulate_grad_batches=accumulate, logger=logger)
+    t.fit(module, loader(n=batch_size * accumulate * steps, batch_size=batch_size))
+    return logged(logger), tokens(batch_size * accumulate * steps).tensors[0]
+
+
+def test_statistics_equal_direct_computation_on_lnstab_gpt(tmp_path):
+    module = lit("gpt")
+    sharpen(module.model, 15.0)
+    callback = AttentionLogitStatistics(every_n_steps=1)
+    values, data = fit_fixed(tmp_path, module, [callback])
+    assert sorted(values) == [0, 1] and callback.tags == ["L00", "L01"]
+    for step in range(2):
+        inputs, outputs = {}, {}
+        handles = [block.attn.register_forward_hook(
+            lambda m, a, out, i=i, ins=inputs, outs=outputs: (keep(ins, i, a[0]), keep(outs, i, out[0]))[-1])
+            for i, block in enumerate(module.model.transformer.h)]
+        with torch.no_grad():
+            module(data[4 * step : 4 * step + 4])  # the step's two micro-batches at once (lr 0: the same weights)
+        for h in handles:
+            h.remove()
+        for i, block in enumerate(module.model.transformer.h):
+            attn, x = block.attn, inputs[i].double()
+            B, T, C = x.shape
+            q, k, v = F.linear(x, attn.c_attn.weight.double(), attn.c_attn.bias.double()).split(C, dim=2)
+            q, k, v = (t.view(B, T, 2, C // 2).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+            z = q @ k.transpose(-1, -2) / math.sqrt(C // 2)
+            p = z.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -math.inf).softmax(-1)
+            y = F.linear((p @ v).transpose(1, 2).reshape(B, T, C), attn.c_proj.weight.double(),
+                         attn.c_proj.bias.double())
+            torch.testing.assert_close(y.float(), outputs[i], rtol=1e-4, atol=1e-5)  # SDPA used these q and k
+            expected = direct([q], [k], 1 / math.sqrt(C // 2))
+            assert_close(values[step], expected, f"L{i:02d}", step)
+    collapsed = [values[s][f"attn/collapsed/L{i:02d}"] for s in range(2) for i in range(2)]
+    assert any(0.0 < c < 1.0 for c in collapsed), collapsed  # the collapse statistic saw both kinds of rows
+    assert all(values[s]["attn/max_logit/L00"] > 5 for s in range(2))
+
+
+def test_qk_norm_outputs_are_what_is_measured(tmp_path):
+    torch.manual_seed(0)
+    model = gpt(qk_norm=True)
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.attn.q_norm.weight.uniform_(2.0, 4.0)  # γ of the query norm must count
+    module = LitLM(model)
+    callback = AttentionLogitStatistics(every_n_steps=1)
+    values, data = fit_fixed(tmp_path, module, [callback], steps=1)
+    seen, handles = {}, []
+    for i, block in enumerate(model.transformer.h):
+        for name in ("c_attn", "q_norm", "k_norm"):
+            handles.append(getattr(block.attn, name).register_forward_hook(
+                lambda m, a, o, key=(name, i): keep(seen, key, o)))
+    with torch.no_grad():
+        module(data[:4])
+    for h in handles:
+        h.remove()
+    for i in range(2):
+        q, k = seen[("q_norm", i)], seen[("k_norm", i)]  # (B, nh, T, hs), what SDPA multiplies
+        assert_close(values[0], direct([q], [k], 1 / math.sqrt(q.size(-1))), f"L{i:02d}")
+        raw_q, raw_k = (seen[("c_attn", i)][..., j * 64 : (j + 1) * 64].view(4, 16, 2, 32).transpose(1, 2)
+                        for j in (0, 1))
+        raw = direct([raw_q], [raw_k], 1 / math.sqrt(32))["max_logit"]
+        assert values[0][f"attn/max_logit/L{i:02d}"] > 10 * raw  # not the un-normalised projections
+
+
+class HFLM(nn.Module):
+    def __init__(self, hf: nn.Module) -> None:
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=x, use_cache=False).logits
+
+
+def hf_model(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32, bos_token_id=0,
+                            eos_token_id=0, scale_attn_by_inverse_layer_idx=True, attn_implementation="sdpa",
+                            attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)  # the same forward in train mode
+        return GPT2LMHeadModel(config)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0,
+                         eos_token_id=0, attn_implementation="sdpa")
+    return LlamaForCausalLM(config)
+
+
+def eager_reference(hf: nn.Module, x: torch.Tensor, monkeypatch, kind: str) -> tuple[list, list]:
+    """q, k as the eager attention receives them (after RoPE; k heads not yet repeated) and its weights."""
+    import importlib
+
+    modeling = importlib.import_module(f"transformers.models.{'gpt2' if kind == 'gpt2' else 'llama'}."
+                                       f"modeling_{'gpt2' if kind == 'gpt2' else 'llama'}")
+    eager, seen = modeling.eager_attention_forward, []
+
+    def recording(module, query, key, value, attention_mask, **kwargs):
+        seen.append((query.detach(), key.detach(), kwargs.get("scaling")))
+        return eager(module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setattr(modeling, "eager_attention_forward", recording)
+    hf.set_attn_implementation("eager")
+    with torch.no_grad():
+        weights = hf(input_ids=x, output_attentions=True, use_cache=False).attentions
+    hf.set_attn_implementation("sdpa")
+    return seen, list(weights)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_hugging_face_models_against_eager_attention(tmp_path, monkeypatch, kind):
+    hf = hf_model(kind)
+    callback = AttentionLogitStatistics(every_n_steps=1)
+    pattern = AttentionLogitStatistics(every_n_steps=1, q_pattern=r"self_attn\.q_proj$",
+                                       k_pattern=r"self_attn\.k_proj$", n_head=4) if kind == "llama" else None
+    projections = {}
+    if pattern is not None:
+        for i, layer in enumerate(hf.model.layers):
+            for part in ("q", "k"):  # every call: the fit's two micro-batches first
+                getattr(layer.self_attn, f"{part}_proj").register_forward_hook(
+                    lambda m, a, o, key=(part, i): projections.setdefault(key, []).append(o.detach()) and None)
+    _, data = fit_fixed(tmp_path, LitLM(HFLM(hf)), [callback] + ([pattern] if pattern else []), steps=1)
+    values = {0: callback.last}  # both instruments log the same tags: each one's own record
+    seen, weights = eager_reference(hf, data[:4], monkeypatch, kind)
+    assert callback.tags == ["L00", "L01"] and len(seen) == 2
+    for i, ((q, k, scale), p) in enumerate(zip(seen, weights, strict=True)):
+        if kind == "gpt2":
+            assert scale == pytest.approx(1 / math.sqrt(8) / (i + 1))  # scale_attn_by_inverse_layer_idx
+        else:
+            assert k.size(1) == 2 and q.size(1) == 4  # grouped-query attention: 2 k heads for 4 q heads
+        expected = direct([q], [k], scale)
+        p = p.double()[..., 1:, :]  # the rows that count (min_keys=2)
+        entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)
+        assert expected["entropy_mean"] == pytest.approx(entropy.mean().item(), rel=1e-5)  # the weights themselves
+        assert expected["collapsed"] == (p.amax(-1) > 0.99).double().mean().item()
+        assert_close(values[0], expected, f"L{i:02d}", kind)
+    if pattern is not None:  # user patterns on the projections: q and k before the rotary embedding
+        for i in range(2):
+            q = torch.cat(projections[("q", i)][:2]).view(4, 16, 4, 8).transpose(1, 2)  # (B, 4, T, hd)
+            k = torch.cat(projections[("k", i)][:2]).view(4, 16, 2, 8).transpose(1, 2)  # (B, 2, T, hd)
+            pre_rope = direct([q], [k], 1 / math.sqrt(8))
+            got = pattern.last
+            assert got[f"attn/max_logit/L{i:02d}"] == pytest.approx(pre_rope["max_logit"], rel=1e-5)
+            assert got[f"attn/entropy_mean/L{i:02d}"] == pytest.approx(pre_rope["entropy_mean"], rel=1e-5)
+            assert pre_rope["max_logit"] != pytest.approx(values[0][f"attn/max_logit/L{i:02d}"], rel=1e-3)
+
+
+class MaxNumel(torch.utils._python_dispatch.TorchDispatchMode):
+    """The largest tensor any operation inside the block produced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def summary(view: AttentionView) -> list[float]:
+    s = view.attention
+    return [s.max_logit.item(), s.entropy_sum.item(), s.neg_entropy_max.item(), s.collapsed.item(), s.rows]
+
+
+def test_chunking_gives_the_same_numbers_and_bounds_memory_at_t_1024():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 37, 8, generator=g) * 3, torch.randn(2, 2, 37, 8, generator=g) * 3  # GQA
+    whole = summary(AttentionView(q, k, 0.35, chunk_elements=10**9))
+    for chunk in (1, 2 * 4 * 37 * 5, 2 * 4 * 37 * 36):  # one row, 5 rows, 36 rows per chunk
+        assert summary(AttentionView(q, k, 0.35, chunk_elements=chunk)) == pytest.approx(whole, rel=1e-6)
+    ref = direct([q], [k], 0.35)
+    assert whole[0] == pytest.approx(ref["max_logit"], rel=1e-6)
+    assert whole[1] / whole[4] == pytest.approx(ref["entropy_mean"], rel=1e-6)
+    q, k = torch.randn(1, 2, 1024, 8, generator=g), torch.randn(1, 2, 1024, 8, generator=g)
+    budget = 1 << 16  # 32 rows of 2 heads × 1024 keys
+    with MaxNumel() as spy:
+        AttentionView(q, k, 0.35, chunk_elements=budget).attention  # noqa: B018
+    assert spy.largest <= budget  # never one head's 1024 × 1024 matrix (that is 16 × the budget)
+    with MaxNumel() as spy:
+        AttentionView(q, k, 0.35, chunk_elements=10**9).attention  # noqa: B018
+    assert spy.largest == 2 * 1024 * 1024  # unchunked it is: the bound above is the chunking's doing
+
+
+def fit_accumulated(tmp_path, name: str, batch_size: int, accumulate: int, steps: int = 3) -> dict:
+    logger = ListLogger(tmp_path / name)
+    callbacks = [AttentionLogitStatistics(every_n_steps=1), OutputLogitStatistics(every_n_steps=1)]
+    torch.manual_seed(0)
+    module = SGDLM(gpt())
+    sharpen(module.model, 12.0)
+    t = trainer(tmp_path / name, callbacks, max_steps=steps, accumulate_grad_batches=accumulate, logger=logger)
+    t.fit(module, loader(n=8 * steps, batch_size=batch_size))
+    return logged(logger)
+
+
+def test_four_micro_batches_equal_one_batch(tmp_path):
+    single = fit_accumulated(tmp_path, "single", batch_size=8, accumulate=1)
+    micro = fit_accumulated(tmp_path, "micro", batch_size=2, accumulate=4)
+    assert sorted(single) == sorted(micro) == [0, 1, 2]
+    for step, expected in single.items():
+        assert set(micro[step]) == set(expected) and len(expected) == 4 * 2 + 3
+        for key, value in expected.items():
+            assert micro[step][key] == pytest.approx(value, rel=2e-5, abs=1e-6), (step, key)
+
+
+def test_no_host_reads_on_steps_that_do_not_measure_and_hooks_go_in_teardown(tmp_path, monkeypatch):
+    counter = SyncCounter(monkeypatch)
+    module = lit("gpt")
+    attention, output = AttentionLogitStatistics(every_n_steps=3), OutputLogitStatistics(every_n_steps=3)
+    monitor = DivergenceMonitor(stats_every_n_steps=3)
+    hooks = {}
+
+    class Hooks(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            hooks[trainer.global_step] = hook_counts(pl_module)
+
+    callbacks = [counter, attention, output, monitor, Hooks()]
+    trainer(tmp_path, callbacks, max_steps=6, accumulate_grad_batches=2).fit(module, loader(n=32, batch_size=2))
+    per_step = {step: {f: n for (s, f), n in counter.counts.items() if s == step} for step in range(6)}
+    assert per_step[0] == per_step[3] == {"_tap.py": 2, "divergence.py": 1}  # one read per instrument, one decision
+    for step in (1, 2, 4, 5):
+        assert per_step[step] == {"divergence.py": 1}, step  # the monitor's own per-step decision only
+    expected = {**{f"model.transformer.h.{i}.attn.{n}": 1 for i in range(2) for n in ("q_norm", "k_norm")},
+                **{f"model.transformer.h.{i}.resid_{n}": 1 for i in range(2) for n in ("attn", "mlp")},
+                "model.transformer.ln_f": 1}  # q, k and ln_f once for three instruments; the monitor's max |x|
+    assert hooks[0] == hooks[5] == expected
+    assert hook_counts(module) == {}  # all removed in teardown
+    assert attention.steps == output.steps == [0, 3] and monitor.events == []
+
+
+def test_what_cannot_be_measured_is_refused_in_one_line(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        AttentionLogitStatistics().setup(None, LitLM(EncoderLM()), "fit")
+    message = str(info.value)
+    assert message.startswith("model=LitLM is not allowed with AttentionLogitStatistics") and "\n" not in message
+    assert "q_pattern, k_pattern and n_head" in message
+    with pytest.raises(ConfigError, match=r"q_pattern='nope' and k_pattern='k_proj' are not allowed"):
+        AttentionLogitStatistics(q_pattern="nope", k_pattern="k_proj", n_head=2).setup(None, lit("hf"), "fit")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"every_n_steps": 0}, "every_n_steps=0"),
+        ({"q_pattern": "q_proj"}, "q_pattern='q_proj' with k_pattern=None is not allowed"),
+        ({"q_pattern": "q", "k_pattern": "k"}, "n_head=None is not allowed with q_pattern"),
+        ({"q_pattern": "(", "k_pattern": "k", "n_head": 2}, "q_pattern='\\('"),
+        ({"chunk_elements": 0}, "chunk_elements=0"),
+        ({"min_keys": 0}, "min_keys=0"),
+        ({"collapse_weight": 1.0}, "collapse_weight=1.0"),
+        ({"scale": -1.0}, "scale=-1.0"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        AttentionLogitStatistics(**kwargs)
