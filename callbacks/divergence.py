@@ -17,6 +17,7 @@ from lnstab import validation as check
 from lnstab.rundir import EVENTS_FILE, atomic_write_text, run_dir, update_summary
 
 from ._sites import Site, auto_sites, log_metrics
+from ._stat_checks import StatChecks
 from ._strategy import all_reduce_, distributed, params_sharded, require_strategy
 from ._tap import TapCallback
 
@@ -29,6 +30,8 @@ KINDS = (
     "grad_explosion",
     "loss_spike",
     "activation_overflow",
+    "attention_collapse",
+    "logit_drift",
     "remote",
 )
 FATAL = ("nonfinite_loss", "nonfinite_grad", "nonfinite_param", "nonfinite_activation", "grad_explosion", "remote")
@@ -55,7 +58,19 @@ class DivergenceMonitor(TapCallback):
     * ``grad_explosion``: total gradient norm > ``grad_norm_threshold``;
     * ``loss_spike``: loss > mean + ``spike_k``·std of the last ``window`` finite losses (≥ 10 of them);
     * ``activation_overflow``: some |x| > ``overflow_fraction``·finfo(dtype).max;
+    * ``attention_collapse`` (``layer`` = the first layer in depth order, ``stat`` = which test): more than
+      ``collapse_fraction`` of a layer's attention rows put over 0.99 of their weight on one key (``stat:
+      collapsed``), or its largest |q·k|/√d_h exceeds ``attention_logit_threshold`` (``stat: max_logit``);
+    * ``logit_drift`` (``layer`` = ``output``): |mean over tokens of log Z| > ``log_z_threshold``, log Z the
+      logsumexp of a token's output logits;
     * ``remote``: another rank decided to act while this one saw nothing.
+
+    The attention and output-logit checks run only every ``stats_every_n_steps`` optimizer steps (``0``, the
+    default: never), on lnstab's GPT and Hugging Face GPT-2 and Llama (found as :class:`AttentionLogitStatistics` and
+    :class:`OutputLogitStatistics` find them; on the same steps they share those instruments' hooks and views, so
+    nothing is computed twice): their hooks are no-ops on other steps, and on those steps their values, reduced over
+    ranks (a few more collectives), join the step's one host sync. Both kinds are recorded, not acted on, unless
+    named in ``fatal_kinds``.
 
     On a fatal event (``fatal_kinds``; every rank agrees: local verdicts are summed over ranks in that collective)
     the policy acts: ``stop`` drops that update (gradients set to ``None``, so the optimizer leaves the weights
@@ -79,6 +94,12 @@ class DivergenceMonitor(TapCallback):
         layer_pattern: Sites whose outputs are watched, as in :class:`HiddenStateStatistics` (``None``: lnstab's
             residual modules, else every block).
         track_activations: Watch activations (one max-reduction per site per step).
+        stats_every_n_steps: Check attention collapse and logit drift every N optimizer steps (``0``: never).
+        collapse_fraction: Fraction of a layer's attention rows that may be collapsed (``None``: no such test).
+        attention_logit_threshold: Largest attention logit allowed (``None``: no such test). The default 1e3: a
+            logit that stands out by that much makes its row one-hot in every float format (e^-1000 is 0).
+        log_z_threshold: Largest |mean log Z| allowed (``None``: no test). The default 30 lies above log Z at
+            initialisation (log V: 10.8 for GPT-2's vocabulary) for any vocabulary under e^30 ≈ 10^13 tokens.
 
     **Logged metrics**:
         ``divergence/events`` (cumulative count, at each step with an event).
@@ -103,6 +124,10 @@ class DivergenceMonitor(TapCallback):
         fatal_kinds: list[str] | tuple[str, ...] = FATAL,
         layer_pattern: str | None = None,
         track_activations: bool = True,
+        stats_every_n_steps: int = 0,
+        collapse_fraction: float | None = 0.5,
+        attention_logit_threshold: float | None = 1000.0,
+        log_z_threshold: float | None = 30.0,
     ) -> None:
         self.policy = check.choice("policy", policy, POLICIES)
         self.every_n_steps = check.positive_int("every_n_steps", every_n_steps)
@@ -116,6 +141,15 @@ class DivergenceMonitor(TapCallback):
         self.fatal_kinds = tuple(check.choice("fatal_kinds", kind, KINDS) for kind in kinds)
         self.layer_pattern = check.regex("layer_pattern", layer_pattern)
         self.track_activations = bool(track_activations)
+        self.stats_every_n_steps = check.integer("stats_every_n_steps", stats_every_n_steps, 0)
+        if collapse_fraction is not None:
+            check.number("collapse_fraction", collapse_fraction, 0, 1, high_open=True)
+        self.checks = StatChecks(
+            collapse_fraction,
+            check.optional_number("attention_logit_threshold", attention_logit_threshold, 0, low_open=True),
+            check.optional_number("log_z_threshold", log_z_threshold, 0, low_open=True),
+        )
+        self._stats_step = False
         self.events: list[dict[str, Any]] = []
         self.losses: deque[float] = deque(maxlen=window)
         self.diverged_step: int | None = None
@@ -139,6 +173,9 @@ class DivergenceMonitor(TapCallback):
         if self.track_activations:
             self.sites = auto_sites(pl_module, self.layer_pattern, (), None, None)
             self.subscribe(pl_module, self.sites, [("max_abs",)] * len(self.sites))
+        self.checks.close()
+        if self.stats_every_n_steps:
+            self.checks.setup(pl_module, type(self).__name__)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -148,6 +185,7 @@ class DivergenceMonitor(TapCallback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().teardown(trainer, pl_module, stage)
+        self.checks.close()
         self._params = []
 
     @override
@@ -157,9 +195,12 @@ class DivergenceMonitor(TapCallback):
         if not self.step_begins(trainer):
             return
         step = trainer.global_step
-        self._checking = step % self.every_n_steps == 0
+        self._stats_step = bool(self.stats_every_n_steps) and step % self.stats_every_n_steps == 0
+        self._checking = step % self.every_n_steps == 0 or self._stats_step
         if not self._checking:
             return
+        if self._stats_step:
+            self.checks.start()
         self._loss = None
         self._params_bad = self._count_nonfinite(self._params) if step > self._checked_through + 1 else None
         if self.subscription is not None:
@@ -179,9 +220,9 @@ class DivergenceMonitor(TapCallback):
         if not self._checking:
             return
         self._checking = False
-        sub = self.subscription
-        if sub is not None:
-            sub.active = False
+        if self.subscription is not None:
+            self.subscription.active = False
+        self.checks.stop()
         step = trainer.global_step
         device = pl_module.device
         zero = torch.zeros((), device=device, dtype=torch.float64)
@@ -205,10 +246,12 @@ class DivergenceMonitor(TapCallback):
             shared = torch.stack([fatal, grad_sq if self._sharded else zero, params_bad])
             all_reduce_(shared, "sum", trainer)  # the step's one collective: verdicts, sharded grad norm, weights
             head += list(shared.unbind())
-        values = torch.cat([torch.stack(head), site_max]).tolist()  # the step's one host sync
+        stats = self.checks.values(trainer, device) if self._stats_step else zero.new_zeros(0)
+        values = torch.cat([torch.stack(head), site_max, stats]).tolist()  # the step's one host sync
         loss_v, grad_local, bad_all = values[:3]
         fatal_all, grad_shared, bad_all = values[3:6] if self._distributed else (0.0, 0.0, bad_all)
-        site_v = values[6:] if self._distributed else values[3:]
+        start = 6 if self._distributed else 3
+        site_v, stats_v = values[start : start + len(maxes)], values[start + len(maxes) :]
         grad_v = math.sqrt(grad_shared if self._sharded else grad_local)
         new: list[dict[str, Any]] = []
         if bad_all > 0 and step > 0:
@@ -230,6 +273,8 @@ class DivergenceMonitor(TapCallback):
             if loss_v > spike_at:
                 new.append(self._event(step, "loss_spike", loss_v))
             self.losses.append(loss_v)
+        for kind, value, layer, stat in self.checks.events(stats_v) if self._stats_step else ():
+            new.append(self._event(step, kind, value, layer, stat))
         local_fatal = any(e["kind"] in self.fatal_kinds for e in new)
         act = local_fatal or fatal_all > 0
         if act and not local_fatal:
@@ -296,8 +341,10 @@ class DivergenceMonitor(TapCallback):
                     self.diverged_step = step
         return finite
 
-    def _event(self, step: int, kind: str, value: float, layer: str | None = None) -> dict[str, Any]:
-        return {"step": step, "kind": kind, "value": value if math.isfinite(value) else str(value), "layer": layer}
+    def _event(self, step: int, kind: str, value: float, layer: str | None = None,
+               stat: str | None = None) -> dict[str, Any]:
+        event = {"step": step, "kind": kind, "value": value if math.isfinite(value) else str(value), "layer": layer}
+        return {**event, "stat": stat} if stat is not None else event
 
     def _record(self, trainer: pl.Trainer, new: list[dict[str, Any]], step: int) -> None:
         if not new:

@@ -159,3 +159,74 @@ def test_clean_run_completes_and_state_round_trips(tmp_path):
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DivergenceMonitor(**kwargs)
+
+
+def sharpened(factor: float):
+    """A tiny GPT whose q and k projections are scaled: about 40 % of the attention rows collapse at 20×."""
+    module = lit("gpt")
+    with torch.no_grad():
+        for block in module.model.transformer.h:
+            block.attn.c_attn.weight[: 2 * block.attn.n_embd] *= factor
+    return module
+
+
+def test_attention_collapse_and_logit_drift_are_recorded_with_layer_and_step_not_acted_on(tmp_path):
+    monitor = DivergenceMonitor(stats_every_n_steps=2, collapse_fraction=0.1, log_z_threshold=1.0)  # log V = 4.6
+    t = trainer(tmp_path, [monitor, RunStatus()], max_steps=5)
+    t.fit(sharpened(20.0), loader(n=64))
+    assert t.global_step == 5  # the policy is stop, yet neither kind is fatal by default
+    kinds = [(e["step"], e["kind"], e["layer"], e.get("stat")) for e in monitor.events]
+    assert kinds == [(s, k, layer, stat) for s in (0, 2, 4) for k, layer, stat in
+                     (("attention_collapse", "L00", "collapsed"), ("logit_drift", "output", "log_z_mean"))]
+    collapse = [e["value"] for e in monitor.events if e["kind"] == "attention_collapse"]
+    assert all(0.1 < v < 1.0 for v in collapse) and all(e["value"] > 1.0 for e in monitor.events[1::2])
+    lines = [json.loads(line) for line in (run_dir(tmp_path) / "divergence_events.jsonl").read_text().splitlines()]
+    assert lines == monitor.events
+    assert read_summary(run_dir(tmp_path))["status"] == "completed"
+
+
+def test_attention_collapse_stops_when_named_fatal_and_a_logit_threshold_fires(tmp_path):
+    watch = ParamWatch()
+    monitor = DivergenceMonitor(stats_every_n_steps=1, collapse_fraction=None, attention_logit_threshold=5.0,
+                                log_z_threshold=None, fatal_kinds=["attention_collapse"])
+    t = trainer(tmp_path, [watch, monitor], max_steps=4)
+    t.fit(sharpened(20.0), loader(n=64))
+    assert [(e["step"], e["kind"], e["stat"]) for e in monitor.events] == [(0, "attention_collapse", "max_logit")]
+    assert monitor.events[0]["value"] > 5.0 and t.global_step == 1 and unchanged(watch, 0)
+
+
+def test_on_a_shared_step_the_attention_view_is_computed_once(tmp_path, monkeypatch):
+    from functools import cached_property
+
+    from lnstab.callbacks import AttentionLogitStatistics
+    from lnstab.callbacks._views import AttentionView
+
+    calls = []
+    original = AttentionView.attention.func
+    prop = cached_property(lambda self: (calls.append(1), original(self))[1])
+    prop.__set_name__(AttentionView, "attention")
+    monkeypatch.setattr(AttentionView, "attention", prop)
+    monitor, stats = DivergenceMonitor(stats_every_n_steps=2), AttentionLogitStatistics(every_n_steps=2)
+    trainer(tmp_path, [monitor, stats], max_steps=3, accumulate_grad_batches=2).fit(lit("gpt"), loader(batch_size=2))
+    assert len(calls) == 2 * 2 * 2  # steps 0 and 2, two micro-batches, two layers: once for both instruments
+    assert stats.steps == [0, 2] and monitor.events == []
+
+
+def test_stats_checks_refuse_a_model_without_attention(tmp_path):
+    with pytest.raises(ValueError, match="model=LitLM is not allowed with DivergenceMonitor; no attention module"):
+        trainer(tmp_path, [DivergenceMonitor(stats_every_n_steps=1)], max_steps=1).fit(lit("encoder"), loader())
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"stats_every_n_steps": -1}, "stats_every_n_steps=-1"),
+        ({"collapse_fraction": 1.0}, "collapse_fraction=1.0"),
+        ({"attention_logit_threshold": 0}, "attention_logit_threshold=0"),
+        ({"log_z_threshold": "big"}, "log_z_threshold='big'"),
+        ({"fatal_kinds": ["attention"]}, "fatal_kinds='attention'"),
+    ],
+)
+def test_bad_stats_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DivergenceMonitor(**kwargs)
