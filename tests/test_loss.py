@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lnstab.loss import lm_head_loss, reference_lm_loss
+from lnstab.loss import lm_head_loss, lm_head_losses, reference_lm_loss
 from lnstab.model import GPT, GPTConfig
 
 VOCAB = 97
@@ -64,6 +64,90 @@ def test_chunked_head_loss_refuses_bad_arguments() -> None:
         lm_head_loss(h, w, y, chunk_rows=0)
     with pytest.raises(ValueError, match=r"vocab_size=6 is not allowed; it must be in \[1, 5\]"):
         lm_head_loss(h, w, y, vocab_size=6)
+    with pytest.raises(ValueError, match=r"z_loss=-0.1 is not allowed; it must be a number >= 0"):
+        lm_head_loss(h, w, y, z_loss=-0.1)
+
+
+def direct_z_loss(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, c: float) -> tuple[torch.Tensor, ...]:
+    """Cross-entropy and c·mean (log Z)² written out on the materialised logits, and their sum."""
+    logits = (h @ w[:VOCAB].T).float().flatten(0, 1)  # (N, V)
+    log_z = logits.exp().sum(-1).log()  # (N,), the definition (no max shift: these logits are small)
+    ce = (log_z - logits.gather(1, y.flatten()[:, None])[:, 0]).mean()
+    z = c * log_z.square().mean()
+    return ce + z, ce, z
+
+
+@pytest.mark.parametrize("chunk_rows", [10, 48])  # five chunks with the last one short (48 rows), and one chunk
+def test_z_loss_value_and_gradients_equal_autograd_of_the_direct_expression(chunk_rows: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(3, 16, 24, generator=g, requires_grad=True)
+    w = torch.randn(VOCAB + 31, 24, generator=g).mul_(0.3).requires_grad_()
+    y = torch.randint(0, VOCAB, (3, 16), generator=g)
+    c = 0.05  # large enough that the z-loss term's gradient is far above the tolerance (PaLM's 1e-4 would hide it)
+    expected, ce, z = direct_z_loss(h, w, y, c)
+    eh, ew = torch.autograd.grad(1.7 * expected, (h, w), retain_graph=True)
+    (ce_h,) = torch.autograd.grad(ce, h)
+    parts = lm_head_losses(h, w, y, VOCAB, chunk_rows=chunk_rows, z_loss=c)
+    gh, gw = torch.autograd.grad(1.7 * parts.loss, (h, w))
+    torch.testing.assert_close(parts.loss, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(parts.cross_entropy, ce.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(parts.z_loss, z.detach(), rtol=1e-6, atol=1e-7)
+    assert not parts.cross_entropy.requires_grad and not parts.z_loss.requires_grad
+    torch.testing.assert_close(gh, eh, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(gw, ew, rtol=1e-5, atol=1e-7)
+    assert gw[VOCAB:].abs().max() == 0
+    assert (gh - 1.7 * ce_h).abs().max() > 1e-3  # the z-loss really moved the gradient
+    torch.testing.assert_close(lm_head_loss(h, w, y, VOCAB, chunk_rows, z_loss=c), expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(reference_lm_loss(h, w, y, VOCAB, z_loss=c), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_z_loss_under_bf16_autocast_matches_the_direct_expression() -> None:
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(3, 16, 24, generator=g, requires_grad=True)
+    w = torch.randn(128, 24, generator=g).mul_(0.3).requires_grad_()
+    y = torch.randint(0, VOCAB, (3, 16), generator=g)
+    c = 0.05
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = direct_z_loss(h, w, y, c)[0]  # bf16 products, fp32 softmax, as the chunked path
+        parts = lm_head_losses(h, w, y, VOCAB, chunk_rows=10, z_loss=c)
+    assert parts.loss.dtype == parts.z_loss.dtype == torch.float32
+    torch.testing.assert_close(parts.loss, expected, rtol=1e-3, atol=1e-3)
+    for a, b in zip(torch.autograd.grad(parts.loss, (h, w)), torch.autograd.grad(expected, (h, w)), strict=True):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+
+
+def test_without_z_loss_the_objective_is_the_cross_entropy_bit_for_bit() -> None:
+    g = torch.Generator().manual_seed(2)
+    h, w = torch.randn(40, 24, generator=g), torch.randn(VOCAB, 24, generator=g)
+    y = torch.randint(0, VOCAB, (40,), generator=g)
+    parts = lm_head_losses(h, w, y, chunk_rows=7)
+    assert torch.equal(parts.loss, parts.cross_entropy) and parts.z_loss.item() == 0.0
+
+
+def test_model_with_z_loss_trains_like_the_logits_path_with_z_loss() -> None:
+    # every parameter's gradient, not only the head's: the z-loss reaches the whole model through the hidden states
+    c = 0.05
+    torch.manual_seed(0)
+    model = GPT(tiny(pad_vocab_multiple=64, z_loss=c))
+    model.loss_chunk_rows = 10
+    reference = copy.deepcopy(model)
+
+    def logits_path(m: GPT, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = m(x).flatten(0, 1).float()
+        return F.cross_entropy(logits, y.flatten()) + c * torch.logsumexp(logits, -1).square().mean()
+
+    for i in range(3):
+        x, y = batch(i)
+        model(x, y).backward()
+        logits_path(reference, x, y).backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=f"step {i} {name}")
+        for m in (model, reference):
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= 0.1 * p.grad
+            m.zero_grad(set_to_none=True)
 
 
 OPTIMIZERS = {
