@@ -10,15 +10,19 @@ from test_callbacks_helpers import StepClock, lit, loader, record_outputs, train
 
 from lnstab.callbacks import GrowthBoundMonitor
 from lnstab.callbacks.growth_bound import fit_line
+from lnstab.layers import DyT, Gate
 
 
 def manual_bound(module, x0: torch.Tensor, dt: float) -> torch.Tensor:
-    """RMS(X_0) + Σ Δt·(γmax + βmax) per sequence, from the model's output norms."""
+    """RMS(X_0) + Σ Δt·gmax·(γmax + βmax) per sequence, from the model's output norms and the gates beside them."""
     total = 0.0
-    for name, m in module.named_modules():
-        if name.endswith(("ln_1_out", "ln_2_out")) and isinstance(m, torch.nn.LayerNorm | torch.nn.RMSNorm):
+    named = dict(module.named_modules())
+    for name, m in named.items():
+        if name.endswith(("ln_1_out", "ln_2_out")) and isinstance(m, torch.nn.LayerNorm | torch.nn.RMSNorm | DyT):
             beta = m.bias.abs().max().item() if getattr(m, "bias", None) is not None else 0.0
-            total += dt * (m.weight.abs().max().item() + beta)
+            gate = named[name.replace("ln_1_out", "gate_attn").replace("ln_2_out", "gate_mlp")]
+            g = gate.weight.abs().max().item() if isinstance(gate, Gate) else 1.0
+            total += dt * g * (m.weight.abs().max().item() + beta)
     return x0.reshape(x0.shape[0], -1).square().mean(1).sqrt() + total
 
 
@@ -28,7 +32,11 @@ def manual_bound(module, x0: torch.Tensor, dt: float) -> torch.Tensor:
         {},
         {"residual_scale": 0.3, "norm_type": "rmsnorm"},
         {"bias": False, "n_layer": 4},
+        {"norm_type": "dyt"},  # Peri-LN with DyT: |γ·tanh(αx) + β| ≤ |γ| + |β|, the same bound
+        {"norm_type": "dyt", "bias": False, "residual_scale": 0.5, "qk_norm": True},
+        {"residual_gate": "layerscale", "layerscale_init": 0.5},  # the gate's max |λ| enters the bound
     ],
+    ids=["layernorm", "rmsnorm_dt0.3", "nobias_L4", "dyt", "dyt_nobias_dt0.5_qk", "layerscale"],
 )
 def test_bound_holds_on_random_and_briefly_trained_peri(tmp_path, gpt):
     module = lit("gpt", gpt=gpt, lr=3e-2)  # a large learning rate moves γ, β away from 1, 0 within a few steps
@@ -58,6 +66,30 @@ def test_bound_holds_on_random_and_briefly_trained_peri(tmp_path, gpt):
     ma = xd.reshape(xd.shape[0], -1).abs().mean(1)
     assert callback.last["bound/ma_final"] == pytest.approx(ma.mean().item(), rel=1e-5)
     assert callback.last["bound/slack"] == pytest.approx((bound - ma).min().item(), rel=1e-4)
+
+
+def test_a_gate_above_one_is_in_the_bound_and_leaving_it_out_is_violated():
+    """LayerScale's λ multiplies the normalised update: with λ = 3 the updates outgrow Σ Δt·(γmax + βmax), and the
+    bound holds only with max |λ| in it."""
+    module = lit("gpt", gpt={"n_layer": 4, "residual_gate": "layerscale", "layerscale_init": 3.0})
+    with torch.no_grad():
+        for name, m in module.named_modules():
+            if name.endswith(("ln_1_out", "ln_2_out")):
+                m.bias.fill_(1.0)  # aligned updates, so the gate-free bound is really exceeded
+    callback = GrowthBoundMonitor(every_n_steps=1)
+    callback.setup(None, module, "fit")
+    assert all(isinstance(g, Gate) for g in callback.gates) and len(callback.gates) == 8
+    callback.subscription.active = True
+    module(torch.randint(0, 100, (4, 16)))
+    metrics = callback.evaluate(type("T", (), {"world_size": 1, "loggers": []})(), 0)
+    assert metrics["bound/violations"] == 0 and metrics["bound/slack"] > 0
+    x0 = callback.subscription.local("seq_rms_var", [0])[0][0].double()
+    with_gate = (x0 + callback.growth_sum().item()).mean().item()
+    assert metrics["bound/ma_bound"] == pytest.approx(with_gate, rel=1e-5)
+    assert callback.growth_sum().item() == pytest.approx(8 * 3.0 * (1.0 + 1.0), rel=1e-6)  # 8 updates, Δt = 1
+    without_gate = x0 + callback.growth_sum().item() / 3.0  # RMS(X_0) + Σ Δt·(γmax + βmax)
+    assert metrics["bound/ma_final"] > without_gate.mean().item()  # 24.0 against 16.0
+    callback.teardown(None, module, "fit")
 
 
 def test_violation_counted_when_an_update_is_scaled_past_the_bound(tmp_path):

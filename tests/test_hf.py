@@ -62,8 +62,23 @@ def test_padded_vocab_loads_and_exports() -> None:
         (dict(norm_type="rmsnorm"), "norm_type='rmsnorm'"),
         (dict(bias=False), "bias=False"),
         (dict(residual_scale=0.1), "residual_scale=0.1"),
+        (dict(norm_type="dyt"), "norm_type='dyt'"),
+        (dict(qk_norm=True), "qk_norm=True cannot be exported"),
+        (dict(residual_gate="rezero"), "residual_gate='rezero' cannot be exported"),
+        (dict(residual_gate="layerscale"), "residual_gate='layerscale' cannot be exported"),
+        (dict(norm_placement="deepnorm"), "norm_placement='deepnorm'"),
     ],
 )
 def test_only_gpt2_shaped_models_export(overrides: dict, match: str) -> None:
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(ConfigError, match=match) as info:
         gpt_to_hf(GPT(GPTConfig.preset("tiny", vocab_size=50, **overrides)))
+    assert "\n" not in str(info.value)
+
+
+def test_z_loss_exports_with_the_same_logits() -> None:
+    # the z-loss shapes training only; the model's function is GPT-2's
+    torch.manual_seed(2)
+    ours = GPT(GPTConfig.preset("tiny", vocab_size=211, block_size=32, z_loss=1e-4)).eval()
+    idx = torch.randint(0, 211, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(gpt_to_hf(ours).eval()(idx).logits, ours(idx), rtol=0, atol=1e-5)
