@@ -6,12 +6,14 @@ from lightning.pytorch.callbacks import Callback
 
 from lnstab import validation as check
 
+from .attention import AttentionLogitStatistics
 from .divergence import FATAL, POLICIES, DivergenceMonitor
 from .grad_stats import GradientStatistics
 from .growth_bound import GrowthBoundMonitor
 from .hidden_stats import HiddenStateStatistics
 from .jacobian import JacobianSensitivity
 from .layout import StabilityLayout
+from .output_logits import OutputLogitStatistics
 from .throughput import Throughput
 
 
@@ -19,9 +21,11 @@ class Instruments:
     """The paper's instruments as one configurable group (``instruments:`` in lnstab's configs).
 
     ``callbacks()`` builds :class:`StabilityLayout`, :class:`HiddenStateStatistics`, :class:`GrowthBoundMonitor`,
-    :class:`GradientStatistics` (all every ``every_n_steps``), :class:`JacobianSensitivity` (every
-    ``jacobian_every_n_steps``) and :class:`DivergenceMonitor` (every ``divergence_every_n_steps``), with each
-    callback's defaults for everything else. A variant config then changes one key
+    :class:`GradientStatistics`, :class:`AttentionLogitStatistics`, :class:`OutputLogitStatistics` (all every
+    ``every_n_steps``), :class:`JacobianSensitivity` (every ``jacobian_every_n_steps``) and
+    :class:`DivergenceMonitor` (every ``divergence_every_n_steps``; its attention-collapse and logit-drift checks
+    every ``every_n_steps``, on the attention and output instruments' views), with each callback's defaults for
+    everything else. A variant config then changes one key
     (``instruments: {every_n_steps: 20}``) instead of restating a callback list (YAML lists replace, they do not
     merge). For other settings (``layer_pattern`` for a foreign model, …) set ``enabled: false`` and list the
     callbacks under ``trainer.callbacks``.
@@ -37,6 +41,8 @@ class Instruments:
         fatal_kinds: Event kinds the divergence policy acts on.
         grad_norm_threshold: Total gradient norm that counts as an explosion (``None``: off).
         throughput: Also log tokens/s, samples/s, FLOP/s and MFU (:class:`Throughput`, on the logging steps).
+        attention: Log the attention-logit statistics and check for attention collapse.
+        output_logits: Log the output-logit statistics (log Z) and check for logit drift.
 
     Raises:
         ConfigError: A bad argument (the message names it).
@@ -58,6 +64,8 @@ class Instruments:
         fatal_kinds: list[str] | tuple[str, ...] = FATAL,
         grad_norm_threshold: float | None = None,
         throughput: bool = True,
+        attention: bool = True,
+        output_logits: bool = True,
     ) -> None:
         self.enabled = bool(enabled)
         self.every_n_steps = check.positive_int("instruments.every_n_steps", every_n_steps)
@@ -73,6 +81,8 @@ class Instruments:
             "instruments.grad_norm_threshold", grad_norm_threshold, 0.0, low_open=True
         )
         self.throughput = bool(throughput)
+        self.attention = bool(attention)
+        self.output_logits = bool(output_logits)
 
     def callbacks(self) -> list[Callback]:
         """The instrument callbacks (``[]`` when not ``enabled``)."""
@@ -85,15 +95,23 @@ class Instruments:
             GrowthBoundMonitor(every_n_steps=n),
             GradientStatistics(every_n_steps=n),
         ]
+        if self.attention:
+            out.append(AttentionLogitStatistics(every_n_steps=n))
+        if self.output_logits:
+            out.append(OutputLogitStatistics(every_n_steps=n))
         if self.jacobian_every_n_steps:
             out.append(JacobianSensitivity(every_n_steps=self.jacobian_every_n_steps,
                                            probe_size=self.jacobian_probe_size, n_iter=self.jacobian_n_iter))
+        off = {} if self.attention else {"collapse_fraction": None, "attention_logit_threshold": None}
+        off.update({} if self.output_logits else {"log_z_threshold": None})
         out.append(
             DivergenceMonitor(
                 policy=self.divergence_policy,
                 every_n_steps=self.divergence_every_n_steps,
                 fatal_kinds=self.fatal_kinds,
                 grad_norm_threshold=self.grad_norm_threshold,
+                stats_every_n_steps=n if self.attention or self.output_logits else 0,
+                **off,  # the checks of an instrument switched off; the monitor's default thresholds otherwise
             )
         )
         if self.throughput:

@@ -1,16 +1,20 @@
 """AttentionLogitStatistics: every statistic equals a direct computation on materialised attention (lnstab's GPT, its
 QK-norm interface, Hugging Face GPT-2 and Llama with rotary embeddings and grouped-query heads), chunking changes
-nothing and bounds memory, 1 × 8 equals 4 × 2 micro-batches, no host reads on other steps, hooks go in teardown."""
+nothing and bounds memory, 1 × 8 equals 4 × 2 micro-batches and FSDP on two processes equals one, no host reads on
+other steps, hooks go in teardown."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from fsdp_cpu import CPUFSDPStrategy
 from test_callbacks_accumulation import SGDLM, ListLogger
+from test_callbacks_fsdp import STEPS, Recorder, ShardedSGD
 from test_callbacks_helpers import VOCAB, EncoderLM, LitLM, gpt, lit, loader, tokens, trainer
 from test_callbacks_tap import SyncCounter, hook_counts
 from torch import nn
@@ -18,6 +22,7 @@ from torch import nn
 from lnstab.callbacks import AttentionLogitStatistics, DivergenceMonitor, OutputLogitStatistics
 from lnstab.callbacks._views import AttentionView
 from lnstab.errors import ConfigError
+from lnstab.model import Block
 
 NAMES = ("max_logit", "entropy_mean", "entropy_min", "collapsed")
 
@@ -215,7 +220,7 @@ def test_hugging_face_models_against_eager_attention(tmp_path, monkeypatch, kind
 
 
 class MaxNumel(torch.utils._python_dispatch.TorchDispatchMode):
-    """The largest tensor any operation inside the block produced."""
+    """The largest tensor any operation inside the block allocated (views of existing tensors do not count)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -223,8 +228,10 @@ class MaxNumel(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = torch.utils._pytree.tree_leaves((args, kwargs))
+        shared = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
         for t in out if isinstance(out, tuple | list) else [out]:
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in shared:  # not a view
                 self.largest = max(self.largest, t.numel())
         return out
 
@@ -325,3 +332,55 @@ def test_what_cannot_be_measured_is_refused_in_one_line(tmp_path):
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         AttentionLogitStatistics(**kwargs)
+
+
+class SharpShardedSGD(ShardedSGD):
+    def __init__(self, accumulate: int) -> None:
+        super().__init__(accumulate)
+        sharpen(self.model, 12.0)
+
+
+def fit_ranks(tmp_path, name: str, **kwargs) -> dict:
+    accumulate = kwargs.pop("accumulate_grad_batches", 1)
+    instruments = [AttentionLogitStatistics(every_n_steps=1, chunk_elements=2 * 2 * 16 * 5),
+                   OutputLogitStatistics(every_n_steps=1, chunk_rows=7)]
+    recorder = Recorder(str(tmp_path / f"{name}.json"), instruments)
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, max_steps=STEPS, callbacks=[*instruments, recorder],
+                         use_distributed_sampler=False, accumulate_grad_batches=accumulate, **kwargs)
+    torch.manual_seed(0)
+    trainer.fit(SharpShardedSGD(accumulate))
+    return json.loads((tmp_path / f"{name}.json").read_text())["steps"]
+
+
+@pytest.mark.slow
+def test_fsdp_two_processes_equal_one_process(tmp_path):
+    torch.set_num_threads(1)
+    single = fit_ranks(tmp_path, "single", devices=1)
+    strategy = CPUFSDPStrategy(auto_wrap_policy={Block}, sharding_strategy="FULL_SHARD")
+    sharded = fit_ranks(tmp_path, "fsdp", devices=2, strategy=strategy, accumulate_grad_batches=2)
+    assert sorted(sharded) == sorted(single) == ["0", "1", "2"]
+    assert any(0 < v < 1 for k, v in single["0"].items() if k.startswith("attn/collapsed/"))
+    for step, expected in single.items():
+        assert set(sharded[step]) == set(expected) and len(expected) == 4 * 2 + 3
+        for key, value in expected.items():
+            assert sharded[step][key] == pytest.approx(value, rel=2e-5, abs=1e-6), (step, key)
+
+
+def test_the_instruments_group_adds_both_at_its_cadence_with_switches():
+    from lnstab.callbacks import Instruments
+
+    def built(**kwargs) -> dict[str, object]:
+        return {type(c).__name__: c for c in Instruments(every_n_steps=20, **kwargs).callbacks()}
+
+    group = built()
+    assert group["AttentionLogitStatistics"].every_n_steps == group["OutputLogitStatistics"].every_n_steps == 20
+    monitor = group["DivergenceMonitor"]
+    assert monitor.stats_every_n_steps == 20 and monitor.every_n_steps == 1
+    assert (monitor.checks.collapse_fraction, monitor.checks.log_z_threshold) == (0.5, 30.0)
+    no_attention = built(attention=False)
+    assert "AttentionLogitStatistics" not in no_attention and "OutputLogitStatistics" in no_attention
+    checks = no_attention["DivergenceMonitor"].checks
+    assert checks.collapse_fraction is None and checks.attention_logit_threshold is None
+    neither = built(attention=False, output_logits=False)
+    assert "OutputLogitStatistics" not in neither and neither["DivergenceMonitor"].stats_every_n_steps == 0
