@@ -86,7 +86,7 @@ class HiddenStateStatistics(TapCallback):
         self.series_file = check.file_name("series_file", series_file)
         names = _stats.default_stats() if stats is None else check.choices("stats", stats, list(_stats.REGISTRY))
         for name in names:
-            check.choice("stats", name, [n for n, st in _stats.REGISTRY.items() if st.kind != "sequence"])
+            check.choice("stats", name, _stats.names_of("stream"))
         self.stats: tuple[str, ...] = tuple(names)
         self.sites: list[Site] = []
         self.steps: list[int] = []

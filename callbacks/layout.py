@@ -18,13 +18,15 @@ CHARTS: dict[str, list[str]] = {
     "bound": ["bound/ma", "bound/var", "bound/slack", "bound/violations"],
     "growth": ["growth/linear", "growth/exp"],
     "divergence": ["divergence/events"],
+    "attention": ["attn/max_logit", "attn/entropy_mean", "attn/entropy_min", "attn/collapsed"],
+    "output": ["output/log_z", "output/max_logit"],
 }
 
 
 def charts() -> dict[str, list[str]]:
     """Category → chart prefixes: one ``hidden/<stat>`` chart per per-site statistic in the registry, then
     :data:`CHARTS`."""
-    hidden = [f"hidden/{name}" for name, stat in _stats.REGISTRY.items() if stat.kind != "sequence"]
+    hidden = [f"hidden/{name}" for name in _stats.names_of("stream")]
     return {"hidden": hidden, **CHARTS}
 
 

@@ -384,3 +384,13 @@ def test_the_instruments_group_adds_both_at_its_cadence_with_switches():
     assert checks.collapse_fraction is None and checks.attention_logit_threshold is None
     neither = built(attention=False, output_logits=False)
     assert "OutputLogitStatistics" not in neither and neither["DivergenceMonitor"].stats_every_n_steps == 0
+
+
+def test_attention_statistics_stay_out_of_the_hidden_state_instrument_and_have_charts():
+    from lnstab.callbacks import HiddenStateStatistics, stability_layout
+
+    with pytest.raises(ConfigError, match="stats='attn_max_logit' is not allowed"):
+        HiddenStateStatistics(stats=["attn_max_logit"])  # it reads residual-stream views, not q and k
+    layout = stability_layout()
+    assert "hidden/attn_max_logit" not in layout["hidden"] and "hidden/output_log_z_mean" not in layout["hidden"]
+    assert set(layout["attention"]) == {f"attn/{n}" for n in NAMES} and "output/log_z" in layout["output"]
