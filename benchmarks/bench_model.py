@@ -10,6 +10,8 @@ are added one at a time, each row keeping the ones above it, so each row's chang
     + fused AdamW       torch.optim.AdamW(fused=True)
     + compile           torch.compile of the model (only with --compile; its compile time is reported apart)
     Peri-LN (all)       the last row's levers with norm_placement=peri, for the Peri-LN / Pre-LN ratio
+    + qk_norm           the last Pre-LN row with qk_norm=True (LayerNorm of q and k per head), for qk_norm / Pre-LN
+    + z_loss 1e-4       the last Pre-LN row with z_loss=1e-4 (in the chunked head pass), for z_loss / Pre-LN
 
 Steps take turns model by model so drift in machine speed hits all alike; medians are reported with the ratio of the
 reference's step time to each row's (> 1: faster than the reference), and min-max spread so a noisy run shows. On a
@@ -18,6 +20,7 @@ not stretch (with more threads, CPU time counts threads waiting for each other).
 
     python benchmarks/bench_model.py                      # 6 x 384, context 256, batch 8, fp32 on the CPU
     python benchmarks/bench_model.py --compile --steps 20
+    python benchmarks/bench_model.py --only 4,6,7 --steps 5   # Pre-LN, + qk_norm, + z_loss (and the reference)
     python benchmarks/bench_model.py --device cuda --precision bf16-mixed --preset gpt2 --seq 1024 --batch 16
 """
 
@@ -123,6 +126,11 @@ def build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype | N
         peri.compile()
         rows.append(("+ compile", Stepper(compiled, lnstab_new, True, device, dtype)))
     rows.append(("Peri-LN, same levers", Stepper(peri, lnstab_new, True, device, dtype)))
+    for label, option in (("+ qk_norm", dict(qk_norm=True)), ("+ z_loss 1e-4", dict(z_loss=1e-4))):
+        model = gpt(pad_vocab_multiple=64, **option)
+        if args.compile:
+            model.compile()
+        rows.append((label, Stepper(model, lnstab_new, True, device, dtype)))
     return rows
 
 
@@ -178,9 +186,11 @@ def main() -> None:
             print(f"{'':40s} (first step incl. compile: {first[label]:.1f} s)")
     pre = next((s for lbl, s in rows if lbl in ("+ compile", "+ fused AdamW") and args.compile == (lbl == "+ compile")),
                None)
-    peri = dict(rows).get("Peri-LN, same levers")
-    if pre is not None and peri is not None:
-        print(f"Peri-LN / Pre-LN step time: {statistics.median(peri.times) / statistics.median(pre.times):.3f}")
+    for label, name in (("Peri-LN, same levers", "Peri-LN"), ("+ qk_norm", "qk_norm"), ("+ z_loss 1e-4", "z_loss")):
+        other = dict(rows).get(label)
+        if pre is not None and other is not None:
+            ratio = statistics.median(other.times) / statistics.median(pre.times)
+            print(f"{name} / Pre-LN step time: {ratio:.3f}")
     fp32 = dict(rows).get("HF GPT-2 in fp32")
     if fp32 is not None and pre is not None:
         print(f"{args.precision} lnstab / fp32 reference speed: "
