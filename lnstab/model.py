@@ -231,7 +231,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Two residual half-steps (attention, then MLP) with the norms the placement asks for (module docstring)."""
+    """Two residual half-steps (attention, then MLP) with the norms and gates the config asks for (module docstring)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
