@@ -231,3 +231,84 @@ def test_how_often_a_run_was_measured_is_not_part_of_its_configuration(grid) -> 
     assert varying_keys(records) == ["model.norm_placement"]
     missing = {r.name: r for r in records if r.status == "missing"}
     assert set(missing) == {"peri_s2"} and not any(k.startswith("instruments.") for k in missing["peri_s2"].config)
+
+
+def add_events(run: Path, events: list[dict]) -> None:
+    (run / "divergence_events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+
+
+def test_divergence_table_shows_attention_collapse_and_logit_drift(grid) -> None:
+    add_events(grid / "pre_s0", [{"step": 300, "kind": "attention_collapse", "value": 0.7, "layer": "L01",
+                                  "stat": "collapsed"},
+                                 {"step": 100, "kind": "attention_collapse", "value": 0.6, "layer": "L00",
+                                  "stat": "collapsed"},
+                                 {"step": 200, "kind": "logit_drift", "value": -31.0, "layer": "output",
+                                  "stat": "log_z_mean"}])
+    add_events(grid / "pre_s1", [{"step": 50, "kind": "attention_collapse", "value": 2e3, "layer": "L01",
+                                  "stat": "max_logit"}])
+    add_events(grid / "pre_s2", [{"step": 10, "kind": "logit_drift", "value": 40.0, "layer": "output"}])  # unfinished
+    table = divergence_table(collect([grid]))
+    rows = rows_by_placement(table)
+    pre, peri = rows["pre"], rows["peri"]
+    assert (pre["attention_collapse"], pre["attention_collapse_steps"]) == (2, "50 100")  # first step of each run
+    assert (pre["logit_drift"], pre["logit_drift_steps"]) == (1, "200")  # the interrupted run is not counted
+    assert (peri["attention_collapse"], peri["logit_drift"]) == (0, 0)
+    markdown = table.to_markdown()
+    assert "| attention collapse | logit drift |" in markdown.splitlines()[0] + "|"
+    assert "| pre | 0/2 | – | 3 | 1 interrupted | 2/2 (from 50, 100) | 1/2 (from 200) |" in markdown
+    assert table.to_csv().splitlines()[0].endswith("attention_collapse,attention_collapse_steps,logit_drift,"
+                                                   "logit_drift_steps")
+
+
+def ladder_grid(root: Path) -> Path:
+    """Two configurations over a learning-rate ladder; initial loss 6.0 (train/loss at step 0) everywhere."""
+    g = root / "runs" / "ladder"
+    runs = [("pre", 1e-3, 0, "completed", 4.0), ("pre", 1e-3, 1, "completed", 4.4), ("pre", 1e-2, 0, "completed", 3.0),
+            ("pre", 1e-1, 0, "diverged", 9.0), ("peri", 1e-3, 0, "completed", 3.5),
+            ("peri", 1e-2, 0, "completed", 3.2), ("peri", 1e-2, 1, "interrupted", 2.0),
+            ("peri", 1e-1, 0, "completed", 3.3), ("peri", 3e-1, 0, "completed", None)]
+    for placement, lr, seed, status, val in runs:
+        name = f"{placement}_lr{lr:g}_s{seed}"
+        d = make_run(g, name, placement, seed, status, val_loss=val, diverged_step=5 if status == "diverged" else None)
+        config = yaml.safe_load((d / "config.yaml").read_text())
+        config["model"]["learning_rate"] = lr
+        (d / "config.yaml").write_text(yaml.safe_dump(config))
+    return g
+
+
+def test_lr_sensitivity_on_constructed_curves(tmp_path) -> None:
+    from lnstab.report.lr_sensitivity import lr_sensitivity_table
+
+    table = lr_sensitivity_table(collect([ladder_grid(tmp_path)]))
+    rows = rows_by_placement(table)
+    pre, peri = rows["pre"], rows["peri"]
+    # pre: L(1e-3) = (4.0 + 4.4)/2 = 4.2, L(1e-2) = 3.0, L(1e-1) = min(inf, 6.0) = 6.0 (diverged); L* = 3.0
+    assert pre["lr_sensitivity"] == pytest.approx((1.2 + 0.0 + 3.0) / 3)
+    assert (pre["best_lr"], pre["best_loss"], pre["initial_loss"]) == (1e-2, 3.0, 6.0)
+    assert (pre["ladder"], pre["runs"], pre["diverged"]) == ("0.001 0.01 0.1", 4, 1)
+    # peri: 3.5, 3.2 (the interrupted run does not count), 3.3, and 4.0 at 3e-1 (no val loss: last train loss)
+    assert peri["lr_sensitivity"] == pytest.approx((0.3 + 0.0 + 0.1 + 0.8) / 4)
+    assert (peri["best_lr"], peri["runs"], peri["all_runs"]) == (1e-2, 4, 5)
+    assert set(table.columns) >= {"norm_placement", "lr_sensitivity"} and "learning_rate" not in table.columns
+    assert "| pre | 1.4 | 0.01 | 3 | 6 | 0.001, 0.01, 0.1 | 4/4 | 1 |" in table.to_markdown()
+
+
+def test_report_draws_logit_figures_and_the_lr_sensitivity(tmp_path, capsys) -> None:
+    g = ladder_grid(tmp_path)
+    for i, run in enumerate(sorted(p for p in g.iterdir() if p.is_dir())):
+        write_scalars(run, {"attn/max_logit/L00": [(0, 1.0), (50, 5.0 + i)], "attn/max_logit/L01": [(0, 2.0),
+                                                                                                 (50, 40.0 + i)],
+                            "output/log_z_mean": [(0, 4.6), (50, 3.0 - i)]}, "2")
+    from lnstab.report.collect import read_run
+    from lnstab.report.figures import max_over_layers
+
+    assert max_over_layers(read_run(sorted(g.iterdir())[0]), "attn/max_logit") == [(0, 2.0), (50, 40.0)]
+    out = tmp_path / "report"
+    main(["report", str(g), "--out", str(out)])
+    capsys.readouterr()
+    for name in ("attention_max_logit.png", "log_z.png", "lr_sensitivity.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
+    report = (out / "report.md").read_text()
+    assert "LR sensitivity (Wortsman et al. 2023)" in report and (out / "lr_sensitivity.csv").read_text()
+    assert "![final loss against learning rate, one line per configuration](lr_sensitivity.png)" in report

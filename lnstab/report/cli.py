@@ -17,6 +17,7 @@ from pathlib import Path
 from lnstab.errors import LNStabError
 from lnstab.report.collect import RunRecord, collect
 from lnstab.report.figures import FIGURES, draw_all
+from lnstab.report.lr_sensitivity import lr_sensitivity_table
 from lnstab.report.tables import divergence_table, group, performance_table, runs_table, stability_table
 from lnstab.rundir import atomic_write_text
 from lnstab.sweep.cli import OneLineParser
@@ -26,6 +27,8 @@ TABLES = {
                    divergence_table),
     "performance": ("Performance: mean ± std over the completed runs (n = used/all)", performance_table),
     "stability": ("Stability: end of training, mean ± std over the runs with data (n = used/all)", stability_table),
+    "lr_sensitivity": ("LR sensitivity (Wortsman et al. 2023): mean over the learning-rate ladder of "
+                       "min(L, L_init) − L* per configuration", lr_sensitivity_table),
     "runs": ("Runs", runs_table),
 }
 

@@ -15,6 +15,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from lnstab.report.collect import RunRecord
+from lnstab.report.lr_sensitivity import ladders
 from lnstab.report.tables import Configuration, jacobian_points, last_site
 
 STATS = (("mean_abs", "mean |x| (MA)"), ("var_entry", "entry-wise variance"), ("var_data", "data-wise variance"))
@@ -199,12 +200,85 @@ def loss_curves(configs: list[Configuration], path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def max_over_layers(run: RunRecord, prefix: str) -> list[tuple[int, float]]:
+    """Per step, the largest value over the layers of the scalars ``<prefix>/<layer>`` (a NaN layer makes it NaN)."""
+    by_step: dict[int, float] = {}
+    for tag, points in run.scalars().items():
+        if tag.startswith(prefix + "/"):
+            for step, value in points:
+                old = by_step.get(step, -math.inf)
+                by_step[step] = value if math.isnan(value) or math.isnan(old) else max(old, value)
+    return sorted(by_step.items())
+
+
+def _over_steps(configs: list[Configuration], path: Path, series: Callable[[RunRecord], list[tuple[int, float]]],
+                ylabel: str, title: str, log: bool) -> Path | None:
+    fig = Figure(figsize=(7.5, 4.5))
+    ax = fig.subplots()
+    drawn = False
+    for i, c in enumerate(configs):
+        xs, ys = _mean_by_key([p for r in c.runs for p in series(r)])
+        if xs:
+            ax.plot(xs, ys, color=_colour(i), label=c.label)
+            drawn = True
+    if not drawn:
+        return None
+    if log:
+        _log_if_positive(ax)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    _legend(ax)
+    return _save(fig, path)
+
+
+def attention_max_logit(configs: list[Configuration], path: Path) -> Path | None:
+    """The largest attention logit |q·k|/√d_h over every layer (``attn/max_logit/*``), over training steps."""
+    return _over_steps(configs, path, lambda r: max_over_layers(r, "attn/max_logit"),
+                       "max |q·k|/√d_h, largest over layers", "Attention-logit growth (max over layers)", log=True)
+
+
+def log_z_over_steps(configs: list[Configuration], path: Path) -> Path | None:
+    """The mean over tokens of log Z = logsumexp of the output logits (``output/log_z_mean``), over steps."""
+    return _over_steps(configs, path, lambda r: r.series("output/log_z_mean"), "mean log Z (nats)",
+                       "Output-logit drift: mean log Z (z-loss pulls it to 0)", log=False)
+
+
+def lr_sensitivity(configs: list[Configuration], path: Path) -> Path | None:
+    """Final loss against learning rate (log x), one line per configuration without the learning rate: Wortsman et
+    al.'s form; a diverged run counts as the initial loss (×: an LR where some run diverged)."""
+    records = [r for c in configs for r in c.runs]
+    _, _, found = ladders(records)
+    fig = Figure(figsize=(7.5, 4.5))
+    ax = fig.subplots()
+    drawn = False
+    for i, ladder in enumerate(found):
+        if len(ladder.points) < 2:
+            continue
+        lrs = list(ladder.points)
+        ax.plot(lrs, [ladder.points[lr] for lr in lrs], marker="o", color=_colour(i), label=ladder.label)
+        bad = [lr for lr in lrs if ladder.diverged.get(lr)]
+        ax.scatter(bad, [ladder.points[lr] for lr in bad], marker="x", s=70, color=_colour(i), zorder=3)
+        drawn = True
+    if not drawn:
+        return None
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("final loss, min(L, L_init)")
+    ax.set_title("Final loss against learning rate (× = a run diverged; counted as L_init)")
+    _legend(ax)
+    return _save(fig, path)
+
+
 FIGURES: dict[str, tuple[str, Callable[[list[Configuration], Path], Path | None]]] = {
     "depth_profile.png": ("MA, entry-wise and data-wise variance against depth at the end of training", depth_profile),
     "last_layer_steps.png": ("the same for the last layer over training steps", last_layer_over_steps),
     "jacobian_scale.png": ("Jacobian sensitivity against activation scale per layer (Props. 7/8)", jacobian_vs_scale),
     "theorem4_bound.png": ("Theorem 4 bound beside the measured MA", theorem4),
     "loss_curves.png": ("training and validation loss, divergence points marked", loss_curves),
+    "attention_max_logit.png": ("the largest attention logit over layers, over training steps", attention_max_logit),
+    "log_z.png": ("mean log Z of the output logits over training steps", log_z_over_steps),
+    "lr_sensitivity.png": ("final loss against learning rate, one line per configuration", lr_sensitivity),
 }
 
 

@@ -5,7 +5,8 @@ Runs are grouped into *configurations* by the config keys whose values differ be
 in its configuration's ``n``, also when it is missing, running, interrupted or failed:
 
 * **divergence**: ``diverged`` = k/n over the runs that finished (completed or diverged), with each divergence step;
-  ``unfinished`` counts the others by status.
+  ``unfinished`` counts the others by status; for each recorded-only event kind (``attention_collapse``,
+  ``logit_drift``: DivergenceMonitor's non-fatal events) the finished runs that had one, with the first step of each.
 * **performance**: mean ± sample std over the *completed* runs that have the metric; ``n`` = used/all runs.
   Diverged runs are left out (their scores describe a broken model), and show in ``n``.
 * **stability**: mean ± std over every run with the series (a diverged run at its last finite record): last-layer
@@ -28,6 +29,7 @@ from typing import Any
 from lnstab.report.collect import RunRecord
 
 FP16_MAX = 65504.0
+WATCHED_EVENTS = ("attention_collapse", "logit_drift")  # non-fatal DivergenceMonitor kinds the divergence table shows
 PERFORMANCE_METRICS = ("val_loss", "eval_loss", "ppl_exp_mean_loss", "ppl_mean_seq", "rouge1", "rouge2", "rougeL",
                        "bertscore_precision", "bertscore_recall", "bertscore_f1")
 STABILITY_METRICS = ("ma_last", "var_entry_last", "var_data_last", "max_abs", "growth_exp_rate", "growth_exp_r2",
@@ -188,12 +190,26 @@ def divergence_table(records: list[RunRecord]) -> Table:
         row = {**cells, "runs": len(c.runs), "finished": len(finished), "diverged": len(diverged),
                "divergence_steps": " ".join(map(str, steps)), "unfinished": _status_counts(c.runs, ("completed",
                                                                                                     "diverged"))}
+        mrow = {**cells, "diverged (k/n)": f"{len(diverged)}/{len(finished)}",
+                "divergence steps": ", ".join(map(str, steps)) or "–", "runs": str(len(c.runs)),
+                "unfinished": row["unfinished"] or "–"}
+        for kind in WATCHED_EVENTS:
+            firsts = sorted(s for s in (first_event_step(r, kind) for r in finished) if s is not None)
+            row[kind], row[f"{kind}_steps"] = len(firsts), " ".join(map(str, firsts))
+            mrow[kind.replace("_", " ")] = f"{len(firsts)}/{len(finished)}" + (
+                f" (from {', '.join(map(str, firsts))})" if firsts else "")
         rows.append(row)
-        md.append({**cells, "diverged (k/n)": f"{len(diverged)}/{len(finished)}",
-                   "divergence steps": ", ".join(map(str, steps)) or "–", "runs": str(len(c.runs)),
-                   "unfinished": row["unfinished"] or "–"})
-    return Table([*names, "runs", "finished", "diverged", "divergence_steps", "unfinished"], rows,
-                 [*names, "diverged (k/n)", "divergence steps", "runs", "unfinished"], md)
+        md.append(mrow)
+    watched = [c for kind in WATCHED_EVENTS for c in (kind, f"{kind}_steps")]
+    return Table([*names, "runs", "finished", "diverged", "divergence_steps", "unfinished", *watched], rows,
+                 [*names, "diverged (k/n)", "divergence steps", "runs", "unfinished",
+                  *(k.replace("_", " ") for k in WATCHED_EVENTS)], md)
+
+
+def first_event_step(run: RunRecord, kind: str) -> int | None:
+    """The first step at which the run recorded an event of ``kind`` (``None``: never)."""
+    steps = [e["step"] for e in run.events if e.get("kind") == kind and isinstance(e.get("step"), int)]
+    return min(steps) if steps else None
 
 
 def performance_table(records: list[RunRecord]) -> Table:
