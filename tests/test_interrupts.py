@@ -170,42 +170,29 @@ def test_a_checkpoint_that_would_run_code_is_refused_in_one_line(tmp_path, capsy
     assert not marker.exists()  # the payload never ran
 
 
-@pytest.mark.slow
-def test_slurm_requeue_signal_saves_then_requeues_through_lightning(tmp_path) -> None:
-    """SLURM's requeue signal (SIGUSR1): stop at a step boundary with last.ckpt, then Lightning's own handler
-    saves its HPC checkpoint and calls ``scontrol requeue <job>`` (a fake scontrol records the call)."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    calls = tmp_path / "scontrol.calls"
-    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n")
-    (bin_dir / "scontrol").chmod(0o755)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_NTASKS": "1",
-           "SLURM_JOB_NAME": "lnstab-test", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
-           "SLURM_NODEID": "0", "SLURM_NNODES": "1"}
-    cfg = tiny_config(tmp_path)
-    run = tmp_path / "run"
-    cmd = [LNSTAB, "fit", "--config", str(cfg), "--run_dir", str(run), "--trainer.max_steps", "100000"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    wait_for(run / "checkpoints" / "last.ckpt", proc)
-    proc.send_signal(signal.SIGUSR1)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGUSR1, out[-3000:]
-    summary = read_summary(run)
-    assert summary["status"] == "interrupted" and summary["signal"] == "SIGUSR1"
-    assert calls.read_text().split() == ["requeue", "4242"]
-    step = summary["interrupted_step"]
-    hpc = sorted(run.glob("hpc_ckpt_*.ckpt"))  # Lightning's requeue checkpoint, in the run directory
-    assert hpc and torch.load(hpc[-1], weights_only=True)["global_step"] == step
-    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == step
-
-
 WORKERS_SCRIPT = """
-import os, sys
+import os, signal, sys
 from lnstab.datamodules import OpenWebTextDataModule
+from lnstab.datamodules import openwebtext
+
+def parent_handler(signum, frame):  # what Lightning's SLURM requeue handler is to a forked worker
+    if os.getpid() != main_pid:
+        open(sys.argv[1], "a").write(f"{os.getpid()} ran the parent's handler for {signum}\\n")
+
+main_pid = os.getpid()
+for s in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+    signal.signal(s, parent_handler)
+masks = []
+def recording_init(worker_id):  # the mask a worker starts with, before ignore_stop_signals runs
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    open(sys.argv[1] + ".mask", "a").write(" ".join(sorted(str(int(s)) for s in blocked)) + "\\n")
+    openwebtext.ignore_stop_signals(worker_id)
 dm = OpenWebTextDataModule(block_size=16, batch_size=2, source="synthetic", synthetic_vocab_size=97,
                            synthetic_tokens=20_000, val_tokens=1_000, num_workers=2)
 dm.setup("fit")
-it = iter(dm.train_dataloader())
+loader = dm.train_dataloader()
+loader.worker_init_fn = recording_init
+it = iter(loader)
 next(it)
 print(" ".join(str(w.pid) for w in it._workers), flush=True)
 sys.stdin.readline()  # the test signals the workers meanwhile
@@ -216,21 +203,30 @@ print("ok", flush=True)
 """
 
 
-def test_loader_workers_ignore_stop_signals_from_others_and_end_with_their_parent() -> None:
-    """SIGINT and SIGTERM from another process (a terminal, a scheduler) leave the workers serving batches; the
-    parent's exit with a live iterator still ends them (a worker that ignored every SIGTERM hung it for ever)."""
-    proc = subprocess.Popen([sys.executable, "-c", WORKERS_SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+def test_loader_workers_ignore_stop_signals_from_others_and_end_with_their_parent(tmp_path) -> None:
+    """SIGINT, SIGTERM, SIGUSR1, SIGUSR2 and SIGHUP from another process (a terminal, a scheduler signalling every
+    process of a job) leave the workers serving batches and never run a handler they inherited from the parent (a
+    worker once ran Lightning's SLURM requeue handler on SIGUSR1 and died); workers start with those signals blocked,
+    so none arrives before they are ignored; the parent's exit with a live iterator still ends them (a worker that
+    ignored every SIGTERM hung it for ever)."""
+    record = tmp_path / "record"
+    proc = subprocess.Popen([sys.executable, "-c", WORKERS_SCRIPT, str(record)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 2, proc.stderr.read()
         for pid in pids:
-            os.kill(pid, signal.SIGTERM)
-            os.kill(pid, signal.SIGINT)
+            for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+                os.kill(pid, s)
         out, err = proc.communicate("go\n", timeout=120)
     finally:
         proc.kill()
     assert proc.returncode == 0 and out.strip() == "ok", err[-3000:]
+    assert not record.exists(), record.read_text()
+    masks = [set(map(int, line.split())) for line in Path(f"{record}.mask").read_text().splitlines()]
+    expected = {int(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)}
+    assert len(masks) == 2 and all(expected <= m for m in masks), masks
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

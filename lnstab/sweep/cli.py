@@ -62,7 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parallel", type=int, default=1, metavar="N", help="child processes at a time (default 1)")
     p.add_argument("--retry-failed", action="store_true", help="run failed runs again instead of skipping them")
     p.add_argument("--nodes", type=int, help="--slurm/--torchrun: nodes per run (default: the grid's, else 1)")
-    p.add_argument("--gpus-per-node", type=int, help="--slurm/--torchrun: GPUs per node (default: grid's, else 8)")
+    p.add_argument("--gpus-per-node", type=int,
+                   help="--slurm/--torchrun: GPUs per node (default: grid's, else 8); 0: a CPU job, one task per node")
+    p.add_argument("--cpus-per-task", type=int, help="--slurm: CPUs per task (default: the grid's, else 12)")
+    p.add_argument("--time", help="--slurm: time limit per element, as sbatch takes it (default: the grid's)")
+    p.add_argument("--partition", help="--slurm: partition (default: the grid's, else the cluster's default)")
     p.add_argument("--no-validate", action="store_true", help="skip checking the runs against lnstab fit's parser")
     return p
 
@@ -193,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
         print(prepare(grid, grid.run(args.prepare), args.root, args.retry_failed))
         return
     if args.slurm or args.torchrun:
-        settings = slurm_settings(grid, nodes=args.nodes, gpus_per_node=args.gpus_per_node)
+        settings = slurm_settings(grid, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                                  cpus_per_task=args.cpus_per_task, time=args.time, partition=args.partition)
         if not args.no_validate:
             validate_with_cli(grid, runs)
         repeat = [f"--set={item}" for item in args.set] + (["--retry-failed"] if args.retry_failed else [])

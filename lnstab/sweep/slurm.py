@@ -46,18 +46,24 @@ def slurm_settings(grid: Grid, **overrides: Any) -> dict[str, Any]:
                         f"{', '.join(SLURM_DEFAULTS)}")
     settings = {**SLURM_DEFAULTS, **grid.slurm, **{k: v for k, v in overrides.items() if v is not None}}
     for key in ("nodes", "gpus_per_node", "cpus_per_task", "signal_s"):
-        value = settings[key]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise GridError(f"grid {grid.path}: slurm {key}={value!r} is not allowed; it must be an integer >= 1")
+        value, low = settings[key], 0 if key == "gpus_per_node" else 1
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise GridError(f"grid {grid.path}: slurm {key}={value!r} is not allowed; it must be an integer >= {low}"
+                            + (" (0: a CPU job, one task per node)" if low == 0 else ""))
     for key in ("sbatch", "setup"):
         if not isinstance(settings[key], list) or not all(isinstance(x, str) for x in settings[key]):
             raise GridError(f"grid {grid.path}: slurm {key}={settings[key]!r} is not allowed; give a list of strings")
     return settings
 
 
+def tasks_per_node(settings: dict[str, Any]) -> int:
+    """One task per GPU; a CPU job (``gpus_per_node: 0``) runs one task per node, on every CPU it is given."""
+    return settings["gpus_per_node"] or 1
+
+
 def _distributed(settings: dict[str, Any]) -> dict[str, Any]:
-    return {"trainer.accelerator": "gpu", "trainer.num_nodes": settings["nodes"],
-            "trainer.devices": settings["gpus_per_node"]}
+    return {"trainer.accelerator": "gpu" if settings["gpus_per_node"] else "cpu",
+            "trainer.num_nodes": settings["nodes"], "trainer.devices": tasks_per_node(settings)}
 
 
 def sbatch_script(grid: Grid, runs: list[Run], root: str | Path, settings: dict[str, Any],
@@ -82,8 +88,8 @@ def sbatch_script(grid: Grid, runs: list[Run], root: str | Path, settings: dict[
         f"#SBATCH --job-name=lnstab-{grid.name}",
         f"#SBATCH --array={array}",
         f"#SBATCH --nodes={settings['nodes']}",
-        f"#SBATCH --ntasks-per-node={settings['gpus_per_node']}",
-        f"#SBATCH --gpus-per-node={settings['gpus_per_node']}",
+        f"#SBATCH --ntasks-per-node={tasks_per_node(settings)}",
+        *([f"#SBATCH --gpus-per-node={settings['gpus_per_node']}"] if settings["gpus_per_node"] else []),
         f"#SBATCH --cpus-per-task={settings['cpus_per_task']}",
         f"#SBATCH --time={settings['time']}",
         f"#SBATCH --chdir={os.getcwd()}",
@@ -111,7 +117,11 @@ def sbatch_script(grid: Grid, runs: list[Run], root: str | Path, settings: dict[
         f"  resume) RESUME=({shlex.join(RESUME_ARGS)}) ;;",
         "  *) RESUME=() ;;",
         "esac",
-        "# One task per GPU on every node; Lightning takes ranks, master address and port from SLURM.",
+        "# SIGUSR1 to the whole job (scancel -s USR1 --full, a pre-emption) reaches this shell too, whose default",
+        "# action would end the job under the run; the run itself saves last.ckpt and requeues the element.",
+        'trap \'echo "lnstab: $RUN: SIGUSR1 reached the batch shell; the run saves and requeues itself" >&2\' USR1',
+        "# One task per GPU (CPU jobs: per node) on every node; Lightning takes ranks, master address and port from",
+        "# SLURM.",
         'srun --kill-on-bad-exit=1 "${FIT[@]}" ${RESUME[@]+"${RESUME[@]}"}',  # bash < 4.4: empty array and set -u
         "",
     ]
@@ -127,7 +137,7 @@ def torchrun_commands(grid: Grid, runs: list[Run], root: str | Path, settings: d
                       grid_file: str | None = None, sweep_args: list[str] | tuple[str, ...] = (),
                       port: int = 29500) -> str:
     """Shell lines that run each run with ``torchrun`` on bare machines (the same command on every node)."""
-    nodes, gpus = settings["nodes"], settings["gpus_per_node"]
+    nodes, gpus = settings["nodes"], tasks_per_node(settings)
     lines = [
         f"# lnstab sweep {grid.name} with torchrun: run each command on all {nodes} node(s) at once, with NODE_RANK",
         "# = 0 … nodes-1 and MASTER_ADDR = node 0's address. First, on node 0, decide the run's fate:",
