@@ -202,8 +202,13 @@ class LNStabCLI(LightningCLI):
                 c.trainer.enable_autolog_hparams = False
         c.run_dir, c.ckpt_path = run_dir, ckpt
         if ckpt and not Path(ckpt).is_dir():
-            runs.check_against_checkpoint(load_checkpoint(ckpt, mmap=True), c.model.as_dict(), ckpt,
-                                          runs.explicit_keys(self.argv, "model"))
+            # The checkpoint's hyperparameters win over the parsed model settings (LightningCLI reads them from
+            # ckpt_path): refused where they differ. A resumed fit compares every source (--config files, a
+            # grid's overrides, flags); validate/test/evaluate, which score the checkpoint's model under any
+            # config, compare the explicit --model.* flags.
+            explicit = runs.explicit_keys(self.argv, "model")
+            model = c.model.as_dict() if sub == "fit" else {k: c.model[k] for k in explicit if k in c.model}
+            runs.check_against_checkpoint(load_checkpoint(ckpt, mmap=True), model, ckpt, explicit)
         if sub == "fit" and ckpt is not None and run_dir:
             runs.check_resumable(run_dir)
         if sub in CKPT_SUBCOMMANDS and run_dir and not runs.explicit_keys(self.argv, "data"):
@@ -294,13 +299,6 @@ class LNStabCLI(LightningCLI):
 
     def after_instantiate_classes(self) -> None:
         c = self.config[self.subcommand] if self.subcommand else self.config
-        if self.subcommand == "fit" and runlock.launched_as_rank_zero():
-            # one owner per run directory, taken once every class is built (a bad setting has failed by now) and
-            # before the trainer's setup, where the logger creates its event file (RunStatus.setup takes it too,
-            # for Trainers used without this CLI)
-            note = runlock.hold(trainer_run_dir(self.trainer))
-            if note:
-                rank_zero_info(note)
         hp = getattr(self.datamodule, "hparams", {})
         if hp.get("resolved_source") and c.get("data.init_args.source") == "auto":
             c.data.init_args.source = hp["resolved_source"]  # the saved config names the data actually used
@@ -314,6 +312,13 @@ class LNStabCLI(LightningCLI):
                 f"model.vocab_size={vocab} is not allowed with this data: its token ids go up to {needed() - 1}; "
                 f"it must be >= {needed()}"
             )
+        if self.subcommand == "fit" and runlock.launched_as_rank_zero():
+            # one owner per run directory, taken once every class is built and checked (a bad setting has failed
+            # by now, leaving nothing behind) and before the trainer's setup, where the logger creates its event
+            # file (RunStatus.setup takes it too, for Trainers used without this CLI)
+            note = runlock.hold(trainer_run_dir(self.trainer))
+            if note:
+                rank_zero_info(note)
 
 
 def _default_config(argv: list[str]) -> list[str]:
