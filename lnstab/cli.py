@@ -21,7 +21,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
@@ -37,6 +36,7 @@ from lnstab.module import GPTModule
 from lnstab.precision import precision_warning, resolve_precision
 from lnstab.rundir import CONFIG_FILE, latest_eval, read_summary
 from lnstab.rundir import run_dir as trainer_run_dir
+from lnstab.safeload import load_yaml
 from lnstab.trainer import LNStabTrainer
 
 # Subcommands that are not Trainer methods: name -> "module:function" taking argv (imported only when used).
@@ -219,7 +219,7 @@ class LNStabCLI(LightningCLI):
         saved = run_dir / CONFIG_FILE
         if not saved.is_file():
             return
-        data = (yaml.safe_load(saved.read_text(encoding="utf-8")) or {}).get("data")
+        data = (load_yaml(saved) or {}).get("data")  # bounded: a run directory is data from outside
         if not isinstance(data, dict):
             return
         data.get("init_args", {}).pop("block_size", None)  # linked from the model

@@ -3,21 +3,28 @@
 An experiment YAML names the file it builds on with ``extends: base.yaml`` (relative to itself).
 :func:`expand_extends` turns that chain into ordinary ``--config`` arguments, base first, so later files and
 ``--key value`` overrides still win; a missing file, a cycle or a file that is not a YAML mapping is one line
-(:class:`~lnstab.errors.LNStabError`).
+(:class:`~lnstab.errors.LNStabError`). Every file is read within :mod:`lnstab.safeload`'s bounds (size, UTF-8,
+nesting, alias expansion) before jsonargparse sees it, and jsonargparse's own YAML loader gets the same bounds
+(:func:`~lnstab.safeload.bound_jsonargparse`) for the values and files it reads by itself.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
 from lnstab.errors import LNStabError
 from lnstab.rundir import CONFIG_FILE
+from lnstab.safeload import bound_jsonargparse, load_yaml
 
 
 def expand_extends(argv: list[str]) -> list[str]:
-    """Put each ``--config`` file's ``extends`` chain (base first) in front of it as further ``--config`` args."""
+    """Put each ``--config`` file's ``extends`` chain (base first) in front of it as further ``--config`` args.
+
+    Raises:
+        LNStabError: A file that is missing, not a YAML mapping, past a bound of :mod:`lnstab.safeload`, or an
+            ``extends`` that is not one file name or forms a cycle.
+    """
+    bound_jsonargparse()
     out: list[str] = []
     i = 0
     while i < len(argv):
@@ -41,13 +48,7 @@ def _extends_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[Path]:
     resolved = path.resolve()
     if resolved in seen:
         raise LNStabError(f"--config {path}: 'extends' forms a cycle through {', '.join(map(str, seen))}")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise LNStabError(f"--config {path} is not valid YAML{where}: {problem}") from None
+    data = load_yaml(path, f"--config {path}") or {}
     if not isinstance(data, dict):
         raise LNStabError(f"--config {path} is not allowed; it must hold a YAML mapping (key: value)")
     base = data.get("extends")
