@@ -25,6 +25,12 @@ A run directory is what ``lnstab fit`` writes (``runs/<experiment>/version_N/``,
 
 Writers: :func:`update_summary` (inside a run, rank zero) and :func:`merge_summary` (anywhere). Every file is
 written through :func:`atomic_write_text`, so a reader never sees half a file.
+
+Non-finite numbers (a diverged run has them; strict JSON has none) are written as the tagged object
+``{"$float": "nan"}`` (``"inf"``, ``"-inf"``) and only that object is read back as a float: a string is always a
+string (a run named ``nan``, a grid value ``"inf"``). Readers read within :mod:`lnstab.safeload`'s bounds and
+raise :class:`RunFileError` for a damaged file (truncated, not JSON, the wrong shape), naming it and the problem
+in one line; callers count such a run as damaged and go on with the others.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ import os
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from lnstab.safeload import MAX_JSON_BYTES, DataFileError, check_json_depth, load_json, read_text
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -47,6 +55,27 @@ EVAL_FILE = "eval.json"
 CHECKPOINT_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.ckpt"
 STATUSES = ("running", "completed", "diverged", "interrupted", "failed")
+FLOAT_TAG = "$float"  # {"$float": "nan" | "inf" | "-inf"}: a non-finite number in lnstab's JSON files
+NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+class RunFileError(DataFileError):
+    """A damaged run-directory file (truncated, not JSON, not the shape lnstab writes); one line naming it.
+
+    Attributes:
+        path: The file.
+        problem: What is wrong with it (the message without the file's name).
+    """
+
+    def __init__(self, path: str | os.PathLike, problem: str) -> None:
+        self.path, self.problem = Path(path), problem
+        super().__init__(f"{path} is damaged: {problem}")
+
+    @classmethod
+    def of(cls, path: Path, exc: DataFileError) -> RunFileError:
+        """The :class:`~lnstab.safeload.DataFileError` of reading ``path`` as a damaged run file."""
+        problem = str(exc).removeprefix(str(path)).lstrip(": ").removeprefix("is ")
+        return cls(path, problem.removesuffix(" (truncated or damaged)").removesuffix("; save it as UTF-8"))
 
 
 def run_dir(trainer: pl.Trainer) -> Path:
@@ -105,10 +134,11 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def json_safe(obj: Any) -> Any:
-    """``obj`` with every non-finite float replaced by the string ``"nan"``, ``"inf"`` or ``"-inf"`` (strict JSON
-    has no such numbers; a diverged run has them). :func:`read_json` gives them back as floats."""
+    """``obj`` with every non-finite float replaced by ``{"$float": "nan"}`` (``"inf"``, ``"-inf"``): strict JSON
+    has no such numbers and a diverged run has them. :func:`read_json` gives them back as floats; strings stay
+    strings. Tuples become lists."""
     if isinstance(obj, float) and not math.isfinite(obj):
-        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+        return {FLOAT_TAG: "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")}
     if isinstance(obj, dict):
         return {k: json_safe(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
@@ -117,37 +147,58 @@ def json_safe(obj: Any) -> Any:
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
-    """``obj`` as indented strict JSON (non-finite numbers as strings, see :func:`json_safe`), atomically."""
+    """``obj`` as indented strict JSON (non-finite numbers tagged, see :func:`json_safe`), atomically."""
     text = json.dumps(json_safe(obj), indent=2, sort_keys=True, default=str, allow_nan=False)
     atomic_write_text(path, text + "\n")
 
 
-NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-
-
-def read_json(path: str | os.PathLike, numbers: bool = True) -> Any:
-    """The JSON in ``path`` (``None`` when the file does not exist); with ``numbers`` the strings ``"nan"``,
-    ``"inf"``, ``"-inf"`` that :func:`json_safe` wrote come back as floats."""
-    path = Path(path)
-    if not path.is_file():
-        return None
-    data = json.loads(path.read_text(encoding="utf-8"))
-    return _restore(data) if numbers else data
-
-
-def _restore(obj: Any) -> Any:
-    if isinstance(obj, str):
-        return NONFINITE.get(obj, obj)
-    if isinstance(obj, dict):
-        return {k: _restore(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_restore(v) for v in obj]
+def decode_float(obj: dict[str, Any]) -> Any:
+    """``json.loads``' ``object_hook``: the tagged object of :func:`json_safe` as its float, any other unchanged."""
+    if len(obj) == 1 and FLOAT_TAG in obj and obj[FLOAT_TAG] in NONFINITE:
+        return NONFINITE[obj[FLOAT_TAG]]
     return obj
 
 
+def read_json(path: str | os.PathLike, numbers: bool = True) -> Any:
+    """The JSON in ``path`` (``None`` when the file does not exist); with ``numbers`` the tagged non-finite floats
+    of :func:`json_safe` come back as floats.
+
+    Raises:
+        RunFileError: The file is damaged (truncated, not JSON, not UTF-8, past a bound).
+    """
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        return load_json(path, object_hook=decode_float if numbers else None)
+    except DataFileError as exc:
+        raise RunFileError.of(path, exc) from None
+
+
+def read_object(path: str | os.PathLike, what: str = "a JSON object") -> dict[str, Any] | None:
+    """:func:`read_json` of a file that must hold a JSON object (``None`` when the file does not exist).
+
+    Raises:
+        RunFileError: Damaged, or not an object.
+    """
+    data = read_json(path)
+    if data is not None and not isinstance(data, dict):
+        raise RunFileError(path, f"it holds a JSON {type(data).__name__}, not {what}")
+    return data
+
+
 def read_summary(directory: str | os.PathLike) -> dict[str, Any]:
-    """The run summary in ``directory`` (``{}`` when there is none yet)."""
-    return read_json(Path(directory) / SUMMARY_FILE) or {}
+    """The run summary in ``directory`` (``{}`` when there is none yet).
+
+    Raises:
+        RunFileError: ``summary.json`` is damaged (not JSON, not an object, or ``val``/``eval`` not objects).
+    """
+    path = Path(directory) / SUMMARY_FILE
+    summary = read_object(path, "a run summary (an object)") or {}
+    for key in ("val", "eval"):
+        if summary.get(key) is not None and not isinstance(summary[key], dict):
+            raise RunFileError(path, f"'{key}' holds a JSON {type(summary[key]).__name__}, not an object")
+    return summary
 
 
 def merge_summary(directory: str | os.PathLike, **fields: Any) -> dict[str, Any]:
@@ -169,16 +220,54 @@ def update_summary(trainer: pl.Trainer, **fields: Any) -> None:
 
 
 def read_events(directory: str | os.PathLike) -> list[dict[str, Any]]:
-    """The divergence events of a run (``[]`` when none were recorded)."""
+    """The divergence events of a run (``[]`` when none were recorded).
+
+    Raises:
+        RunFileError: A line that is not a JSON object (e.g. half-written), named by its number.
+    """
     path = Path(directory) / EVENTS_FILE
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        text = read_text(path, str(path), MAX_JSON_BYTES)
+    except DataFileError as exc:
+        raise RunFileError.of(path, exc) from None
+    events = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            check_json_depth(line, f"line {number}")
+            event = json.loads(line, object_hook=decode_float)
+        except DataFileError as exc:
+            raise RunFileError(path, str(exc)) from None
+        except (json.JSONDecodeError, RecursionError) as exc:
+            why = f" (column {exc.colno}: {exc.msg})" if isinstance(exc, json.JSONDecodeError) else ""
+            raise RunFileError(path, f"line {number} is not valid JSON{why}; half-written?") from None
+        if not isinstance(event, dict):
+            raise RunFileError(path, f"line {number} holds a JSON {type(event).__name__}, not an event (an object)")
+        events.append(event)
+    return events
 
 
 def read_hidden_series(directory: str | os.PathLike) -> dict[str, Any] | None:
-    """The hidden-state series ``{"tags", "steps", "stats": {stat: {tag: [values]}}}`` or ``None``."""
-    return read_json(Path(directory) / HIDDEN_SERIES_FILE)
+    """The hidden-state series ``{"tags", "steps", "stats": {stat: {tag: [values]}}}`` or ``None``.
+
+    Raises:
+        RunFileError: Damaged, or not of that shape (the values themselves may be anything).
+    """
+    path = Path(directory) / HIDDEN_SERIES_FILE
+    series = read_object(path, "a hidden-state series (an object)")
+    if series is None:
+        return None
+    tags, steps, stats = series.get("tags", []), series.get("steps", []), series.get("stats", {})
+    if not (isinstance(tags, list) and all(isinstance(t, str) for t in tags)) or not isinstance(steps, list):
+        raise RunFileError(path, "'tags' must be a list of strings and 'steps' a list")
+    if not isinstance(stats, dict) or not all(
+        isinstance(by_tag, dict) and all(isinstance(v, list) for v in by_tag.values()) for by_tag in stats.values()
+    ):
+        raise RunFileError(path, "'stats' must map each statistic to {tag: [values]}")
+    return series
 
 
 def eval_files(directory: str | os.PathLike) -> list[Path]:
@@ -189,9 +278,13 @@ def eval_files(directory: str | os.PathLike) -> list[Path]:
 
 
 def latest_eval(directory: str | os.PathLike) -> dict[str, Any] | None:
-    """The newest final evaluation record of a run, or ``None``."""
+    """The newest final evaluation record of a run, or ``None``.
+
+    Raises:
+        RunFileError: The newest ``eval*.json`` is damaged (not JSON, or not an object).
+    """
     files = eval_files(directory)
-    return read_json(files[-1]) if files else None
+    return read_object(files[-1], "an evaluation record (an object)") if files else None
 
 
 def checkpoint_dir(directory: str | os.PathLike) -> Path:

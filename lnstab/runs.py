@@ -9,6 +9,7 @@ use).
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 
 from lnstab.checkpoint import CheckpointError, checkpoints_of, is_complete, newest_checkpoint
 from lnstab.errors import ConfigError
-from lnstab.rundir import CHECKPOINT_DIR, CONFIG_FILE, SUMMARY_FILE, read_summary
+from lnstab.rundir import CHECKPOINT_DIR, CONFIG_FILE, SUMMARY_FILE, RunFileError, read_summary
 
 RESUME_KEYWORDS = ("last", "auto")
 
@@ -76,12 +77,15 @@ def check_fresh_run_dir(run_dir: str | os.PathLike) -> None:
     """Refuse to start a new run in a directory that already holds one (nothing is overwritten).
 
     Raises:
-        ConfigError: ``run_dir`` holds a config, a summary or a checkpoint.
+        ConfigError: ``run_dir`` holds a config, a summary or a checkpoint (a damaged summary says so).
     """
     path = Path(run_dir)
-    held = [n for n in (CONFIG_FILE, SUMMARY_FILE, CHECKPOINT_DIR) if (path / n).exists()]
+    held = [n for n in (CONFIG_FILE, SUMMARY_FILE, CHECKPOINT_DIR) if os.path.lexists(path / n)]
     if held:
-        status = read_summary(path).get("status", "unknown")
+        try:
+            status = read_summary(path).get("status", "unknown")
+        except RunFileError as exc:
+            status = f"unknown: {exc.path.name} is damaged: {exc.problem}"
         raise ConfigError(
             f"--run_dir {path} already holds a run (status {status}); resume it with --ckpt_path last, or choose "
             f"another --run_dir"
@@ -92,13 +96,21 @@ def check_writable(run_dir: str | os.PathLike) -> None:
     """Refuse, before anything runs, a run directory that cannot be created or written.
 
     Raises:
-        ConfigError: The directory (or its nearest existing parent) is not writable, or a file is in the way.
+        ConfigError: The directory (or its nearest existing parent) is not writable, a file is in the way, or a
+            symbolic link on the way points nowhere or into a loop.
     """
     path = Path(run_dir).absolute()
     probe = path
-    while not probe.exists() and probe != probe.parent:
+    while not os.path.lexists(probe) and probe != probe.parent:  # a dangling link "lexists" and stops here
         probe = probe.parent
-    if probe.exists() and not probe.is_dir():
+    try:
+        os.stat(probe)
+    except OSError as exc:
+        target = os.readlink(probe) if probe.is_symlink() else "?"
+        what = "a loop of symbolic links" if exc.errno == errno.ELOOP else (
+            f"a symbolic link to {target}, which does not exist" if exc.errno == errno.ENOENT else exc.strerror)
+        raise ConfigError(f"--run_dir {run_dir} is not allowed; {probe} is {what}") from None
+    if not probe.is_dir():
         raise ConfigError(f"--run_dir {run_dir} is not allowed; {probe} is a file, not a directory")
     try:  # a real probe (access() says yes to root on read-only and pseudo filesystems); leaves nothing behind
         with tempfile.TemporaryFile(dir=probe):

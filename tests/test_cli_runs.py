@@ -215,7 +215,7 @@ def test_a_diverged_run_is_a_result_exit_0_with_nonfinite_metrics_marked(tmp_pat
     assert summary["divergence_events"] >= 1 and summary["final_step"] <= 8
     record = json.loads((run / "eval.json").read_text())  # the final evaluation ran and says what is not finite
     for key in record["nonfinite"]:
-        assert record["metrics"][key] in ("nan", "inf")
+        assert record["metrics"][key] in ({"$float": "nan"}, {"$float": "inf"})  # strict JSON, read back as floats
     assert all(isinstance(record["metrics"][k], float) for k in record["metrics"] if k not in record["nonfinite"])
     last = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     assert all(torch.isfinite(v).all() for v in last["state_dict"].values())  # the last good weights
