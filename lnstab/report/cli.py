@@ -4,7 +4,8 @@
 
 Writes into ``DIR``: ``report.md`` (every table and figure, with the runs' statuses), ``divergence.{md,csv}``,
 ``performance.{md,csv}``, ``stability.{md,csv}``, ``runs.{md,csv}`` (one row per run) and the PNG figures of
-:mod:`lnstab.report.figures`. Nothing is overwritten unless ``--overwrite`` is given.
+:mod:`lnstab.report.figures`. Nothing is overwritten unless ``--overwrite`` is given. A run with a damaged file is
+named in one line on stderr and in ``report.md``, and counted in the tables as ``damaged``; the rest is reported.
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ def write_report(records: list[RunRecord], out: Path, command: str = "") -> dict
         counts[r.status] = counts.get(r.status, 0) + 1
     lines += [f"{len(records)} runs in {len(configs)} configuration(s): "
               + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + ".", ""]
+    damaged = [r for r in records if r.problem]
+    if damaged:
+        lines += ["Damaged runs (counted in the tables' n, none of their data used):", ""]
+        lines += [f"- `{r.name}`: {r.problem}" for r in damaged] + [""]
     for name, (title, _) in TABLES.items():
         lines += [f"## {title}", "", tables[name].to_markdown(), f"CSV: [{name}.csv]({name}.csv)", ""]
     lines += ["## Figures", ""]

@@ -6,27 +6,33 @@ again (the replayed steps after the checkpoint) keeps its latest value.
 
 A path given to :func:`collect` is a run directory, or a directory of run directories (a sweep's grid directory,
 ``runs/<experiment>``). For a sweep's grid directory the runs its manifest lists that have no directory yet are
-reported as ``missing``, so they show in the tables' counts instead of vanishing.
+reported as ``missing``, so they show in the tables' counts instead of vanishing. A run with a damaged file
+(a truncated ``summary.json``, ``eval.json`` or ``hidden_stats.json``, a half-written line of
+``divergence_events.jsonl``, a ``config.yaml`` that is not YAML) is reported the same way, as ``damaged``: named
+with its file and problem in one line, counted in the tables' ``n``, none of its data used; a damaged manifest is
+named in one line and left out (its missing runs are then not counted).
 """
 
 from __future__ import annotations
 
 import math
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from lnstab.errors import LNStabError
 from lnstab.rundir import (
     CONFIG_FILE,
+    RunFileError,
     is_run_dir,
     latest_eval,
     read_events,
     read_hidden_series,
     read_summary,
 )
+from lnstab.safeload import DataFileError, load_yaml
 from lnstab.sweep.state import manifest_runs, read_manifest
 
 # Config keys that say where a run ran or how often it was measured and saved, not what it is: not part of a
@@ -43,7 +49,8 @@ class ReportError(LNStabError):
 
 @dataclass
 class RunRecord:
-    """What one run left on disk (``status`` ``missing``: a sweep planned it and no directory exists)."""
+    """What one run left on disk (``status`` ``missing``: a sweep planned it and no directory exists; ``damaged``:
+    one of its files is damaged, named in ``problem``, and none of its data is used)."""
 
     name: str
     path: Path
@@ -53,14 +60,16 @@ class RunRecord:
     metrics: dict[str, float] = field(default_factory=dict)
     hidden: dict[str, Any] | None = None
     events: list[dict[str, Any]] = field(default_factory=list)
+    problem: str | None = None
     _scalars: dict[str, list[tuple[int, float]]] | None = None
 
     @property
     def diverged_step(self) -> int | None:
         """The step of the first fatal divergence (summary, else the first non-finite event), ``None`` if none."""
-        step = self.summary.get("diverged_step")
+        step = _step(self.summary.get("diverged_step"))
         if step is None and self.status == "diverged":
-            fatal = [e.get("step") for e in self.events if str(e.get("kind", "")).startswith("nonfinite")]
+            fatal = [s for e in self.events if str(e.get("kind", "")).startswith("nonfinite")
+                     if (s := _step(e.get("step"))) is not None]
             step = min(fatal) if fatal else None
         return step
 
@@ -106,14 +115,21 @@ def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _read_config(directory: Path) -> dict[str, Any]:
+def read_config(directory: Path) -> dict[str, Any]:
+    """A run's ``config.yaml``, flattened, without the keys that are not part of a configuration.
+
+    Raises:
+        RunFileError: The file is damaged (not YAML, not a mapping, past a bound of :mod:`lnstab.safeload`).
+    """
     path = directory / CONFIG_FILE
     if not path.is_file():
         return {}
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError:
-        raise ReportError(f"{path} is not valid YAML; is {directory} an lnstab run?") from None
+        data = load_yaml(path) or {}
+    except DataFileError as exc:
+        raise RunFileError.of(path, exc) from None
+    if not isinstance(data, dict):
+        raise RunFileError(path, f"it holds a YAML {type(data).__name__}, not a config (a mapping)")
     return {k: v for k, v in flatten(data).items() if not k.startswith(IGNORED_PREFIXES)}
 
 
@@ -122,23 +138,35 @@ def _finite(value: Any) -> float | None:
         else None
 
 
+def _step(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def read_run(directory: Path) -> RunRecord:
-    """A :class:`RunRecord` of an lnstab run directory."""
-    summary = read_summary(directory)
-    status = summary.get("status") or "unknown"
+    """A :class:`RunRecord` of an lnstab run directory (``damaged``, with its ``problem``, when a file is)."""
+    try:
+        config = read_config(directory)
+    except RunFileError as exc:
+        return RunRecord(name=directory.name, path=directory, status="damaged", problem=str(exc), _scalars={})
+    try:
+        summary = read_summary(directory)
+        record = latest_eval(directory)
+        hidden, events = read_hidden_series(directory), read_events(directory)
+    except RunFileError as exc:
+        return RunRecord(name=directory.name, path=directory, status="damaged", config=config, problem=str(exc),
+                         _scalars={})
+    status = summary.get("status")
+    status = status if isinstance(status, str) and status else "unknown"
     metrics: dict[str, float] = {}
     val = (summary.get("val") or {}).get("loss")
     if _finite(val) is not None:
         metrics["val_loss"] = float(val)
-    record = latest_eval(directory)
     scores = (record or {}).get("metrics") or summary.get("eval") or {}
-    for key, value in scores.items():
+    for key, value in (scores.items() if isinstance(scores, dict) else []):
         if _finite(value) is not None:
             metrics[f"eval_{key}" if key == "loss" else key] = float(value)
-    return RunRecord(
-        name=directory.name, path=directory, status=status, config=_read_config(directory), summary=summary,
-        metrics=metrics, hidden=read_hidden_series(directory), events=read_events(directory),
-    )
+    return RunRecord(name=directory.name, path=directory, status=status, config=config, summary=summary,
+                     metrics=metrics, hidden=hidden, events=events)
 
 
 def _runs_below(directory: Path) -> list[Path]:
@@ -150,8 +178,16 @@ def _runs_below(directory: Path) -> list[Path]:
     return [p for p in children if is_run_dir(p)]
 
 
-def collect(paths: list[str | Path]) -> list[RunRecord]:
+def _stderr(line: str) -> None:
+    print(f"lnstab report: {line}", file=sys.stderr)
+
+
+def collect(paths: list[str | Path], warn: Callable[[str], None] = _stderr) -> list[RunRecord]:
     """The runs under ``paths`` (run directories or directories of runs), in the order given, no duplicates.
+
+    Args:
+        paths: Run directories or directories of runs.
+        warn: Gets one line per damaged run and per damaged manifest (default: stderr).
 
     Raises:
         ReportError: A path that does not exist, or is neither a run directory nor a directory of runs (one line
@@ -167,7 +203,11 @@ def collect(paths: list[str | Path]) -> list[RunRecord]:
             found, manifest = [path], None
         else:
             found = _runs_below(path)
-            manifest = read_manifest(path)
+            try:
+                manifest = read_manifest(path)
+            except RunFileError as exc:
+                warn(f"{exc}; left out: runs it planned that have no directory are not counted")
+                manifest = None
             if not found and not manifest:
                 raise ReportError(f"{path} is not an lnstab run directory, nor a directory of runs (no config.yaml, "
                                   f"summary.json or checkpoints/ in it or its subdirectories)")
@@ -176,7 +216,11 @@ def collect(paths: list[str | Path]) -> list[RunRecord]:
             if run.resolve() not in seen:
                 seen.add(run.resolve())
                 batch.append(read_run(run))
+        for r in batch:
+            if r.problem:
+                warn(f"{r.problem}; {r.name} is counted as a damaged run")
         if manifest:
+            _fill_damaged(manifest, batch)
             batch += _missing(path, manifest, batch)
             order = {name: i for i, (name, _) in enumerate(manifest_runs(manifest))}
             batch.sort(key=lambda r: order.get(r.name, len(order)))  # the grid's order; others after, by name
@@ -184,18 +228,32 @@ def collect(paths: list[str | Path]) -> list[RunRecord]:
     return records
 
 
+def _fill_damaged(manifest: dict[str, Any], batch: list[RunRecord]) -> None:
+    """A damaged run whose config could not be read takes a healthy sibling's with its own overrides (as a missing
+    run does), so it counts in its own configuration."""
+    overrides = dict(manifest_runs(manifest))
+    sibling = next((r for r in batch if r.config and r.status != "damaged"), None)
+    for r in batch:
+        if r.status == "damaged" and not r.config and r.name in overrides:
+            r.config = _planned_config(overrides[r.name], sibling)
+
+
+def _planned_config(overrides: dict[str, Any], sibling: RunRecord | None) -> dict[str, Any]:
+    config = dict(sibling.config) if sibling else {}
+    for key, value in overrides.items():
+        flat = flatten(value, key) if isinstance(value, dict) and sibling else {key: value}
+        config.update({k: v for k, v in flat.items() if not k.startswith(IGNORED_PREFIXES)})
+    return config
+
+
 def _missing(directory: Path, manifest: dict[str, Any], present: list[RunRecord]) -> list[RunRecord]:
     """Runs the sweep's manifest names that have no run directory: their config is a sibling's with their own
     overrides (the runs of a grid differ only in those), or just the overrides when no sibling exists."""
     have = {r.name for r in present}
-    sibling = present[0] if present else None
+    sibling = next((r for r in present if r.config and r.status != "damaged"), None)
     out = []
     for name, overrides in manifest_runs(manifest):
-        if name in have:
-            continue
-        config = dict(sibling.config) if sibling else {}
-        for key, value in overrides.items():
-            flat = flatten(value, key) if isinstance(value, dict) and sibling else {key: value}
-            config.update({k: v for k, v in flat.items() if not k.startswith(IGNORED_PREFIXES)})
-        out.append(RunRecord(name=name, path=directory / name, status="missing", config=config))
+        if name not in have:
+            out.append(RunRecord(name=name, path=directory / name, status="missing",
+                                 config=_planned_config(overrides, sibling)))
     return out

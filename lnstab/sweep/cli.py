@@ -148,27 +148,49 @@ def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
 
 
 def show_status(grid: Grid, runs: list[Run], root: str) -> None:
-    """Print the ``--status`` table and a one-line count."""
-    rows = status_rows(grid, runs, root)
+    """Print the ``--status`` table and a one-line count; a run with a damaged ``summary.json`` shows as
+    ``damaged`` and is named with its problem under the table (the other runs are shown as usual)."""
+    from lnstab.rundir import RunFileError
+
+    rows, damaged = [], []
+    for run in runs:
+        try:
+            rows += status_rows(grid, [run], root)
+        except RunFileError as exc:
+            rows.append({"run": run.name, "status": "damaged", "step": None, "val_loss": None, "wall": None,
+                         "next": "skip"})
+            damaged.append(f"{run.name}: {exc}")
     for row in rows:
         row["step"] = "-" if row["step"] is None else row["step"]
-        row["val_loss"] = f"{row['val_loss']:.4f}" if isinstance(row["val_loss"], int | float) else "-"
-        row["wall"] = format_duration(row["wall"])
+        row["val_loss"] = f"{row['val_loss']:.4f}" if _number(row["val_loss"]) else "-"
+        row["wall"] = format_duration(row["wall"] if _number(row["wall"]) else None)
     print_table(rows, ["run", "status", "step", "val_loss", "wall", "next"])
     counts: dict[str, int] = {}
     for row in rows:
         counts[row["status"]] = counts.get(row["status"], 0) + 1
-    total = sum(r for r in (s.get("wall_s") for s in _summaries(grid, runs, root)) if isinstance(r, int | float))
+    total = sum(r for r in (s.get("wall_s") for s in _summaries(grid, runs, root)) if _number(r))
     print(f"{len(rows)} runs: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
           + f"; wall time so far {format_duration(total)}")
     if any(row["next"].endswith("*") for row in rows):
         print("* running, but no sweep on this machine holds it: killed (a rerun resumes it), or training elsewhere")
+    for line in damaged:
+        print(f"damaged: {line}")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _summaries(grid: Grid, runs: list[Run], root: str) -> list[dict[str, Any]]:
-    from lnstab.rundir import read_summary
+    from lnstab.rundir import RunFileError, read_summary
 
-    return [read_summary(run_directory(root, grid, r)) for r in runs]
+    out = []
+    for run in runs:
+        try:
+            out.append(read_summary(run_directory(root, grid, run)))
+        except RunFileError:
+            out.append({})  # named by show_status
+    return out
 
 
 def prepare(grid: Grid, run: Run, root: str, retry_failed: bool) -> str:

@@ -24,8 +24,11 @@ A run's name joins, axis by axis, ``label + value`` with ``_`` (``pre_wd0.1_s3``
 name of its value; an ``include`` entry's extra keys add ``<last key part><value>``. Default labels: ``dt`` for
 ``model.residual_scale``, ``wd`` for ``model.weight_decay``, ``lr`` for ``model.learning_rate``, ``s`` for
 ``seed_everything``; none for text values; otherwise the key's last part. Names are stable: the same grid always
-gives the same names, so a rerun finds its runs. Everything here is structural; :func:`validate_with_cli` checks
-the keys and values against what ``lnstab fit --print_config`` accepts.
+gives the same names, so a rerun finds its runs. A name is a directory under ``<root>/<grid>/``, so it must stay
+one there: :data:`RUN_NAME_RE` (letters, digits, ``_ + - .``; not ``.``, ``..`` or any name starting with ``.``
+or ``-``; at most :data:`MAX_NAME` characters), refused at load otherwise. Everything here is structural;
+:func:`validate_with_cli` checks the keys and values against what ``lnstab fit --print_config`` accepts. The file
+is read within :mod:`lnstab.safeload`'s bounds.
 """
 
 from __future__ import annotations
@@ -37,9 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from lnstab.errors import ConfigError
+from lnstab.safeload import DataFileError, load_yaml
 
 DEFAULT_LABELS = {
     "model.residual_scale": "dt",
@@ -52,6 +54,9 @@ RESERVED = ("run_dir", "ckpt_path", "trainer.default_root_dir", "trainer.logger"
 GRID_KEYS = ("base", "name", "overrides", "axes", "exclude", "include", "slurm")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+# A run's name is a directory under <root>/<grid>/ and a file name in .sweep/ (logs, locks, attempts).
+RUN_NAME_RE = re.compile(r"^[A-Za-z0-9_+][A-Za-z0-9._+-]*$")
+MAX_NAME = 200
 
 
 class GridError(ConfigError):
@@ -161,11 +166,9 @@ def load_grid(path: str | Path) -> Grid:
     if not path.is_file():
         raise GridError(f"{where} is not a file")
     try:
-        spec = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark is not None else ""
-        raise GridError(f"{where} is not valid YAML{at}: {getattr(exc, 'problem', None) or exc}") from None
+        spec = load_yaml(path, where)
+    except DataFileError as exc:
+        raise GridError(str(exc)) from None
     if not isinstance(spec, dict):
         raise GridError(f"{where} is not allowed; it must hold a mapping with base, axes, …")
     unknown = sorted(set(spec) - set(GRID_KEYS))
@@ -326,11 +329,26 @@ def _expand(where: str, axes: list[Axis], fixed: dict[str, Any], exclude: Any, i
         runs.append(_make_run(axes, point, fixed, extra))
     seen: dict[str, Run] = {}
     for run in runs:
+        check_run_name(where, run.name, _describe(run))
         if run.name in seen:
             raise GridError(f"{where}: two runs are named {run.name!r} ({_describe(seen[run.name])} and "
                             f"{_describe(run)}); give the axes distinct labels or value names")
         seen[run.name] = run
     return runs
+
+
+def check_run_name(where: str, name: Any, what: str = "") -> None:
+    """Refuse a run name that would not be one directory inside its grid's directory (``..``, ``.x``, ``a/b``).
+
+    Raises:
+        GridError: One line naming the run, its values (``what``) and what a name may hold.
+    """
+    if isinstance(name, str) and RUN_NAME_RE.match(name) and len(name) <= MAX_NAME:
+        return
+    of = f" (from {what})" if what else ""
+    raise GridError(f"{where}: run name {name!r}{of} is not allowed; a run name is a directory in the grid's "
+                    f"directory: letters, digits, '_', '+', '-', '.', not starting with '.' or '-', at most "
+                    f"{MAX_NAME} characters (give the axis a label or named values)")
 
 
 def _make_run(axes: list[Axis], point: dict[str, int], fixed: dict[str, Any], extra: dict[str, Any]) -> Run:

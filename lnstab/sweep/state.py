@@ -12,7 +12,11 @@ keeps its own records in ``<root>/<grid>/.sweep/`` (hidden, so reports and Tenso
 
 A rerun decides per run (:func:`plan`): ``completed`` and ``diverged`` runs are results and are skipped; ``failed``
 runs are skipped unless retried; a run with a complete checkpoint resumes from it; one without (killed before its
-first checkpoint) is moved aside and starts again; a run whose lock is held is running and is left alone.
+first checkpoint) is moved aside and starts again; a run whose lock is held is running and is left alone; a run
+whose ``summary.json`` is damaged is ``damaged`` and left alone (its state is unknown), named with the problem.
+
+A damaged manifest is refused in one line naming it (:class:`~lnstab.rundir.RunFileError`): it is what guards a
+run name against a changed meaning, so a sweep does not guess past it.
 """
 
 from __future__ import annotations
@@ -29,12 +33,15 @@ from typing import Any
 
 from lnstab.rundir import (
     SUMMARY_FILE,
+    RunFileError,
     atomic_write_text,
-    read_json,
+    decode_float,
+    json_safe,
+    read_object,
     read_summary,
     write_json,
 )
-from lnstab.sweep.grid import Grid, GridError, Run
+from lnstab.sweep.grid import Grid, GridError, Run, check_run_name
 
 SWEEP_DIR = ".sweep"
 DONE = ("completed", "diverged")
@@ -59,7 +66,7 @@ def sweep_dir(root: str | Path, grid: Grid) -> Path:
 class Plan:
     """What the state of a run directory is, and what running the sweep again does with it."""
 
-    status: str  # pending | running | completed | diverged | interrupted | failed | unknown
+    status: str  # pending | running | completed | diverged | interrupted | failed | unknown | damaged
     action: str  # start | resume | restart | skip
     reason: str = ""
 
@@ -70,7 +77,10 @@ def plan(directory: Path, *, locked: bool = False, retry_failed: bool = False) -
         return Plan("running", "skip", "its lock is held by another sweep")
     if not directory.exists() or not any(directory.iterdir()):
         return Plan("pending", "start")
-    summary = read_summary(directory) if (directory / SUMMARY_FILE).is_file() else {}
+    try:
+        summary = read_summary(directory) if (directory / SUMMARY_FILE).is_file() else {}
+    except RunFileError as exc:
+        return Plan("damaged", "skip", f"{exc}; repair it or move the run away")
     status = summary.get("status") or "unknown"
     if status in DONE:
         return Plan(status, "skip", "a result")
@@ -106,12 +116,13 @@ def record_manifest(root: str | Path, grid: Grid, runs: list[Run]) -> None:
     """
     path = sweep_dir(root, grid) / "manifest.json"
     base = str(Path(grid.base).resolve())
-    manifest = read_json(path) or {"grid": str(Path(grid.path).resolve()), "base": base, "runs": []}
+    manifest = read_manifest(grid_dir(root, grid)) or {"grid": str(Path(grid.path).resolve()), "base": base, "runs": []}
     known = dict(manifest_runs(manifest))
     for run in runs:
         before = known.get(run.name)
-        if before is not None and _jsonable(before) != _jsonable(run.overrides):
-            changed = sorted(k for k in set(before) | set(run.overrides) if before.get(k) != run.overrides.get(k))
+        if before is not None and _canonical(before) != _canonical(run.overrides):
+            changed = sorted(k for k in set(before) | set(run.overrides)
+                             if _canonical(before.get(k)) != _canonical(run.overrides.get(k)))
             raise GridError(
                 f"grid {grid.path}: run {run.name!r} in {grid_dir(root, grid)} was launched with other overrides "
                 f"(differs in {', '.join(changed)}); use another --root or grid name, or move the old runs away"
@@ -126,8 +137,28 @@ def record_manifest(root: str | Path, grid: Grid, runs: list[Run]) -> None:
 
 
 def read_manifest(grid_directory: str | Path) -> dict[str, Any] | None:
-    """The manifest of a sweep's grid directory (``None`` when the directory was not made by a sweep)."""
-    return read_json(Path(grid_directory) / SWEEP_DIR / "manifest.json")
+    """The manifest of a sweep's grid directory (``None`` when the directory was not made by a sweep).
+
+    Raises:
+        RunFileError: The manifest is damaged: not JSON, or not ``{"runs": [{"name", "overrides"}, …]}`` with run
+            names that stay inside the grid's directory.
+    """
+    path = Path(grid_directory) / SWEEP_DIR / "manifest.json"
+    manifest = read_object(path, "a sweep manifest (an object)")
+    if manifest is None:
+        return None
+    entries = manifest.get("runs", [])
+    if not isinstance(entries, list):
+        raise RunFileError(path, "'runs' is not a list")
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or not isinstance(entry.get("overrides", {}), dict):
+            raise RunFileError(path, f"runs[{i}] is not {{\"name\": …, \"overrides\": {{…}}}}")
+        try:
+            check_run_name(str(path), entry.get("name"))
+        except GridError:
+            raise RunFileError(path, f"runs[{i}] has the name {entry.get('name')!r}, which is not a run name "
+                                     f"(it must stay a directory inside the grid's directory)") from None
+    return manifest
 
 
 def manifest_runs(manifest: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -135,8 +166,13 @@ def manifest_runs(manifest: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     return [(e["name"], e.get("overrides") or {}) for e in manifest.get("runs") or [] if isinstance(e, dict)]
 
 
+def _canonical(obj: Any) -> str:
+    """``obj`` as the JSON the manifest stores, keys sorted: equal text, equal overrides (NaN equals NaN)."""
+    return json.dumps(json_safe(obj), sort_keys=True, default=str, allow_nan=False)
+
+
 def _jsonable(obj: Any) -> Any:
-    return json.loads(json.dumps(obj, sort_keys=True, default=str))
+    return json.loads(_canonical(obj), object_hook=decode_float)
 
 
 def journal(root: str | Path, grid: Grid, **entry: Any) -> None:
