@@ -6,15 +6,19 @@
     lnstab check --hf ./my-gpt2 --hf-init
     lnstab check --factory mypkg.models:build --layer-pattern 'blocks\\.(\\d+)$' --lrs 1e-3,1e-2
 
-Exit status: 0 when no criterion fails, 1 when one does, 2 for a usage error (one line on stderr).
+Exit status: 0 when no criterion fails, 1 when one does, 2 for a usage error (one line on stderr, nothing
+written), 3 when the checked model or the check itself fails (a stress run raised: one line on stderr naming the
+run, the traceback in ``<out>/error.txt``), so a CI gate never reads a crash as a verdict.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +29,7 @@ from lnstab.check.analysis import summarise
 from lnstab.check.card import build_rows
 from lnstab.check.criteria import load_thresholds, overall
 from lnstab.check.figures import write_figures
-from lnstab.check.protocol import Protocol, load_tokens, plan, run_ladder
+from lnstab.check.protocol import Protocol, RunFailed, load_tokens, plan, run_ladder
 from lnstab.check.report import terminal, write_report
 from lnstab.check.subjects import (
     Subject,
@@ -38,8 +42,14 @@ from lnstab.check.subjects import (
 )
 from lnstab.check.training import Optimisation
 from lnstab.errors import LNStabError
+from lnstab.rundir import atomic_write_text
 
 DEFAULT_ROOT = Path("runs") / "check"
+EXIT_FAILED = 3  # the checked model or the check itself failed: not a verdict
+
+
+class CheckFailed(Exception):
+    """The check could not finish: a stress run raised, or the check itself did (exit status 3)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -65,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of every option but ``--model.KEY VALUE`` (collected by :func:`split_model_args`)."""
     p = _Parser(prog="lnstab check", description=__doc__.splitlines()[0], allow_abbrev=False,
                 epilog="--model.KEY VALUE: any lnstab GPTModule argument (preset, norm_placement, norm_type, "
-                       "residual_scale, n_layer, ...).")
+                       "residual_scale, n_layer, ...). Exit status: 0 no criterion fails, 1 one fails, 2 usage error, "
+                       f"{EXIT_FAILED} the checked model or the check itself failed (one line; traceback in "
+                       "<out>/error.txt).")
     src = p.add_argument_group("model to check (one of --model.*, --hf, --factory)")
     src.add_argument("--hf", help="Hugging Face causal LM: local directory or hub name (never remote code).")
     src.add_argument("--hf-init", action="store_true", help="Freshly initialise --hf from its config.")
@@ -146,6 +158,10 @@ def checked_subject(args: argparse.Namespace, model_args: dict[str, Any]) -> tup
 
 def make_protocol(args: argparse.Namespace, extra: dict[str, Any]) -> Protocol:
     """The :class:`Protocol` of the flags, ``--model.*`` optimisation arguments filling unset ones."""
+    for option, given in (("--lrs", args.lrs), ("--seeds", args.seeds)):
+        if given is not None and not given:
+            raise LNStabError(f"{option} '' is not allowed; give a comma-separated list (e.g. {option} "
+                              f"{'1e-3,1e-2' if option == '--lrs' else '0,1'}) or leave {option} out for the default")
     if "learning_rate" in extra and args.lrs:
         raise LNStabError("give --lrs or --model.learning_rate, not both")
     lrs = args.lrs or ((float(extra["learning_rate"]),) if "learning_rate" in extra else Protocol.lrs)
@@ -169,13 +185,31 @@ def make_protocol(args: argparse.Namespace, extra: dict[str, Any]) -> Protocol:
                     data_path=args.data_path, accelerator=args.accelerator)
 
 
+def check_out(out: str | None) -> None:
+    """Refuse, before anything runs, an ``--out`` that is a file, lies under one, or already holds something."""
+    if not out:
+        return
+    path = Path(out)
+    if path.is_dir() and any(path.iterdir()):
+        raise LNStabError(f"--out {out} already exists and is not empty; a check never overwrites")
+    probe = path.absolute()
+    while not os.path.lexists(probe) and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        what = "a file" if probe.exists() else "a symbolic link that leads nowhere"
+        where = "is" if probe == path.absolute() else f"is under {probe}, which is"
+        raise LNStabError(f"--out {out} is not allowed; it {where} {what}, not a directory")
+
+
 def run_directory(args: argparse.Namespace, name: str) -> Path:
     """A new, empty run directory: ``--out`` (refused if it holds anything) or ``runs/check/<name>[-N]``."""
     if args.out:
+        check_out(args.out)
         out = Path(args.out)
-        if out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise LNStabError(f"--out {out} already exists and is not empty; a check never overwrites")
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise LNStabError(f"--out {out} cannot be created ({exc.strerror or type(exc).__name__})") from None
         return out
     DEFAULT_ROOT.mkdir(parents=True, exist_ok=True)
     for n in range(10_000):
@@ -201,7 +235,8 @@ def main(argv: list[str] | None = None) -> None:
 
     Raises:
         LNStabError: A usage error (``lnstab`` prints it as one line, exit status 2).
-        SystemExit: With status 1 when a criterion fails.
+        SystemExit: With status 1 when a criterion fails, 3 (one line on stderr) when the checked model or the
+            check itself fails (``LNSTAB_DEBUG=1`` raises the original error instead).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     model_args, rest = split_model_args(argv)
@@ -211,6 +246,15 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(validation.positive_int("--threads", args.threads))
     try:
         card = run_check(args, model_args, "lnstab check " + shlex.join(argv))
+    except LNStabError:
+        raise
+    except Exception as exc:
+        if os.environ.get("LNSTAB_DEBUG"):
+            raise
+        message = str(exc) if isinstance(exc, CheckFailed) else (
+            f"the check failed before its runs: {type(exc).__name__}: {_first_line(exc)}")
+        sys.stderr.write(f"lnstab: error: lnstab check: {message}\n")
+        raise SystemExit(EXIT_FAILED) from None
     finally:
         torch.set_num_threads(threads)
     sys.stdout.write(terminal(card))
@@ -221,6 +265,7 @@ def main(argv: list[str] | None = None) -> None:
 def run_check(args: argparse.Namespace, model_args: dict[str, Any], command: str) -> dict[str, Any]:
     """Validate everything, then train, grade and write the card into a new run directory; the card."""
     started = time.perf_counter()
+    check_out(args.out)
     subject, extra = checked_subject(args, model_args)
     protocol = make_protocol(args, extra)
     thresholds = load_thresholds(args.thresholds)
@@ -228,6 +273,24 @@ def run_check(args: argparse.Namespace, model_args: dict[str, Any], command: str
     subjects = [subject] + ([] if args.no_reference else references(subject, seq_len))
     tokens, data = load_tokens(protocol, subject.shape.vocab_size, seq_len)
     out = run_directory(args, args.name or subject.name)  # only now: a usage error leaves nothing behind
+    try:
+        return _grade(args, subject, subjects, protocol, thresholds, tokens, data, seq_len, out, command, started)
+    except Exception as exc:  # the runs' logs stay; the traceback goes beside them
+        atomic_write_text(out / "error.txt", "".join(traceback.format_exception(exc)))
+        if isinstance(exc, LNStabError):
+            raise
+        what = str(exc) if isinstance(exc, RunFailed) else f"the check failed: {type(exc).__name__}: {_first_line(exc)}"
+        raise CheckFailed(f"{what}; no verdict (traceback in {out / 'error.txt'})") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), "")[:300]
+
+
+def _grade(args: argparse.Namespace, subject: Subject, subjects: list[Subject], protocol: Protocol,
+           thresholds: dict[str, Any], tokens: torch.Tensor, data: dict[str, Any], seq_len: int, out: Path,
+           command: str, started: float) -> dict[str, Any]:
+    """Train the ladder, grade it and write the card into ``out``; the card."""
     runs = run_ladder(subjects, protocol, tokens, out / "tb", progress=not args.no_progress)
     summaries = {s.key: summarise(runs[s.key], protocol.optimisation.steps) for s in subjects}
     rows = build_rows(summaries, thresholds, {"norm_pattern": subject.sites.norm_pattern})

@@ -23,6 +23,7 @@ import yaml
 
 from lnstab.check.analysis import BF16_MAX, FP16_MAX
 from lnstab.errors import LNStabError
+from lnstab.safeload import load_yaml
 
 DEFAULT_THRESHOLDS_YAML = """\
 # Fraction of stress runs (learning rates x seeds) with a fatal divergence event (non-finite loss, gradient,
@@ -90,6 +91,7 @@ def _nan_aware(fn: Any) -> Any:
 
 FUNCTIONS = {"max": _nan_aware(max), "min": _nan_aware(min), "abs": _nan_aware(abs), "log": _nan_aware(math.log),
              "log10": _nan_aware(math.log10)}
+MAX_EXPRESSION = 200  # characters of one threshold expression (the defaults need under 30)
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
 
@@ -135,12 +137,13 @@ def check_expression(where: str, text: Any) -> None:
     """Refuse anything but numbers, ``null`` and expressions over :data:`NAMES`, constants and functions."""
     if text is None or (isinstance(text, int | float) and not isinstance(text, bool)):
         return
+    shown = repr(text) if len(repr(text)) <= 80 else f"{repr(text)[:60]}…({len(str(text))} characters)"
     if not isinstance(text, str):
-        raise LNStabError(f"{where}={text!r} is not allowed; give a number, null or an expression")
+        raise LNStabError(f"{where}={shown} is not allowed; give a number, null or an expression")
     try:
         evaluate_expression(text, {n: 1.0 for n in NAMES})
     except LNStabError as exc:
-        raise LNStabError(f"{where}={text!r} is not allowed; {exc}") from None
+        raise LNStabError(f"{where}={shown} is not allowed; {exc}") from None
 
 
 def evaluate_expression(text: Any, names: dict[str, float]) -> float | None:
@@ -149,9 +152,11 @@ def evaluate_expression(text: Any, names: dict[str, float]) -> float | None:
         return None
     if isinstance(text, int | float):
         return float(text)
+    if len(str(text)) > MAX_EXPRESSION:
+        raise LNStabError(f"it has {len(str(text))} characters; a threshold expression has at most {MAX_EXPRESSION}")
     try:
         tree = ast.parse(str(text), mode="eval")
-    except SyntaxError:
+    except (SyntaxError, RecursionError, MemoryError):  # also "too many nested parentheses"
         raise LNStabError("it is not an expression") from None
 
     def ev(node: ast.AST) -> float:
@@ -187,10 +192,7 @@ def load_thresholds(path: str | Path | None) -> dict[str, dict[str, Any]]:
     path = Path(path)
     if not path.is_file():
         raise LNStabError(f"--thresholds {path} is not a file")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as exc:
-        raise LNStabError(f"--thresholds {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    data = load_yaml(path, f"--thresholds {path}") or {}  # bounded: size, UTF-8, nesting, aliases
     if not isinstance(data, dict):
         raise LNStabError(f"--thresholds {path} must hold a mapping of criteria; allowed: {', '.join(IDS)}")
     for cid, entry in data.items():

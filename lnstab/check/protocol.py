@@ -22,6 +22,26 @@ from lnstab.errors import LNStabError
 GPT2_VOCAB = 50257
 
 
+class RunFailed(Exception):
+    """A stress run that raised: the checked model (or a reference, or the check itself) failed while training.
+
+    Not a usage error: ``lnstab check`` exits with its own status (3) and one line naming the run.
+
+    Attributes:
+        subject: The subject's label.
+        lr: The run's learning rate.
+        seed: The run's seed.
+    """
+
+    def __init__(self, subject: str, lr: float, seed: int, exc: BaseException) -> None:
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+        self.subject, self.lr, self.seed = subject, lr, seed
+        hint = " (its loss does not depend on a trainable parameter: detached logits?)" if (
+            "does not require grad" in first) else ""
+        super().__init__(f"{subject} failed in its stress run at lr {lr:g}, seed {seed}: {type(exc).__name__}"
+                         + (f": {first[:300]}" if first else "") + hint)
+
+
 @dataclass(frozen=True)
 class Protocol:
     """Every number of the check (defaults: a few minutes on a 2-core CPU for a 4-layer, 128-wide model).
@@ -61,6 +81,11 @@ class Protocol:
             raise LNStabError("--seeds is empty; give at least one seed")
         for seed in self.seeds:
             validation.integer("--seeds", seed, 0)
+        for option, values, show in (("--lrs", self.lrs, lambda v: f"{v:g}"), ("--seeds", self.seeds, str)):
+            repeated = sorted({show(v) for v in values if [show(w) for w in values].count(show(v)) > 1})
+            if repeated:
+                raise LNStabError(f"{option} {','.join(show(v) for v in values)} is not allowed; it names "
+                                  f"{repeated[0]} twice (each rate and seed is one run with its own log directory)")
         validation.positive_int("--batch-size", self.batch_size)
         validation.integer("--seq-len", self.seq_len, 2)
         validation.positive_int("--measure-every", self.measure_every)
@@ -168,14 +193,19 @@ def run_ladder(subjects: list[Subject], protocol: Protocol, tokens: torch.Tensor
         for subject, lr, seed in runs:
             bar.set_postfix_str(f"{subject.key} lr={lr:g} seed={seed}")
             torch.manual_seed(seed)
-            model = subject.build()
-            with quiet():
-                result = stress_run(
-                    subject.key, model, subject.sites, tokens, lr=lr, seed=seed, batch_size=protocol.batch_size,
-                    optimisation=protocol.optimisation, measure_every=protocol.measure_every,
-                    jacobian_iters=protocol.jacobian_iters, probe_size=protocol.probe_size, log_root=log_root,
-                    accelerator=protocol.accelerator,
-                )
+            try:
+                model = subject.build()
+                if not any(p.requires_grad for p in model.parameters()):
+                    raise ValueError("the model has no trainable parameters")
+                with quiet():
+                    result = stress_run(
+                        subject.key, model, subject.sites, tokens, lr=lr, seed=seed, batch_size=protocol.batch_size,
+                        optimisation=protocol.optimisation, measure_every=protocol.measure_every,
+                        jacobian_iters=protocol.jacobian_iters, probe_size=protocol.probe_size, log_root=log_root,
+                        accelerator=protocol.accelerator,
+                    )
+            except Exception as exc:  # the model's own error (or the check's): a status of its own, not a verdict
+                raise RunFailed(subject.label, lr, seed, exc) from exc
             results[subject.key].append(result)
             last = result.losses[-1] if result.losses else math.nan
             bar.set_postfix_str(f"{subject.key} lr={lr:g} seed={seed} loss={last:.3g}"

@@ -306,8 +306,10 @@ def factory_subject(
 
 
 def probe_factory(model: nn.Module, spec: str, names: list[str], seq_len: int) -> tuple[int, int]:
-    """Run ``model`` on token ids ``(2, T)``; check that logits are ``(2, T, V)``; return ``V`` and the block width."""
+    """Run ``model`` on token ids ``(2, T)``; check that logits are ``(2, T, V)`` and that every selected block
+    ran; return ``V`` and the block width."""
     widths: list[int] = []
+    called: set[str] = set()
     modules = dict(model.named_modules())
 
     def keep(module: nn.Module, args: Any, out: Any) -> None:
@@ -315,7 +317,11 @@ def probe_factory(model: nn.Module, spec: str, names: list[str], seq_len: int) -
         if isinstance(out, torch.Tensor) and out.dim() >= 1:
             widths.append(out.shape[-1])
 
-    handle = modules[names[0]].register_forward_hook(keep)
+    def seen(name: str) -> Any:
+        return lambda module, args, out: called.add(name)
+
+    handles = [modules[names[0]].register_forward_hook(keep)]
+    handles += [modules[n].register_forward_hook(seen(n)) for n in names]
     ids = torch.zeros(2, seq_len, dtype=torch.long)
     try:
         with torch.no_grad():
@@ -324,7 +330,12 @@ def probe_factory(model: nn.Module, spec: str, names: list[str], seq_len: int) -
         raise LNStabError(f"--factory {spec!r}: the model failed on token ids of shape (2, {seq_len}) "
                           f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
+    idle = [n for n in names if n not in called]
+    if idle:
+        raise LNStabError(f"--factory {spec!r}: block {idle[0]!r} (one of {len(names)} the layer pattern or types "
+                          f"select) is never called by the model's forward; select only the blocks it runs")
     if not isinstance(out, torch.Tensor) or out.dim() != 3 or tuple(out.shape[:2]) != (2, seq_len):
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise LNStabError(f"--factory {spec!r} returned {got} for token ids (2, {seq_len}); "

@@ -1,0 +1,69 @@
+"""Faulty models for ``lnstab check --factory`` (no tests here; imported as ``check_faulty``).
+
+Each passes the check's up-front probe (token ids ``(2, T)`` under ``no_grad`` give logits ``(2, T, V)``) and then
+breaks during the stress runs, as a model under development does.
+"""
+
+from __future__ import annotations
+
+import torch
+from check_factories import VOCAB, WIDTH, EncoderLM
+from torch import nn
+
+
+class FailsWithGrad(EncoderLM):
+    """Fails whenever autograd is recording: the probe passes, every training step raises."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            raise RuntimeError("this model cannot train")
+        return super().forward(idx)
+
+
+class NoParameters(nn.Module):
+    """Blocks and logits with no parameter at all (fixed one-hot logits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Identity() for _ in range(2)])
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.one_hot(idx, VOCAB).float()  # (B, T, V)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class DetachedLogits(EncoderLM):
+    """Logits cut off from the parameters: the loss has no gradient."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return super().forward(idx).detach()
+
+
+class SkipsABlock(EncoderLM):
+    """Has a block (``extra.0``) the forward never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.ModuleList([nn.Linear(WIDTH, WIDTH)])
+
+
+def fails_with_grad() -> nn.Module:
+    """A model whose forward fails only in training."""
+    return FailsWithGrad()
+
+
+def no_parameters() -> nn.Module:
+    """A model without parameters."""
+    return NoParameters()
+
+
+def detached_logits() -> nn.Module:
+    """A model whose logits do not depend on its parameters through autograd."""
+    return DetachedLogits()
+
+
+def skips_a_block() -> nn.Module:
+    """A model with a matched block that is never called."""
+    return SkipsABlock()

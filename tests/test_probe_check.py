@@ -1,0 +1,100 @@
+"""``lnstab check`` on faulty models and hostile flags (issue 16): a crash is exit 3 with one line, never the exit 1
+of a failed criterion; empty or repeated ladders, a bad ``--out`` and a huge threshold expression are usage errors.
+
+The faulty models (``check_faulty``) pass the check's up-front probe and break in the first stress run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_check import ENCODER, GPT, TINY
+
+from lnstab.cli import main
+
+ONE_RUN = [*TINY, "--lrs", "1e-2", "--no-reference"]
+
+
+def run_check(capsys, *args: str) -> tuple[int, str]:
+    """``lnstab check *args`` in-process: its exit status and its one stderr line."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main(["check", *args])
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lnstab: error: ") and "\n" not in err, err
+    return info.value.code, err
+
+
+@pytest.mark.parametrize(("factory", "said"), [
+    ("fails_with_grad", "RuntimeError: this model cannot train"),
+    ("no_parameters", "the model has no trainable parameters"),
+    ("detached_logits", "does not require grad"),
+])
+def test_a_model_that_fails_in_training_is_exit_3_with_one_line(factory, said, tmp_path, capsys) -> None:
+    out = tmp_path / "card"
+    code, err = run_check(capsys, "--factory", f"check_faulty:{factory}", "--layer-pattern", r"layers\.(\d+)$",
+                          *ONE_RUN, "--out", str(out))
+    assert code == 3, err
+    assert f"checked (check_faulty:{factory}) failed in its stress run at lr 0.01, seed 0" in err and said in err
+    assert f"no verdict (traceback in {out / 'error.txt'})" in err
+    assert "Traceback (most recent call last)" in (out / "error.txt").read_text()
+    assert not (out / "report.json").exists()  # no card: nothing a gate could read as a verdict
+
+
+def test_a_selected_block_the_forward_never_calls_is_a_usage_error(tmp_path, capsys) -> None:
+    out = tmp_path / "card"
+    code, err = run_check(capsys, "--factory", "check_faulty:skips_a_block", "--layer-pattern",
+                          r"(?:layers|extra)\.(\d+)$", *ONE_RUN, "--out", str(out))
+    assert code == 2 and "block 'extra.0'" in err and "is never called by the model's forward" in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--lrs", ""], "--lrs '' is not allowed; give a comma-separated list"),
+    (["--lrs", " , "], "--lrs '' is not allowed"),
+    (["--seeds", ""], "--seeds '' is not allowed"),
+    (["--lrs", "1e-2,0.01"], "--lrs 0.01,0.01 is not allowed; it names 0.01 twice"),
+    (["--seeds", "0,1,0"], "--seeds 0,1,0 is not allowed; it names 0 twice"),
+])
+def test_empty_and_repeated_ladders_are_refused(args, said, tmp_path, capsys) -> None:
+    out = tmp_path / "card"
+    code, err = run_check(capsys, *GPT, *TINY, *args, "--out", str(out))
+    assert code == 2 and said in err, err
+    assert not out.exists()
+
+
+def test_an_out_that_is_a_file_or_under_one_is_one_line(tmp_path, capsys) -> None:
+    (tmp_path / "file").write_text("keep me\n")
+    for out, said in ((tmp_path / "file", "it is a file, not a directory"),
+                      (tmp_path / "file" / "card", f"it is under {tmp_path / 'file'}, which is a file"),
+                      (tmp_path / "file" / "a" / "b", f"it is under {tmp_path / 'file'}, which is a file")):
+        code, err = run_check(capsys, *GPT, *ONE_RUN, "--out", str(out))
+        assert code == 2 and f"--out {out} is not allowed; {said}" in err, err
+    assert (tmp_path / "file").read_text() == "keep me\n"
+
+
+def test_a_huge_threshold_expression_is_bounded_and_one_short_line(tmp_path, capsys) -> None:
+    thresholds = tmp_path / "t.yaml"
+    thresholds.write_text("loss:\n  warn: '" + " + ".join(["pre"] * 50_000) + "'\n")
+    code, err = run_check(capsys, *GPT, *ONE_RUN, "--thresholds", str(thresholds), "--out", str(tmp_path / "c"))
+    assert code == 2 and "loss.warn=" in err and "a threshold expression has at most 200" in err
+    assert len(err) < 400 and not (tmp_path / "c").exists()
+
+
+def test_the_help_documents_every_exit_status(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["check", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert info.value.code == 0
+    assert "0 no criterion fails, 1 one fails, 2 usage error, 3 the checked model or the check itself failed" in text
+
+
+def test_a_healthy_factory_model_still_gets_its_verdict(tmp_path, capsys) -> None:
+    code, _ = 0, None
+    try:
+        main(["check", *ENCODER, *ONE_RUN, "--out", str(tmp_path / "card")])
+    except SystemExit as exc:
+        code = exc.code
+    assert code in (0, 1) and (tmp_path / "card" / "report.json").is_file() and not Path(
+        tmp_path / "card" / "error.txt").exists()
