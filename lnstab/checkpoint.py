@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import pickle
@@ -32,6 +33,29 @@ from lnstab.rundir import checkpoint_dir, fsync_dir
 
 class CheckpointError(LNStabError):
     """A checkpoint that is missing, truncated, not a checkpoint, or holds something other than data."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint the operating system would not let us write (a full disk, a file-size limit, an I/O error):
+    one line naming the file and the OS's reason, which ``torch.save`` itself does not keep."""
+
+
+class _Writes:
+    """The file ``torch.save`` writes into, keeping the ``OSError`` of a failed write (torch replaces it with an
+    ``[enforce fail at inline_container.cc]`` message that names neither the file nor the reason)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.error = f, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
 
 
 def is_complete(path: str | os.PathLike) -> bool:
@@ -87,8 +111,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     the target (replacing a symlink rather than writing through it), ``fsync`` of the directory; on any exception
     (including a signal's ``KeyboardInterrupt``) the temporary file is removed and the previous checkpoint stays
     intact; a temporary file left by a writer that was killed (SIGKILL cannot be cleaned up after) is removed by
-    the next save to the same path. Load: ``weights_only`` defaults to ``True``; checkpoints holding other objects
-    are refused in one line.
+    the next save to the same path. A write the OS refuses (a full disk: ``ENOSPC``; a file-size limit: ``EFBIG``)
+    raises :class:`CheckpointWriteError`, one line naming the checkpoint and the OS's reason. Load:
+    ``weights_only`` defaults to ``True``; checkpoints holding other objects are refused in one line.
 
     Example::
 
@@ -103,16 +128,24 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path.parent.mkdir(parents=True, exist_ok=True)
         for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):  # left by a writer that was SIGKILLed
             stale.unlink(missing_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        except OSError as exc:
+            raise _write_error(path, exc) from None
+        writes = None
         try:
             with os.fdopen(fd, "wb") as f:
-                torch.save(checkpoint, f)
+                writes = _Writes(f)
+                torch.save(checkpoint, writes)
                 f.flush()
                 os.fsync(f.fileno())
             os.chmod(tmp, 0o644)
             os.replace(tmp, path)
-        except BaseException:
+        except BaseException as exc:
             Path(tmp).unlink(missing_ok=True)
+            cause = writes.error if writes is not None and writes.error is not None else exc
+            if isinstance(cause, OSError) and isinstance(exc, Exception):
+                raise _write_error(path, cause) from None
             raise
         fsync_dir(path.parent)
 
@@ -123,6 +156,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if weights_only is False:  # the caller explicitly trusts this file
             return super().load_checkpoint(path, map_location=map_location, weights_only=False)
         return load_checkpoint(path, map_location=map_location)
+
+
+def _write_error(path: Path, exc: OSError) -> CheckpointWriteError:
+    code = f"errno {exc.errno} {errno.errorcode.get(exc.errno, '')}".strip() if exc.errno else type(exc).__name__
+    return CheckpointWriteError(f"checkpoint {path} cannot be written: {exc.strerror or exc} ({code}); the previous "
+                                f"checkpoint is kept and no partial file is left")
 
 
 def checkpoints_of(directory: str | os.PathLike) -> list[Path]:
