@@ -98,3 +98,11 @@ def test_a_healthy_factory_model_still_gets_its_verdict(tmp_path, capsys) -> Non
         code = exc.code
     assert code in (0, 1) and (tmp_path / "card" / "report.json").is_file() and not Path(
         tmp_path / "card" / "error.txt").exists()
+
+
+def test_a_default_run_root_under_a_file_is_one_line(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").write_text("not a directory\n")
+    code, err = run_check(capsys, *GPT, *ONE_RUN)
+    assert code == 2 and "runs/check cannot be created" in err and "give --out DIR" in err
+    assert (tmp_path / "runs").read_text() == "not a directory\n"

@@ -211,7 +211,11 @@ def run_directory(args: argparse.Namespace, name: str) -> Path:
         except OSError as exc:
             raise LNStabError(f"--out {out} cannot be created ({exc.strerror or type(exc).__name__})") from None
         return out
-    DEFAULT_ROOT.mkdir(parents=True, exist_ok=True)
+    try:
+        DEFAULT_ROOT.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LNStabError(f"{DEFAULT_ROOT} cannot be created ({exc.strerror or type(exc).__name__}); give --out DIR"
+                          ) from None
     for n in range(10_000):
         out = DEFAULT_ROOT / (name if n == 0 else f"{name}-{n}")
         try:
