@@ -106,3 +106,11 @@ def test_a_default_run_root_under_a_file_is_one_line(tmp_path, capsys, monkeypat
     code, err = run_check(capsys, *GPT, *ONE_RUN)
     assert code == 2 and "runs/check cannot be created" in err and "give --out DIR" in err
     assert (tmp_path / "runs").read_text() == "not a directory\n"
+
+
+def test_a_billion_laughs_as_a_model_value_is_one_line(tmp_path, capsys) -> None:
+    from test_probe_files import inline_laughs
+
+    code, err = run_check(capsys, *GPT, "--model.betas", inline_laughs(), *ONE_RUN, "--out", str(tmp_path / "c"))
+    assert code == 2 and "a --model.* value: its aliases expand to more than 100000 values" in err
+    assert not (tmp_path / "c").exists()

@@ -88,9 +88,13 @@ class Subject:
 
 
 def parse_value(text: str) -> Any:
-    """A ``--model.KEY`` value as YAML (``4``, ``0.5``, ``true``, ``null``, ``[0.9, 0.95]``, strings)."""
+    """A ``--model.KEY`` value as YAML (``4``, ``0.5``, ``true``, ``null``, ``[0.9, 0.95]``, strings), within
+    :mod:`lnstab.safeload`'s bounds (a value that is not YAML stays a string)."""
     import yaml
 
+    from lnstab.safeload import check_yaml_text
+
+    check_yaml_text(text, "a --model.* value")
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError:
