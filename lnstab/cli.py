@@ -383,6 +383,10 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print_help()
         return
+    if argv[0] == "fit":
+        from lnstab.sweep.runner import follow_parent
+
+        follow_parent()  # a sweep's child ends with its sweep
     try:
         if argv[0] in EXTRA_COMMANDS:
             module, func = EXTRA_COMMANDS[argv[0]].split(":")

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from paced_runs import PACE_CALLBACK, pace_env, set_pace
 from slurm_cluster import SlurmCluster, missing
 
 from lnstab.rundir import read_summary
@@ -26,24 +27,6 @@ from lnstab.rundir import read_summary
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.slow
-
-PACE = '''
-import os, time
-from pathlib import Path
-from lightning.pytorch.callbacks import Callback
-
-
-class Pace(Callback):
-    """Sleeps after every training batch for the seconds written in $LNSTAB_TEST_PACE_FILE (none: no sleep), so a
-    test can signal a run mid-way and then let the resumed run finish at full speed. It changes no number."""
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        path = os.environ.get("LNSTAB_TEST_PACE_FILE")
-        pace = float(Path(path).read_text() or 0) if path and Path(path).exists() else 0.0
-        if pace:
-            time.sleep(pace)
-'''
-
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
@@ -57,12 +40,11 @@ def cluster(tmp_path_factory):
     c.stop()
 
 
-def job_env(cluster: SlurmCluster, tmp: Path) -> dict[str, str]:
+def job_env(cluster: SlurmCluster, tmp: Path, pace: float = 0.0) -> dict[str, str]:
     """What the jobs inherit from sbatch (--export=ALL): this venv first, offline, one thread (bitwise comparable
-    with the reference runs), the Pace callback importable."""
-    (tmp / "pace.py").write_text(PACE)
+    with the reference runs), the Pace callback (tests/paced_runs.py) importable and paced."""
     return {**cluster.env, "PATH": f"{BIN}:{os.environ['PATH']}", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(tmp), "LNSTAB_TEST_PACE_FILE": str(tmp / "pace"), "PYTHONUNBUFFERED": "1"}
+            "PYTHONUNBUFFERED": "1", **pace_env(tmp, pace)}
 
 
 def paced_grid(tmp: Path, cases: dict[str, dict], **slurm) -> Path:
@@ -71,7 +53,7 @@ def paced_grid(tmp: Path, cases: dict[str, dict], **slurm) -> Path:
         "seed_everything": 0,
         "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 300, "precision": "32-true",
                     "enable_progress_bar": False, "enable_model_summary": False, "limit_val_batches": 1,
-                    "val_check_interval": 100, "log_every_n_steps": 10, "callbacks": [{"class_path": "pace.Pace"}]},
+                    "val_check_interval": 100, "log_every_n_steps": 10, "callbacks": [PACE_CALLBACK]},
         "checkpoint": {"save_last": True, "every_n_train_steps": 10, "save_top_k": 0},
         "instruments": {"every_n_steps": 50, "jacobian_every_n_steps": 0},
         "evaluation": {"on_fit_end": False},
@@ -147,7 +129,7 @@ def requeued_and_released(cluster: SlurmCluster, element: str, pace_file: Path, 
         return "JobState=PENDING" in info and "Restarts=0" not in info
 
     wait_for(f"{element} to be requeued", pending_again, timeout=120)
-    pace_file.write_text("0")
+    set_pace(pace_file.parent, 0)
     cluster.run("scontrol", "update", f"JobId={element}", "StartTime=now", *(f"{k}={v}" for k, v in update.items()))
 
 
@@ -188,8 +170,7 @@ def test_a_cpu_array_runs_each_run_to_its_status(cluster, tmp_path) -> None:
 def test_sigusr1_to_every_process_of_the_job_requeues_and_resumes_bitwise(cluster, tmp_path) -> None:
     """Before: the DataLoader workers ran Lightning's inherited SLURM handler and died, the run ended ``failed`` at
     its step, and the requeued element printed 'finished already' for ever."""
-    env = job_env(cluster, tmp_path)
-    (tmp_path / "pace").write_text("0.1")
+    env = job_env(cluster, tmp_path, pace=0.1)
     grid = paced_grid(tmp_path, {"peri": {"model.norm_placement": "peri"}})
     root = tmp_path / "runs"
     run = root / "g" / "peri"
@@ -209,8 +190,7 @@ def test_sigusr1_to_every_process_of_the_job_requeues_and_resumes_bitwise(cluste
 
 def test_the_time_limit_signal_requeues_and_resumes_bitwise(cluster, tmp_path) -> None:
     """``--signal=SIGUSR1@55``: SLURM signals the step (the run and its workers) when under 55 s remain."""
-    env = job_env(cluster, tmp_path)
-    (tmp_path / "pace").write_text("0.2")
+    env = job_env(cluster, tmp_path, pace=0.2)
     grid = paced_grid(tmp_path, {"pre": {"model.norm_placement": "pre"}}, signal_s=55)
     root = tmp_path / "runs"
     run = root / "g" / "pre"
@@ -230,8 +210,7 @@ def test_the_time_limit_signal_requeues_and_resumes_bitwise(cluster, tmp_path) -
 
 
 def test_a_cancelled_element_is_resumed_by_resubmitting_the_same_script(cluster, tmp_path) -> None:
-    env = job_env(cluster, tmp_path)
-    (tmp_path / "pace").write_text("0.1")
+    env = job_env(cluster, tmp_path, pace=0.1)
     grid = paced_grid(tmp_path, {"quick": {"trainer.max_steps": 20}, "long": {"model.norm_placement": "peri"}})
     root = tmp_path / "runs"
     long_run = root / "g" / "long"
@@ -247,7 +226,7 @@ def test_a_cancelled_element_is_resumed_by_resubmitting_the_same_script(cluster,
     assert summary["status"] == "interrupted" and summary["signal"] == "SIGTERM", log_of(root, job, long)[-3000:]
     step = summary["interrupted_step"]
     assert torch.load(long_run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == step
-    (tmp_path / "pace").write_text("0")
+    set_pace(tmp_path, 0)
     again = submit(cluster, script, env, tmp_path)
     wait_for(f"{again} to end", lambda: gone(cluster, again), timeout=600)
     assert "quick: finished already, nothing to do" in log_of(root, again, quick)

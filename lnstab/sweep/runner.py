@@ -2,7 +2,8 @@
 
 A run that fails or diverges is recorded (journal, its own ``summary.json``) and the sweep goes on. A first SIGINT or
 SIGTERM stops launching and passes one SIGTERM to every child, which saves ``last.ckpt`` at its next optimizer step
-and ends ``interrupted`` (resumed by the next sweep); a second one kills the children.
+and ends ``interrupted`` (resumed by the next sweep); a second one kills the children. A sweep that is killed
+outright takes its children with it the same way (:func:`follow_parent`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,28 @@ from lnstab.sweep.state import (
 )
 
 RESUME_ARGS = ("--ckpt_path", "last")  # resume the run's newest complete checkpoint, strictly
+PARENT_ENV = "LNSTAB_SWEEP_PARENT"  # set for a sweep's children: the pid of the sweep they must not outlive
+
+
+def follow_parent() -> None:
+    """In a sweep's child (``$LNSTAB_SWEEP_PARENT`` set): receive SIGTERM when the sweep dies, however it dies.
+
+    A sweep killed outright (SIGKILL, out of memory, a lost ssh session that took it down) would otherwise leave its
+    children training, holding their runs' locks, and the next sweep would skip them as running. With Linux's
+    parent-death signal the child gets the SIGTERM a sweep's own stop sends: it saves ``last.ckpt`` at its next step
+    and ends ``interrupted``, which the next sweep resumes. The variable is removed so that processes this child
+    starts (DDP ranks, loader workers) do not inherit it. Elsewhere than Linux this does nothing.
+    """
+    parent = os.environ.pop(PARENT_ENV, None)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+    if parent.isdigit() and os.getppid() != int(parent):  # it died before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def fit_command(grid: Grid, run: Run, root: str | Path, *, resume: bool = False,
@@ -169,8 +192,9 @@ class LocalSweep:
             self.echo(f"{head}: {p.action} (log: {log})")
             started = time.monotonic()
             with open(log, "a", encoding="utf-8") as out:
+                env = {**os.environ, PARENT_ENV: str(os.getpid())}  # the child ends with this sweep
                 child = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         pass_fds=(fd,), start_new_session=True)
+                                         pass_fds=(fd,), start_new_session=True, env=env)
                 with self._lock:
                     self.children[run.name] = child
                 if self.stopping.is_set():  # a signal came between the check above and the start
