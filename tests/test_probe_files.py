@@ -66,6 +66,9 @@ def test_a_billion_laughs_is_refused_wherever_lnstab_reads_yaml(tmp_path, capsys
     grid = tmp_path / "grid.yaml"
     grid.write_text(f"base: {QUICKSTART}\naxes:\n  seed_everything: [0]\nslurm:\n{laughs(indent='  ')}")
     assert f"grid {grid}: its aliases expand" in one_line(capsys, "sweep", str(grid), "--dry-run")
+    grid.write_text(f"base: {QUICKSTART}\naxes:\n  seed_everything: [0]\n")
+    assert "--set trainer.plugins: its aliases expand" in one_line(
+        capsys, "sweep", str(grid), "--dry-run", "--set", f"trainer.plugins={inline_laughs()}")
     thresholds = tmp_path / "thresholds.yaml"
     thresholds.write_text(laughs())
     assert f"--thresholds {thresholds}: its aliases expand" in one_line(

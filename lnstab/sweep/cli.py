@@ -29,6 +29,7 @@ from typing import Any
 import yaml
 
 from lnstab.errors import LNStabError
+from lnstab.safeload import check_yaml_text
 from lnstab.sweep.grid import Grid, GridError, Run, check_key, load_grid
 from lnstab.sweep.runner import LocalSweep, fit_command, format_duration, status_rows
 from lnstab.sweep.slurm import sbatch_script, slurm_settings, torchrun_commands
@@ -78,6 +79,7 @@ def parse_sets(items: list[str]) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise LNStabError(f"--set {item!r} is not allowed; give KEY=VALUE, e.g. --set trainer.max_steps=100")
+        check_yaml_text(value, f"--set {key}")  # bounded: the value is parsed, then written into every run's command
         out[key] = yaml.safe_load(value) if value else ""
     return out
 
