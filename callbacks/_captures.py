@@ -26,6 +26,7 @@ steps only, without the padded vocabulary rows); any other model from the output
 
 from __future__ import annotations
 
+import importlib
 import math
 import re
 import sys
@@ -116,7 +117,7 @@ class SplitQK(Capture):
 def _auto_capture(module: nn.Module, options: dict[str, Any]) -> Capture | None:
     names = _names(type(module))
     if "CausalSelfAttention" in names and hasattr(module, "c_attn") and hasattr(module, "n_head"):
-        width = module.c_attn.weight.shape[0] // 3 if hasattr(module.c_attn, "weight") else module.n_embd
+        width = getattr(module, "n_embd", None) or module.c_attn.weight.shape[0] // 3
         scale = 1.0 / math.sqrt(width // module.n_head)
         q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
         if isinstance(q_norm, nn.Module) and isinstance(k_norm, nn.Module):
@@ -126,8 +127,8 @@ def _auto_capture(module: nn.Module, options: dict[str, Any]) -> Capture | None:
         return FusedQKV(module.c_attn, module.num_heads, module.split_size, module.scaling, options)
     if "LlamaAttention" in names:
         rotary = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", None)
-        if rotary is None:
-            rotary = sys.modules["transformers.models.llama.modeling_llama"].apply_rotary_pos_emb
+        if rotary is None:  # a subclass defined elsewhere: Llama's own
+            rotary = importlib.import_module("transformers.models.llama.modeling_llama").apply_rotary_pos_emb
         return SplitQK(module.q_proj, module.k_proj, module.scaling, options, flat=True, head_dim=module.head_dim,
                        rotary=rotary)
     return None

@@ -6,7 +6,8 @@ that memory stays bounded, with autocast off and nothing recorded for autograd (
 
 * :class:`AttentionView`: the causal attention logits ``z = q·kᵀ·scale`` and weights ``softmax(z)`` of every head,
   one chunk of query rows at a time: a chunk of ``c`` rows holds ``B·n_head·c·e`` float32 values (``e`` = keys the
-  chunk's last row may see), at most ``chunk_elements`` of them (one row at least), times about three temporaries.
+  chunk's last row may see), at most ``chunk_elements`` of them (one row at least; four chunks at least), in two
+  temporaries (the logits, turned into ``exp(z − max)`` in place, and the visible logits).
 * :class:`LogitView`: log Z = logsumexp of each token's logits and the largest logit, ``chunk_rows`` tokens at a
   time, either from the final hidden state and the head weight (an extra head product) or from logits the model
   already computed.
@@ -24,7 +25,9 @@ import torch
 from ._stats import Moments, SiteView
 
 COLLAPSE_WEIGHT = 0.99  # a row whose largest weight exceeds this is collapsed (one-hot up to 1 %)
-DEFAULT_CHUNK_ELEMENTS = 1 << 22  # 4 Mi float32 logits (16 MiB) per chunk
+# 256 Ki float32 logits (1 MiB) per chunk: on a CPU core, B·n_head·T = 24k (T = 1024) ran fastest with about this
+# many (10 rows a chunk) among 2^14 … 2^22; at 4k (lnstab's mini preset, T = 128) four chunks of 32 rows did.
+DEFAULT_CHUNK_ELEMENTS = 1 << 18
 DEFAULT_CHUNK_ROWS = 512  # tokens per chunk of the output head, as lnstab.loss
 
 
@@ -78,32 +81,39 @@ class AttentionView(SiteView):
         device = q.device
         q = q.reshape(B, kv, H // kv, T, hs)  # (B, n_kv, group, T, hs)
         k = k[:, :, None]  # (B, n_kv, 1, T, hs): each k head serves its group of q heads, not copied
-        rows_per_chunk = max(1, self.chunk_elements // (B * H * T))
+        # At least four chunks: a chunk's rows see the keys up to its last row, so more chunks form fewer of the
+        # logits a causal mask hides (5/8 of T² in four chunks, against all of it in one).
+        rows_per_chunk = max(1, min(self.chunk_elements // (B * H * T), -(-T // 4)))
         first = self.min_keys - 1  # the first query row that counts in the entropy and collapse statistics
         max_logit = torch.zeros((), device=device)
         entropy_sum = torch.zeros((), dtype=torch.float64, device=device)
         collapsed = torch.zeros((), dtype=torch.float64, device=device)
         neg_entropy_max = None
         with _no_autocast(device):
+            q = q.float() * self.scale  # (B, n_kv, group, T, hs): the scale folded into q, not into every logit
             for start in range(0, T, rows_per_chunk):
                 end = min(T, start + rows_per_chunk)  # rows [start, end) see keys [0, end)
-                z = torch.matmul(q[..., start:end, :].float(), k[..., :end, :].float().transpose(-1, -2))
-                z.mul_(self.scale)  # (B, n_kv, group, c, e)
+                z = torch.matmul(q[..., start:end, :], k[..., :end, :].float().transpose(-1, -2))  # (…, c, e)
                 hidden = (torch.arange(end, device=device)[None, :]
                           > torch.arange(start, end, device=device)[:, None])  # (c, e): keys after the query
-                low, high = torch.aminmax(z.masked_fill(hidden, 0.0))
+                zc = z.masked_fill(hidden, 0.0)  # (B, n_kv, group, c, e): the visible logits, 0 elsewhere
+                low, high = torch.aminmax(zc)
                 max_logit = torch.maximum(max_logit, torch.maximum(high, low.neg()))  # NaN-propagating
-                p = torch.softmax(z.masked_fill_(hidden, -math.inf), dim=-1)  # (B, n_kv, group, c, e)
-                del z
                 skip = max(0, first - start)  # leading rows of this chunk that do not count
                 if skip >= end - start:
                     continue
-                p = p[..., skip:, :]
-                entropy = torch.special.entr(p).sum(dim=-1)  # (B, n_kv, group, c'): −Σ p log p, 0·log 0 = 0
+                z, zc = z[..., skip:, :], zc[..., skip:, :]  # the rows that count
+                top = z.masked_fill_(hidden[skip:], -math.inf).amax(dim=-1, keepdim=True)  # (…, c', 1): row max
+                e = z.sub_(top).exp_()  # exp(z − max): 1 at the row's largest weight, 0 at hidden keys
+                total = e.sum(dim=-1)  # (…, c'): the softmax denominator, so the largest weight is 1 / total
+                zc.sub_(top)  # z − max at visible keys (finite elsewhere, where e is 0)
+                # H = −Σ p log p = log Σ e − Σ e·(z − max) / Σ e, with p = e / Σ e: no log per entry
+                entropy = total.log() - e.mul_(zc).sum(dim=-1) / total  # (B, n_kv, group, c')
+                del e, z, zc
                 entropy_sum += entropy.sum(dtype=torch.float64)
-                top = entropy.neg().amax()
-                neg_entropy_max = top if neg_entropy_max is None else torch.maximum(neg_entropy_max, top)
-                collapsed += (p.amax(dim=-1) > self.collapse_weight).sum(dtype=torch.float64)
+                neg = entropy.neg().amax()
+                neg_entropy_max = neg if neg_entropy_max is None else torch.maximum(neg_entropy_max, neg)
+                collapsed += (total < 1.0 / self.collapse_weight).sum(dtype=torch.float64)
         if neg_entropy_max is None:
             neg_entropy_max = torch.full((), math.nan, device=device)
         return AttentionSummary(max_logit, entropy_sum, neg_entropy_max, collapsed, B * H * max(0, T - first))
@@ -156,8 +166,9 @@ class LogitView(SiteView):
                 logits = torch.nn.functional.linear(rows, weight, bias).float()  # (m, V)
             else:
                 logits = rows[:, :vocab].float()  # (m, V)
-            log_z.append(torch.logsumexp(logits, dim=-1))  # (m,)
-            chunk_top = logits.amax()
+            row_max = logits.amax(dim=-1)  # (m,)
+            log_z.append(row_max + (logits - row_max[:, None]).exp_().sum(dim=-1).log_())  # (m,): logsumexp
+            chunk_top = row_max.amax()
             top = chunk_top if top is None else torch.maximum(top, chunk_top)
         if top is None:
             top = torch.full((), math.nan, device=x.device)

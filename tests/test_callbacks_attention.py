@@ -236,20 +236,18 @@ class MaxNumel(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-def summary(view: AttentionView) -> list[float]:
-    s = view.attention
-    return [s.max_logit.item(), s.entropy_sum.item(), s.neg_entropy_max.item(), s.collapsed.item(), s.rows]
-
-
 def test_chunking_gives_the_same_numbers_and_bounds_memory_at_t_1024():
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 4, 37, 8, generator=g) * 3, torch.randn(2, 2, 37, 8, generator=g) * 3  # GQA
-    whole = summary(AttentionView(q, k, 0.35, chunk_elements=10**9))
-    for chunk in (1, 2 * 4 * 37 * 5, 2 * 4 * 37 * 36):  # one row, 5 rows, 36 rows per chunk
-        assert summary(AttentionView(q, k, 0.35, chunk_elements=chunk)) == pytest.approx(whole, rel=1e-6)
-    ref = direct([q], [k], 0.35)
-    assert whole[0] == pytest.approx(ref["max_logit"], rel=1e-6)
-    assert whole[1] / whole[4] == pytest.approx(ref["entropy_mean"], rel=1e-6)
+    ref = direct([q], [k], 0.35)  # unchunked, materialised in float64
+    results = []
+    for chunk in (1, 2 * 4 * 37 * 5, 10**9):  # one row, 5 rows, 10 rows (at least four chunks) per chunk
+        s = AttentionView(q, k, 0.35, chunk_elements=chunk).attention
+        results.append([s.max_logit.item(), s.entropy_sum.item() / s.rows, -s.neg_entropy_max.item(),
+                        s.collapsed.item() / s.rows])
+        assert results[-1] == pytest.approx([ref[n] for n in NAMES], rel=1e-5, abs=1e-6), chunk
+    assert results[0] == pytest.approx(results[1], rel=1e-6) and results[1] == pytest.approx(results[2], rel=1e-6)
+    assert 0 < ref["collapsed"] < 1
     q, k = torch.randn(1, 2, 1024, 8, generator=g), torch.randn(1, 2, 1024, 8, generator=g)
     budget = 1 << 16  # 32 rows of 2 heads × 1024 keys
     with MaxNumel() as spy:
@@ -257,7 +255,7 @@ def test_chunking_gives_the_same_numbers_and_bounds_memory_at_t_1024():
     assert spy.largest <= budget  # never one head's 1024 × 1024 matrix (that is 16 × the budget)
     with MaxNumel() as spy:
         AttentionView(q, k, 0.35, chunk_elements=10**9).attention  # noqa: B018
-    assert spy.largest == 2 * 1024 * 1024  # unchunked it is: the bound above is the chunking's doing
+    assert spy.largest == 2 * 256 * 1024  # without a budget: four chunks of 256 rows, so the bound is the budget's
 
 
 def fit_accumulated(tmp_path, name: str, batch_size: int, accumulate: int, steps: int = 3) -> dict:
