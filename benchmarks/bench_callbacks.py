@@ -8,14 +8,17 @@ Two measurements, each printing ratios against a reference measured in the same 
    configurations' steps they are no-ops, which is exactly what a non-logging step costs. A step is timed from
    ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, optimizer step, instrument hooks and their
    host syncs); warm-up steps are dropped. Printed: the median step time per configuration and its ratio to none.
-   Goal: ``hidden@1`` (HiddenStateStatistics at every step) ≤ 1.15×.
+   Goals: ``hidden@1`` (HiddenStateStatistics at every step) ≤ 1.15×; ``logits@1`` (AttentionLogitStatistics and
+   OutputLogitStatistics at every step: the attention logits re-formed in chunks, an extra head product) ≤ 1.15×.
 2. **Whole run** at the paper's cadence (``base.yaml``: hidden states, bound and gradients every 100 steps,
    DivergenceMonitor every step; with ``--with-jacobian`` also JacobianSensitivity every 1000 steps, i.e. once at
    step 0 of a run shorter than that, which overstates its share — part 1 prints its amortised cost): complete
    ``Trainer.fit`` calls of ``--run-steps`` steps, timed from ``fit`` to its return, configurations interleaved and
    their order alternated over ``--repeats`` rounds. Printed: median wall time per configuration, the ratio of
    medians, the median of the per-round ratios to none, and the ratio of the fastest fits' CPU times (other tenants
-   only ever add time, so the minimum is the least disturbed figure). Goal: ``paper`` ≤ 1.02×.
+   only ever add time, so the minimum is the least disturbed figure). Goals: ``paper`` ≤ 1.02×, and
+   ``paper+logits`` (the same with the attention and output-logit instruments every 100 steps and DivergenceMonitor's
+   collapse/drift checks on those steps, as the ``Instruments`` group builds them) ≤ 1.02×.
 
 Beside wall time both print the process CPU time (all threads) and its ratio: on a shared machine whose other tenants
 take the cores away at random, CPU time is the steadier measure of what the instruments add (on a GPU, read wall).
@@ -42,11 +45,13 @@ from bench_model import machine_line
 from torch.utils.data import DataLoader, TensorDataset
 
 from lnstab.callbacks import (
+    AttentionLogitStatistics,
     DivergenceMonitor,
     GradientStatistics,
     GrowthBoundMonitor,
     HiddenStateStatistics,
     JacobianSensitivity,
+    OutputLogitStatistics,
     StabilityLayout,
 )
 from lnstab.model import GPT, GPTConfig
@@ -145,6 +150,7 @@ def per_step_configurations() -> dict[str, Callable[[], list]]:
         "none": lambda: [],
         "hidden@1": lambda: [HiddenStateStatistics(every_n_steps=1, log_heatmap=False)],
         "divergence@1": lambda: [DivergenceMonitor()],
+        "logits@1": lambda: [AttentionLogitStatistics(every_n_steps=1), OutputLogitStatistics(every_n_steps=1)],
         "all@1": lambda: [
             HiddenStateStatistics(every_n_steps=1, log_heatmap=False),
             GrowthBoundMonitor(every_n_steps=1),
@@ -164,7 +170,15 @@ def paper_configurations(probe: torch.Tensor, with_jacobian: bool = False) -> di
             DivergenceMonitor(policy="stop", every_n_steps=1),
         ]
 
-    configs = {"none": lambda: [], "paper": paper}
+    def paper_logits() -> list:
+        return [
+            *paper()[:-1],
+            AttentionLogitStatistics(every_n_steps=100),
+            OutputLogitStatistics(every_n_steps=100),
+            DivergenceMonitor(policy="stop", every_n_steps=1, stats_every_n_steps=100),
+        ]
+
+    configs = {"none": lambda: [], "paper": paper, "paper+logits": paper_logits}
     if with_jacobian:
         jacobian = dict(every_n_steps=1000, probe_size=2, probe=probe)
         configs["paper+jacobian"] = lambda: [*paper(), JacobianSensitivity(**jacobian)]
@@ -246,6 +260,10 @@ def whole_run(args, config: GPTConfig, x: torch.Tensor) -> None:
         ratio = wall / statistics.median(walls["none"])
         print(f"{name:<16}{wall:>14.2f}{ratio:>18.3f}{paired:>14.3f}{cpu:>8.1f}"
               f"{cpu / statistics.median(cpus['none']):>11.3f}{min(cpus[name]) / min(cpus['none']):>15.3f}")
+    if "paper+logits" in configs:
+        added = statistics.median(a / b for a, b in zip(walls["paper+logits"], walls["paper"], strict=True))
+        print(f"paper+logits against paper: median ratio {added:.3f}, CPU min ratio "
+              f"{min(cpus['paper+logits']) / min(cpus['paper']):.3f} (what the new instruments add)")
     print("CPU min ratio: fastest fit against fastest fit; other tenants only ever add time, so the minimum is the "
           "least disturbed figure")
 
