@@ -41,8 +41,11 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240.0) -> None
 
 
 @pytest.mark.slow
-def test_sigterm_stops_at_a_step_boundary_and_resumes_exactly(tmp_path) -> None:
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])  # both, whichever auto picks on this CPU
+def test_sigterm_stops_at_a_step_boundary_and_resumes_exactly(tmp_path, precision: str) -> None:
     cfg = tiny_config(tmp_path, **{"evaluation.n_samples": 2})
+    cfg.write_text(cfg.read_text().replace("precision: 32-true", f"precision: {precision}"))
+    assert f"precision: {precision}" in cfg.read_text()
     run = tmp_path / "run"
     proc = start(cfg, run)
     wait_for(run / "checkpoints" / "last.ckpt", proc)
