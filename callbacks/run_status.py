@@ -22,7 +22,15 @@ from typing_extensions import override
 
 from lnstab import runlock
 from lnstab import validation as check
-from lnstab.rundir import CHECKPOINT_DIR, LAST_CHECKPOINT, read_summary, run_dir, update_summary
+from lnstab.rundir import (
+    CHECKPOINT_DIR,
+    LAST_CHECKPOINT,
+    SUMMARY_FILE,
+    RunFileError,
+    read_summary,
+    run_dir,
+    update_summary,
+)
 
 SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGHUP")
 
@@ -297,12 +305,17 @@ def stop_at_once_on_signal(trainer: pl.Trainer) -> Iterator[None]:
 
 
 def _previous_summary(directory: Path) -> dict[str, Any]:
-    """The summary a resumed run continues (``{}`` for a new run, or when the file is damaged: a damaged summary
-    must not stop the run that can repair it; the fields it loses are the wall time and start time)."""
+    """The summary a resumed run continues (``{}`` for a new run). A damaged one must not stop the run that can
+    repair it: it is moved aside to ``summary.damaged-<k>.json`` (nothing is lost) and the run starts a new summary,
+    without the wall time and start time the old one held."""
     try:
         return read_summary(directory)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file: damaged
-        rank_zero_info(f"lnstab: {directory / 'summary.json'} is damaged ({type(exc).__name__}); it is rewritten")
+    except RunFileError as exc:
+        k = 1
+        while (aside := directory / f"summary.damaged-{k}.json").exists():
+            k += 1
+        os.replace(directory / SUMMARY_FILE, aside)
+        rank_zero_info(f"lnstab: {exc}; moved to {aside.name}, and this run writes a new summary.json")
         return {}
 
 

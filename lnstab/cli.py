@@ -181,6 +181,8 @@ class LNStabCLI(LightningCLI):
             run_dir = run_dir or (str(owner) if owner is not None else None)
         if sub == "fit" and ckpt is None and run_dir:
             runs.check_fresh_run_dir(run_dir)
+        if sub == "fit" and not run_dir and loggers:  # Lightning will make save_dir/name/version_N: can it?
+            runs.check_writable(Path(loggers[0]["save_dir"]) / (loggers[0].get("name") or ""))
         if sub == "evaluate" and ckpt is None:
             raise ConfigError("ckpt_path=None is not allowed; lnstab evaluate needs --ckpt_path CHECKPOINT (or last)")
         if run_dir:

@@ -224,3 +224,21 @@ def test_resuming_a_diverged_run_is_refused(tmp_path, capsys) -> None:
                          "--trainer.max_steps", "40")
     assert f"that run ended diverged at step {summary['diverged_step']}" in err
     assert read_summary(run) == summary
+
+
+def test_resuming_a_run_whose_summary_is_damaged_keeps_the_damaged_file_and_completes(tmp_path) -> None:
+    cfg = tiny_config(tmp_path)
+    run = tmp_path / "run"
+    fit("--config", str(cfg), "--run_dir", str(run))
+    (run / "summary.json").write_text('{"status": "compl')  # truncated by a full disk, say
+    fit("--config", str(cfg), "--run_dir", str(run), "--ckpt_path", "last", "--trainer.max_steps", "6")
+    assert read_summary(run)["status"] == "completed" and read_summary(run)["final_step"] == 6
+    assert (run / "summary.damaged-1.json").read_text() == '{"status": "compl'
+
+
+def test_a_logger_directory_under_a_file_is_one_line(tmp_path, capsys) -> None:
+    blocker = tmp_path / "runs"
+    blocker.write_text("a file where the runs would go")
+    err = one_line_error(capsys, "fit", "--config", str(tiny_config(tmp_path)))
+    assert f"{blocker} is a file, not a directory" in err
+    assert blocker.read_text() == "a file where the runs would go"

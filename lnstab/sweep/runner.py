@@ -131,7 +131,7 @@ class LocalSweep:
 
     def run(self) -> int:
         """Run every run that needs it; returns 0 when all ended completed or diverged (or were skipped as such),
-        1 when some failed, ``128 + signal`` when a signal stopped the sweep."""
+        1 when some failed or are damaged, ``128 + signal`` when a signal stopped the sweep."""
         record_manifest(self.root, self.grid, self.grid.runs)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -179,7 +179,8 @@ class LocalSweep:
             p = plan(directory, locked=fd is None, retry_failed=self.retry_failed)
             if p.action == "skip":
                 self.echo(f"{head}: {p.status}, skipped ({p.reason})")
-                self.results[run.name] = {"status": p.status if p.status in DONE else "skipped"}
+                # a damaged run is skipped but not quietly: the sweep then exits 1, like a failed run
+                self.results[run.name] = {"status": p.status if p.status in (*DONE, "damaged") else "skipped"}
                 journal(self.root, self.grid, run=run.name, action="skip", status=p.status)
                 return
             if p.action == "restart":
