@@ -27,7 +27,7 @@ import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from typing_extensions import override
 
-from lnstab.errors import LNStabError
+from lnstab.errors import LNStabError, MachineError
 from lnstab.rundir import checkpoint_dir, fsync_dir
 
 
@@ -35,7 +35,7 @@ class CheckpointError(LNStabError):
     """A checkpoint that is missing, truncated, not a checkpoint, or holds something other than data."""
 
 
-class CheckpointWriteError(CheckpointError):
+class CheckpointWriteError(CheckpointError, MachineError):
     """A checkpoint the operating system would not let us write (a full disk, a file-size limit, an I/O error):
     one line naming the file and the OS's reason, which ``torch.save`` itself does not keep."""
 

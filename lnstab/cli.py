@@ -31,7 +31,7 @@ from lnstab.callbacks import FinalEvaluation, Instruments, RunCheckpoint, RunSta
 from lnstab.callbacks.run_status import RunInterrupted
 from lnstab.checkpoint import load_checkpoint
 from lnstab.configfiles import expand_extends, experiment_name
-from lnstab.errors import ConfigError, LNStabError
+from lnstab.errors import ConfigError, LNStabError, MachineError
 from lnstab.module import GPTModule
 from lnstab.precision import precision_warning, resolve_precision
 from lnstab.rundir import CONFIG_FILE, latest_eval, read_summary
@@ -407,7 +407,7 @@ def main(argv: list[str] | None = None) -> None:
         if user_error is None or os.environ.get("LNSTAB_DEBUG"):
             raise
         print(f"lnstab: error: {_one_line(user_error)}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(1 if isinstance(user_error, MachineError) else 2) from None
     status = next((cb for cb in getattr(cli.trainer, "callbacks", []) if isinstance(cb, RunStatus)), None)
     if status is not None and status.exit_code:
         raise SystemExit(status.exit_code)

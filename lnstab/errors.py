@@ -7,3 +7,8 @@ class LNStabError(ValueError):
 
 class ConfigError(LNStabError):
     """A configuration value that is not allowed."""
+
+
+class MachineError(LNStabError):
+    """The machine, not the input, refused (a full disk, a file-size limit): still one line, but ``lnstab`` exits 1,
+    the status of a failed run, not 2, the status of a usage error."""

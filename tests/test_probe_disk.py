@@ -100,7 +100,7 @@ def test_lnstab_fit_records_the_refused_write_in_one_line(tmp_path) -> None:
                           timeout=600)
     last = done.stderr.strip().splitlines()[-1]
     ckpt = run / "checkpoints" / "epoch=0-step=2.ckpt"
-    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.returncode == 1, done.stderr[-3000:]  # the machine refused, not the input: a failed run
     assert last.startswith(f"lnstab: error: checkpoint {ckpt} cannot be written: File too large"), last
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "failed"
