@@ -242,3 +242,50 @@ def test_a_logger_directory_under_a_file_is_one_line(tmp_path, capsys) -> None:
     err = one_line_error(capsys, "fit", "--config", str(tiny_config(tmp_path)))
     assert f"{blocker} is a file, not a directory" in err
     assert blocker.read_text() == "a file where the runs would go"
+
+
+@pytest.mark.slow
+def test_a_closed_terminal_stops_the_run_resumably(tmp_path) -> None:
+    """A run in a terminal that closes (an ssh session dropped): the kernel sends SIGHUP to the terminal's foreground
+    process group and every later write to it fails. Before: a traceback, and ``summary.json`` left ``running``."""
+    import contextlib
+    import pty
+    import select
+    import termios
+
+    cfg = tiny_config(tmp_path, **{"trainer.max_steps": 100000})
+    data = yaml.safe_load(cfg.read_text())
+    data["trainer"]["enable_progress_bar"] = True  # writes to the terminal on every step
+    data["data"]["init_args"]["num_workers"] = 2  # the workers are in the terminal's process group too
+    cfg.write_text(yaml.safe_dump(data))
+    run = tmp_path / "run"
+    master, slave = pty.openpty()
+
+    def controlling_terminal() -> None:  # a new session whose controlling terminal is the pty, as a login shell's
+        os.setsid()
+        import fcntl
+
+        fcntl.ioctl(slave, termios.TIOCSCTTY, 0)
+
+    proc = subprocess.Popen([LNSTAB, "fit", "--config", str(cfg), "--run_dir", str(run)], stdin=slave,
+                            stdout=slave, stderr=slave, preexec_fn=controlling_terminal, close_fds=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    os.close(slave)
+    seen = bytearray()
+    try:
+        deadline = time.monotonic() + 240
+        while not (run / "checkpoints" / "last.ckpt").exists():  # read what the run writes, as a terminal does
+            assert proc.poll() is None, bytes(seen[-3000:]).decode(errors="replace")
+            assert time.monotonic() < deadline
+            if select.select([master], [], [], 0.2)[0]:
+                with contextlib.suppress(OSError):
+                    seen.extend(os.read(master, 65536))
+        os.close(master)  # the terminal goes away: SIGHUP to its foreground process group (nothing else reads it)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 128 + signal.SIGHUP, bytes(seen[-3000:]).decode(errors="replace")
+    summary = read_summary(run)
+    assert summary["status"] == "interrupted" and summary["signal"] == "SIGHUP", summary
+    assert ckpt_step(run / "checkpoints" / "last.ckpt") == summary["interrupted_step"]
