@@ -29,6 +29,10 @@ COLLAPSE_WEIGHT = 0.99  # a row whose largest weight exceeds this is collapsed (
 # many (10 rows a chunk) among 2^14 … 2^22; at 4k (lnstab's mini preset, T = 128) four chunks of 32 rows did.
 DEFAULT_CHUNK_ELEMENTS = 1 << 18
 DEFAULT_CHUNK_ROWS = 512  # tokens per chunk of the output head, as lnstab.loss
+# exp(x) for x below about −87.3 is a subnormal float32 or 0, which the CPU's vector exp computes some 15× slower
+# (measured: −88 against −80), and hidden keys (−inf) 2.5× slower: arguments are clamped here first, so a weight under
+# e^−80 ≈ 1.8e−35 counts as that, which moves a sum of at most 10^6 such weights (≥ 1) by under 2e−29.
+EXP_FLOOR = -80.0
 
 
 def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
@@ -80,7 +84,7 @@ class AttentionView(SiteView):
             raise ValueError(f"k of shape {tuple(k.shape)} does not pair with q of shape {tuple(q.shape)}")
         device = q.device
         q = q.reshape(B, kv, H // kv, T, hs)  # (B, n_kv, group, T, hs)
-        k = k[:, :, None]  # (B, n_kv, 1, T, hs): each k head serves its group of q heads, not copied
+        k = k.float().contiguous()[:, :, None]  # (B, n_kv, 1, T, hs): each k head serves its group of q heads
         # At least four chunks: a chunk's rows see the keys up to its last row, so more chunks form fewer of the
         # logits a causal mask hides (5/8 of T² in four chunks, against all of it in one).
         rows_per_chunk = max(1, min(self.chunk_elements // (B * H * T), -(-T // 4)))
@@ -93,7 +97,7 @@ class AttentionView(SiteView):
             q = q.float() * self.scale  # (B, n_kv, group, T, hs): the scale folded into q, not into every logit
             for start in range(0, T, rows_per_chunk):
                 end = min(T, start + rows_per_chunk)  # rows [start, end) see keys [0, end)
-                z = torch.matmul(q[..., start:end, :], k[..., :end, :].float().transpose(-1, -2))  # (…, c, e)
+                z = torch.matmul(q[..., start:end, :], k[..., :end, :].transpose(-1, -2))  # (…, c, e)
                 hidden = (torch.arange(end, device=device)[None, :]
                           > torch.arange(start, end, device=device)[:, None])  # (c, e): keys after the query
                 zc = z.masked_fill(hidden, 0.0)  # (B, n_kv, group, c, e): the visible logits, 0 elsewhere
@@ -104,7 +108,7 @@ class AttentionView(SiteView):
                     continue
                 z, zc = z[..., skip:, :], zc[..., skip:, :]  # the rows that count
                 top = z.masked_fill_(hidden[skip:], -math.inf).amax(dim=-1, keepdim=True)  # (…, c', 1): row max
-                e = z.sub_(top).exp_()  # exp(z − max): 1 at the row's largest weight, 0 at hidden keys
+                e = z.sub_(top).clamp_(min=EXP_FLOOR).exp_()  # exp(z − max): 1 at the row's largest weight
                 total = e.sum(dim=-1)  # (…, c'): the softmax denominator, so the largest weight is 1 / total
                 zc.sub_(top)  # z − max at visible keys (finite elsewhere, where e is 0)
                 # H = −Σ p log p = log Σ e − Σ e·(z − max) / Σ e, with p = e / Σ e: no log per entry
@@ -167,7 +171,8 @@ class LogitView(SiteView):
             else:
                 logits = rows[:, :vocab].float()  # (m, V)
             row_max = logits.amax(dim=-1)  # (m,)
-            log_z.append(row_max + (logits - row_max[:, None]).exp_().sum(dim=-1).log_())  # (m,): logsumexp
+            shifted = (logits - row_max[:, None]).clamp_(min=EXP_FLOOR)  # (m, V)
+            log_z.append(row_max + shifted.exp_().sum(dim=-1).log_())  # (m,): logsumexp
             chunk_top = row_max.amax()
             top = chunk_top if top is None else torch.maximum(top, chunk_top)
         if top is None:
