@@ -334,9 +334,9 @@ def write_eval_json(directory: str | os.PathLike, result: dict[str, Any], **extr
     """Write ``result`` (plus ``extra`` top-level fields) to ``directory/eval.json`` atomically; never overwrite.
 
     If ``eval.json`` exists the record goes to ``eval-1.json``, ``eval-2.json``, … (the first free name, claimed
-    with a hard link, so two writers cannot take the same one). Non-finite numbers are written as the strings
-    ``"nan"``, ``"inf"``, ``"-inf"`` (JSON has no such numbers) and the metrics that are non-finite are listed under
-    ``nonfinite``. Returns the path written.
+    with a hard link, so two writers cannot take the same one). Non-finite numbers are written as
+    ``{"$float": "nan"}`` objects (:func:`lnstab.rundir.json_safe`; strict JSON has no such numbers) and the metrics
+    that are non-finite are listed under ``nonfinite``. Returns the path written.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
