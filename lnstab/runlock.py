@@ -3,7 +3,8 @@
 Two processes that train into one directory interleave their event files, configs and checkpoints, and one's atomic
 save can delete the other's temporary file. :func:`hold` takes a ``flock`` on the directory's lock file for the life of
 the process (rank zero only: the other ranks of the run write nothing there) and writes who holds it into the file; a
-second :func:`hold` of the same directory, from any process on this machine, fails in one line naming the holder.
+second :func:`hold` of the same directory, from any process on this machine but the holder's descendants (the ranks
+a ``spawn`` launcher starts), fails in one line naming the holder.
 
 A lock never goes stale: the kernel releases a ``flock`` when its holder ends, however it ends (``kill -9``
 included), so the file a killed run leaves behind is simply taken over by the next run, which says so. ``flock`` is
@@ -69,6 +70,8 @@ def hold(directory: str | os.PathLike, what: str = "lnstab fit") -> str | None:
         if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
             raise ConfigError(f"--run_dir {directory}: cannot lock {lock} ({exc.strerror})") from None
         who = holder(path)
+        if who.get("host") == socket.gethostname() and who.get("pid") in _ancestors():
+            return None  # the process that launched this one holds it for the run (ranks started by spawn)
         desc = (f"{who.get('what', 'another process')} (pid {who.get('pid', '?')} on {who.get('host', '?')} since "
                 f"{who.get('since', '?')})") if who else "another process"
         raise RunDirInUse(
@@ -117,6 +120,19 @@ def claim_next_version(root: str | os.PathLike, prefix: str = "version_") -> Pat
             return path
         except FileExistsError:
             n += 1
+
+
+def _ancestors() -> set[int]:
+    """The pids of this process's parent, its parent, … (Linux ``/proc``; elsewhere the parent only)."""
+    found, pid = set(), os.getppid()
+    while pid > 1 and pid not in found:
+        found.add(pid)
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            break
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # the field after the command name, in parentheses
+    return found
 
 
 def release(directory: str | os.PathLike) -> None:

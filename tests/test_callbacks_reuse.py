@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+from fsdp_cpu import CPUDDPSpawnStrategy
 from lightning.pytorch.loggers import CSVLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_callbacks_helpers import LitLM, gpt, lit, loader, tokens, trainer
@@ -120,7 +121,7 @@ def fit_hidden(tmp_path, name: str, **kwargs) -> dict:
 def test_ddp_two_processes_equal_one_process_on_the_full_batch(tmp_path):
     torch.set_num_threads(1)
     single = fit_hidden(tmp_path, "single", devices=1)
-    ddp = fit_hidden(tmp_path, "ddp", devices=2, strategy="ddp_spawn")  # each rank: half of the same batch
+    ddp = fit_hidden(tmp_path, "ddp", devices=2, strategy=CPUDDPSpawnStrategy())  # each rank: half of the same batch
     assert ddp["tags"] == single["tags"] and ddp["steps"] == single["steps"] == [0, 1, 2]
     for stat, by_tag in single["stats"].items():
         for tag, values in by_tag.items():

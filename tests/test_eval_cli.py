@@ -12,6 +12,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import lightning.pytorch as pl  # noqa: E402
 import pytest  # noqa: E402
 import yaml  # noqa: E402
+from fsdp_cpu import CPUDDPSpawnStrategy  # noqa: E402
 
 from lnstab.cli import main as cli  # noqa: E402
 from lnstab.datamodules.synthetic import SyntheticDataModule  # noqa: E402
@@ -154,7 +155,7 @@ def test_callback_under_two_process_ddp_equals_single_process(tmp_path) -> None:
     module, data = GPTModule(**MODEL), SyntheticDataModule(**DATA)
     callback = FinalEvaluation(n_samples=5, batch_size=2, on_fit_end=False)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp_spawn", logger=False, callbacks=[callback],
+        accelerator="cpu", devices=2, strategy=CPUDDPSpawnStrategy(), logger=False, callbacks=[callback],
         default_root_dir=tmp_path, enable_progress_bar=False, enable_model_summary=False, limit_test_batches=1,
     )
     trainer.test(module, data)

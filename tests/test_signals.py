@@ -289,3 +289,14 @@ def test_a_closed_terminal_stops_the_run_resumably(tmp_path) -> None:
     summary = read_summary(run)
     assert summary["status"] == "interrupted" and summary["signal"] == "SIGHUP", summary
     assert ckpt_step(run / "checkpoints" / "last.ckpt") == summary["interrupted_step"]
+
+
+def test_a_process_the_holder_started_shares_its_lock(tmp_path) -> None:
+    """Ranks that a spawn launcher starts (``ddp_spawn``, the CPU FSDP tests) are children of the process that took
+    the run directory's lock; they work for the same run and must not be refused."""
+    run = tmp_path / "run"
+    script = ("import subprocess, sys; from lnstab import runlock; runlock.hold(sys.argv[1]); "
+              "child = 'import sys; from lnstab import runlock; print(runlock.hold(sys.argv[1]), flush=True)'; "
+              "sys.exit(subprocess.run([sys.executable, '-c', child, sys.argv[1]]).returncode)")
+    done = subprocess.run([sys.executable, "-c", script, str(run)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "None", done.stderr[-2000:]
