@@ -9,6 +9,7 @@ import json
 import lightning.pytorch as pl
 import pytest
 import torch
+from fsdp_cpu import CPUDDPSpawnStrategy
 from test_callbacks_attention import HFLM, MaxNumel, fit_fixed, hf_model
 from test_callbacks_fsdp import STEPS, Recorder, ShardedSGD
 from test_callbacks_helpers import EncoderLM, LitLM, gpt, lit, loader, trainer
@@ -103,7 +104,7 @@ def test_four_micro_batches_equal_one_batch(tmp_path):
 def test_two_ddp_processes_pool_like_one_process(tmp_path):
     torch.set_num_threads(1)
     results = {}
-    for name, kwargs in (("single", dict(devices=1)), ("ddp", dict(devices=2, strategy="ddp_spawn"))):
+    for name, kwargs in (("single", dict(devices=1)), ("ddp", dict(devices=2, strategy=CPUDDPSpawnStrategy()))):
         callback = OutputLogitStatistics(every_n_steps=1, chunk_rows=7)
         recorder = Recorder(str(tmp_path / f"{name}.json"), [callback])
         t = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,

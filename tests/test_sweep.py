@@ -148,14 +148,15 @@ def make_run(directory: Path, status: str | None, checkpoint: bool = False) -> P
 
 
 @pytest.mark.parametrize(("status", "checkpoint", "retry", "expected"), [
-    ("completed", True, False, "skip"),
-    ("diverged", False, False, "skip"),
-    ("failed", True, False, "skip"),
-    ("failed", True, True, "resume"),
-    ("interrupted", True, False, "resume"),
-    ("running", True, False, "resume"),  # a stale "running": nobody holds its lock
-    ("running", False, False, "restart"),  # killed before its first checkpoint
-    (None, False, False, "restart"),
+    ("completed", True, True, "skip"),
+    ("diverged", False, True, "skip"),
+    ("failed", True, False, "skip"),  # --skip-failed
+    ("failed", True, True, "resume"),  # the default: only completed and diverged runs are results
+    ("failed", False, True, "restart"),
+    ("interrupted", True, True, "resume"),
+    ("running", True, True, "resume"),  # a stale "running": nobody holds its lock
+    ("running", False, True, "restart"),  # killed before its first checkpoint
+    (None, False, True, "restart"),
 ])
 def test_plan_for_each_state(status, checkpoint, retry, expected, tmp_path) -> None:
     directory = make_run(tmp_path / "r", status, checkpoint)
@@ -273,9 +274,10 @@ def test_parallel_children_record_failures_and_the_sweep_goes_on(tmp_path, monke
     assert any(line.startswith("[2/3] s1: failed (exit 1)") for line in lines), lines
     assert any(line.startswith("[3/3] s2: diverged at step 3") for line in lines), lines
     lines.clear()
-    assert runner.LocalSweep(grid, grid.runs, root, echo=lines.append).run() == 0  # all settled: nothing to do
+    skipping = runner.LocalSweep(grid, grid.runs, root, retry_failed=False, echo=lines.append)
+    assert skipping.run() == 0  # --skip-failed: all settled, nothing to do
     assert [line.split(": ", 1)[1] for line in lines] == ["completed, skipped (a result)",
-                                                          "failed, skipped (failed (rerun with --retry-failed))",
+                                                          "failed, skipped (failed (--skip-failed))",
                                                           "diverged, skipped (a result)"]
 
 

@@ -61,7 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--torchrun", action="store_true", help="print torchrun commands for bare multi-node machines")
     mode.add_argument("--prepare", metavar="RUN", help="(job scripts) settle one run; print start|resume|skip")
     p.add_argument("--parallel", type=int, default=1, metavar="N", help="child processes at a time (default 1)")
-    p.add_argument("--retry-failed", action="store_true", help="run failed runs again instead of skipping them")
+    p.add_argument("--skip-failed", action="store_true",
+                   help="leave failed runs alone (by default a rerun resumes or restarts them, as it does interrupted "
+                        "ones; only completed and diverged runs are results)")
+    p.add_argument("--retry-failed", action="store_true", help=argparse.SUPPRESS)  # the default now; old scripts
     p.add_argument("--nodes", type=int, help="--slurm/--torchrun: nodes per run (default: the grid's, else 1)")
     p.add_argument("--gpus-per-node", type=int,
                    help="--slurm/--torchrun: GPUs per node (default: grid's, else 8); 0: a CPU job, one task per node")
@@ -195,7 +198,7 @@ def _summaries(grid: Grid, runs: list[Run], root: str) -> list[dict[str, Any]]:
     return out
 
 
-def prepare(grid: Grid, run: Run, root: str, retry_failed: bool) -> str:
+def prepare(grid: Grid, run: Run, root: str, retry_failed: bool = True) -> str:
     """Settle one run before a job launches it: ``skip``, ``resume`` or ``start`` (moving aside a dead start)."""
     record_manifest(root, grid, grid.runs)
     p = plan(run_directory(root, grid, run), retry_failed=retry_failed)
@@ -218,14 +221,14 @@ def main(argv: list[str] | None = None) -> None:
         show_status(grid, runs, args.root)
         return
     if args.prepare:
-        print(prepare(grid, grid.run(args.prepare), args.root, args.retry_failed))
+        print(prepare(grid, grid.run(args.prepare), args.root, not args.skip_failed))
         return
     if args.slurm or args.torchrun:
         settings = slurm_settings(grid, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                                   cpus_per_task=args.cpus_per_task, time=args.time, partition=args.partition)
         if not args.no_validate:
             validate_with_cli(grid, runs)
-        repeat = [f"--set={item}" for item in args.set] + (["--retry-failed"] if args.retry_failed else [])
+        repeat = [f"--set={item}" for item in args.set] + (["--skip-failed"] if args.skip_failed else [])
         if args.slurm:
             (sweep_dir(args.root, grid) / "slurm").mkdir(parents=True, exist_ok=True)  # sbatch's --output
             sys.stdout.write(sbatch_script(grid, runs, args.root, settings, args.grid, repeat))
@@ -244,6 +247,6 @@ def main(argv: list[str] | None = None) -> None:
         if runs:
             print("command: " + shlex.join(fit_command(grid, runs[0], args.root)))
         return
-    code = LocalSweep(grid, runs, args.root, parallel=args.parallel, retry_failed=args.retry_failed).run()
+    code = LocalSweep(grid, runs, args.root, parallel=args.parallel, retry_failed=not args.skip_failed).run()
     if code:
         raise SystemExit(code)

@@ -111,13 +111,13 @@ class LocalSweep:
         runs: The runs to consider (a subset of ``grid.runs``), in order.
         root: Directory holding the grids' run directories.
         parallel: Child processes at a time.
-        retry_failed: Run ``failed`` runs again (resume or restart) instead of skipping them.
+        retry_failed: Run ``failed`` runs again (resume or restart); ``False`` skips them (``--skip-failed``).
         extra: Overrides added to every run (``--set``).
         echo: Where progress lines go.
     """
 
     def __init__(self, grid: Grid, runs: list[Run], root: str | Path, *, parallel: int = 1,
-                 retry_failed: bool = False, extra: dict[str, Any] | None = None,
+                 retry_failed: bool = True, extra: dict[str, Any] | None = None,
                  echo: Callable[[str], None] = print) -> None:
         self.grid, self.runs, self.root = grid, runs, Path(root)
         self.parallel, self.retry_failed, self.extra = parallel, retry_failed, dict(extra or {})

@@ -76,7 +76,7 @@ def sbatch_script(grid: Grid, runs: list[Run], root: str | Path, settings: dict[
         root: Directory of the grids' run directories.
         settings: :func:`slurm_settings`.
         grid_file: The grid path as the user gave it (for the decision step).
-        sweep_args: Options the decision step ``lnstab sweep … --prepare`` must repeat (``--set``, ``--retry-failed``).
+        sweep_args: Options the decision step ``lnstab sweep … --prepare`` must repeat (``--set``, ``--skip-failed``).
     """
     root = Path(root)
     logs = sweep_dir(root, grid) / "slurm"

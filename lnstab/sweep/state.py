@@ -10,8 +10,9 @@ keeps its own records in ``<root>/<grid>/.sweep/`` (hidden, so reports and Tenso
     locks/<run>.lock        held (flock) by the sweep and its child while the run trains
     attempts/<run>.<k>/     a run killed before its first checkpoint, moved aside before it starts again
 
-A rerun decides per run (:func:`plan`): ``completed`` and ``diverged`` runs are results and are skipped; ``failed``
-runs are skipped unless retried; a run with a complete checkpoint resumes from it; one without (killed before its
+A rerun decides per run (:func:`plan`): ``completed`` and ``diverged`` runs are results and are skipped, and only
+they (``--skip-failed`` leaves ``failed`` runs alone too: on a cluster a failure is as often the node's as the
+run's); a run with a complete checkpoint resumes from it; one without (killed before its
 first checkpoint) is moved aside and starts again; a run whose lock is held is running and is left alone; a run
 whose ``summary.json`` is damaged is ``damaged`` and left alone (its state is unknown), named with the problem.
 
@@ -71,7 +72,7 @@ class Plan:
     reason: str = ""
 
 
-def plan(directory: Path, *, locked: bool = False, retry_failed: bool = False) -> Plan:
+def plan(directory: Path, *, locked: bool = False, retry_failed: bool = True) -> Plan:
     """The :class:`Plan` for the run in ``directory`` (``locked``: another process holds its lock)."""
     if locked:  # checked first: a run just launched may not have written its directory yet
         return Plan("running", "skip", "its lock is held by another sweep")
@@ -85,7 +86,7 @@ def plan(directory: Path, *, locked: bool = False, retry_failed: bool = False) -
     if status in DONE:
         return Plan(status, "skip", "a result")
     if status == "failed" and not retry_failed:
-        return Plan(status, "skip", "failed (rerun with --retry-failed)")
+        return Plan(status, "skip", "failed (--skip-failed)")
     from lnstab.checkpoint import newest_checkpoint  # imports torch: only when a run may resume
 
     stale = "no local sweep holds it: killed, or running on another machine" if status == "running" else ""
