@@ -83,3 +83,42 @@ def pooled_lm() -> nn.Module:
 def not_a_module() -> int:
     """Not a model at all."""
     return 3
+
+
+class SizedLM(EncoderLM):
+    """A Pre-LN encoder LM whose vocabulary is an argument (so the check may build it with the protocol's)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__(norm_first=True)
+        self.embed = nn.Embedding(vocab_size, WIDTH)
+        self.head = nn.Linear(WIDTH, vocab_size)
+
+
+MODES: list[bool] = []  # ModeLM's forward appends whether it runs in train mode
+
+
+class ModeLM(EncoderLM):
+    """Records ``self.training`` on every forward and holds a dropout module with p = 0.3."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        MODES.append(self.training)
+        return super().forward(idx)
+
+
+def sized_lm(vocab_size: int = VOCAB) -> nn.Module:
+    """A model built with any vocabulary."""
+    return SizedLM(vocab_size)
+
+
+def deaf_lm(vocab_size: int = VOCAB) -> nn.Module:
+    """Takes ``vocab_size`` but ignores it: logits stay ``VOCAB`` wide."""
+    return EncoderLM()
+
+
+def mode_lm() -> nn.Module:
+    """A model that records its training mode."""
+    return ModeLM()

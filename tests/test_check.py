@@ -23,7 +23,7 @@ from lnstab.rundir import read_summary
 
 TESTS = Path(__file__).parent
 TINY = ["--steps", "6", "--measure-every", "3", "--batch-size", "4", "--seq-len", "16", "--seeds", "0",
-        "--threads", "1", "--no-progress", "--data.source", "synthetic"]
+        "--workers", "1", "--threads", "1", "--no-progress", "--data.source", "synthetic"]
 GPT = ["--model.preset", "tiny", "--model.vocab_size", "128", "--model.block_size", "32"]
 ENCODER = ["--factory", "check_factories:encoder_lm", "--layer-pattern", r"layers\.(\d+)$"]
 
@@ -81,7 +81,10 @@ def test_hugging_face_gpt2_directory_runs_end_to_end(tmp_path) -> None:
     out = tmp_path / "card"
     code, report = check(out, "--hf", str(tmp_path / "gpt2"), "--hf-init", "--lrs", "1e-2", *TINY)
     assert code == report["exit_code"]
-    assert report["model"]["shape"] == {"n_layer": 2, "n_embd": 32, "block_size": 32, "vocab_size": 128, "n_head": 2}
+    vocab = report["data"]["vocab"]  # a fresh init takes the protocol vocabulary: the distinct tokens of the windows
+    assert vocab["mode"] == "protocol" and vocab["own"] == 128 and vocab["size"] <= 128
+    assert report["model"]["shape"] == {"n_layer": 2, "n_embd": 32, "block_size": 32, "vocab_size": vocab["size"],
+                                        "n_head": 2}
     for ref in ("pre-ln", "peri-ln"):  # references of the checked model's width, depth and context
         assert report["references"][ref]["shape"] == report["model"]["shape"]
         assert report["references"][ref]["same_as"] is None
@@ -104,7 +107,8 @@ def test_hugging_face_llama_directory_runs_end_to_end(tmp_path) -> None:
     code, report = check(out, "--hf", str(tmp_path / "llama"), "--hf-init", "--lrs", "1e-2", *TINY)
     assert code == report["exit_code"] == (1 if report["status"] == "fail" else 0)
     assert report["model"]["label"] == "checked (llama, init)"
-    assert report["model"]["shape"] == {"n_layer": 3, "n_embd": 32, "block_size": 32, "vocab_size": 128, "n_head": 4}
+    assert report["model"]["shape"] == {"n_layer": 3, "n_embd": 32, "block_size": 32,
+                                        "vocab_size": report["data"]["vocab"]["size"], "n_head": 4}
     assert report["references"]["pre-ln"]["shape"] == report["model"]["shape"]
     assert report["summaries"]["checked"]["profiles"]["init"]["mean_abs"][0] == [1.0, 2.0, 3.0]  # one per layer
     assert rows(report)["bound"]["status"] == "n/a"  # no output norms: Theorem 4 does not apply
@@ -136,7 +140,7 @@ def test_factory_transformer_encoder_runs_end_to_end(tmp_path) -> None:
     checked = report["summaries"]["checked"]
     assert len(checked["sensitivity"]["points"]) == 4
     assert rows(report)["grad_spread"]["status"] != "n/a"  # per-layer gradients found from layers.<i>
-    assert {"hidden/mean_abs/L01", "jacobian/residual/L00", "grad/norm/L01"} <= scalar_tags(
+    assert {"hidden/mean_abs/L01", "jacobian/sensitivity/L00", "grad/norm/L01"} <= scalar_tags(
         out / "tb" / "checked" / "lr0.01_seed0")
 
 
@@ -196,7 +200,7 @@ def test_a_thresholds_file_changes_a_verdict(tmp_path) -> None:
         ([*GPT, "--model.min_lr", "1e-4"], "--model.min_lr is not used"),
         ([*GPT, "--measure-every", "4"], "it must divide the number of steps"),
         ([*GPT, "--lrs", "abc"], "is not a comma-separated list of numbers"),
-        ([*GPT, "--data.source", "auto", "--data.path", "owt.jsonl.gz"], "holds GPT-2 tokens"),
+        ([*GPT, "--data.source", "auto", "--data.path", "owt.jsonl.gz", "--vocab", "model"], "holds GPT-2 tokens"),
         ([*GPT, "--data.path", "owt.jsonl.gz"], "is not used with --data.source synthetic"),
     ],
 )
@@ -255,3 +259,54 @@ def test_console_script_exit_status(tmp_path) -> None:
     done = subprocess.run([str(exe), "check", "--factory", "check_factories:pooled_lm", *TINY], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "lnstab: error:" in done.stderr
+
+
+def test_a_card_names_no_path_of_this_machine_and_says_where_it_was_made(tmp_path) -> None:
+    from lnstab.check.runner import public_command
+
+    out = tmp_path / "deep" / "card"
+    code, report = check(out, *GPT, "--lrs", "1e-2", *TINY, "--no-reference")
+    for name in ("report.json", "report.md", "thresholds.yaml"):
+        assert str(tmp_path) not in (out / name).read_text(), name
+    made = report["provenance"]
+    assert made["lnstab"].startswith("0.") and made["machine"]["cpu"] and made["machine"]["threads_per_worker"] == 1
+    assert isinstance(made["machine"]["native_bf16"], bool | None)
+    assert "Made by lnstab" in (out / "report.md").read_text()
+    assert "train mode" in report["model"]["training"] and "precision 32-true" in report["protocol_text"]
+    shown = public_command(["--data.path", "/srv/x/owt.jsonl.gz", "--out=/srv/y/card", "--steps", "3"])
+    assert shown == "lnstab check --data.path owt.jsonl.gz --out=card --steps 3"
+
+
+def test_a_factory_taking_vocab_size_gets_the_protocol_vocabulary(tmp_path, capsys) -> None:
+    sized = ["--factory", "check_factories:sized_lm", "--layer-pattern", r"layers\.(\d+)$"]
+    code, report = check(tmp_path / "card", *sized, "--lrs", "1e-2", *TINY, "--no-reference")
+    vocab = report["data"]["vocab"]
+    assert vocab["mode"] == "protocol" and report["model"]["shape"]["vocab_size"] == vocab["size"] <= 128
+    assert "protocol vocabulary" in report["data_text"]
+    code, report = check(tmp_path / "own", *sized, "--lrs", "1e-2", *TINY, "--no-reference", "--vocab", "model")
+    assert report["data"]["vocab"]["mode"] == "model" and report["model"]["shape"]["vocab_size"] == 128
+    with pytest.raises(SystemExit) as info:  # a vocab_size argument that does not set the logits' width
+        main(["check", "--factory", "check_factories:deaf_lm", *TINY, "--out", str(tmp_path / "deaf")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "returned logits over 128 tokens" in err and not (tmp_path / "deaf").exists()
+
+
+def test_stress_runs_train_in_train_mode_with_dropout_off(tmp_path) -> None:
+    import check_factories
+
+    check_factories.MODES.clear()
+    code, report = check(tmp_path / "card", "--factory", "check_factories:mode_lm", "--layer-pattern",
+                         r"layers\.(\d+)$", "--lrs", "1e-2", *TINY, "--no-reference")
+    assert check_factories.MODES.count(True) == 7  # the 7 training steps (6 updates and the measured step after)
+    assert "1 nn.Dropout module set to p=0" in report["model"]["training"]
+
+
+@pytest.mark.slow
+def test_worker_processes_give_the_same_card(tmp_path) -> None:
+    args = [*GPT, "--model.norm_placement", "peri", "--lrs", "1e-2,1e-1", *TINY]
+    _, one = check(tmp_path / "one", *args)
+    _, two = check(tmp_path / "two", *args, "--workers", "2")  # the later --workers wins
+    assert two["provenance"]["machine"]["workers"] == 2 and one["provenance"]["machine"]["workers"] == 1
+    assert [(r["id"], r["status"]) for r in one["criteria"]] == [(r["id"], r["status"]) for r in two["criteria"]]
+    for a, b in zip(one["criteria"], two["criteria"], strict=True):
+        assert a["measured"] == pytest.approx(b["measured"], rel=1e-4, nan_ok=True), a["id"]

@@ -11,7 +11,8 @@ from lnstab.check.analysis import deep_doublings, fit_line, growth_fit, layer_de
 from lnstab.check.card import relation
 from lnstab.check.cli import build_parser, make_protocol, split_model_args
 from lnstab.check.criteria import DEFAULT_THRESHOLDS, evaluate_expression, load_thresholds, resolve, status
-from lnstab.check.subjects import factory_subject, lnstab_subject, references
+from lnstab.check.factory import factory_subject
+from lnstab.check.subjects import lnstab_subject, references
 from lnstab.errors import LNStabError
 
 DEPTHS = [0.5 * k for k in range(1, 13)]  # six layers of half-steps

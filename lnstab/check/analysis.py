@@ -175,6 +175,82 @@ def mean_profiles(runs: list[RunResult], step: int) -> dict[str, list[list[float
     return out
 
 
+def final_or_initial(run: RunResult, initial: float) -> float:
+    """``min(L_final, L_init)`` of one run for the LR ladder: a diverged run (or one without a finite final loss)
+    counts as ``L_init``, no better than not training (Wortsman et al. 2023)."""
+    last = run.losses[-1] if run.losses else math.nan
+    if run.diverged or not math.isfinite(last):
+        return initial
+    return min(last, initial)
+
+
+def ladder_sensitivity(points: dict[float, float]) -> float:
+    """Mean over the ladder of ``L(lr) − L*``, ``L* = min L`` (``nan`` below two learning rates)."""
+    finite = [v for v in points.values() if math.isfinite(v)]
+    if len(points) < 2 or len(finite) != len(points):
+        return math.nan
+    best = min(finite)
+    return statistics.fmean(v - best for v in finite)
+
+
+def lr_sensitivity(runs: list[RunResult]) -> dict[str, Any]:
+    """Wortsman et al. (2023)'s LR sensitivity of one subject over its ladder, as :mod:`lnstab.report` computes it:
+    ``L(lr)`` = the mean over seeds of :func:`final_or_initial`, ``L_init`` the mean first loss of the runs,
+    value = mean over the ladder of ``L(lr) − min L``. ``sd`` is the spread of the same value computed seed by seed
+    (each seed against its own first loss)."""
+    starts = [r.losses[0] for r in runs if r.losses and math.isfinite(r.losses[0])]
+    initial = statistics.fmean(starts) if starts else math.nan
+    lrs = sorted({r.lr for r in runs})
+    points = {lr: statistics.fmean(final_or_initial(r, initial) for r in runs if r.lr == lr) for lr in lrs}
+    per_seed = []
+    for seed in sorted({r.seed for r in runs}):
+        mine = [r for r in runs if r.seed == seed]
+        start = statistics.fmean(r.losses[0] for r in mine if r.losses) if any(r.losses for r in mine) else math.nan
+        per_seed.append(ladder_sensitivity({r.lr: final_or_initial(r, start) for r in mine}))
+    value = ladder_sensitivity(points) if math.isfinite(initial) else math.nan
+    best = min(points, key=points.get) if points and math.isfinite(value) else None
+    return {"mean": value, "sd": mean_sd(per_seed)[1] if len(per_seed) > 1 else 0.0, "points": points,
+            "best_lr": best, "best": points[best] if best is not None else math.nan, "initial": initial}
+
+
+def series_max(run: RunResult, prefix: str, transform: Any = abs, from_step: int = 0) -> float:
+    """The largest ``transform(value)`` of metrics starting with ``prefix`` over the run's steps ≥ ``from_step``
+    (``nan`` when it has none)."""
+    values = [transform(v) for step, metrics in run.metrics.items() if step >= from_step
+              for k, v in metrics.items() if k.startswith(prefix) and math.isfinite(v)]
+    return max(values) if values else math.nan
+
+
+def logit_summary(runs: list[RunResult], prefix: str, from_step: int) -> dict[str, Any]:
+    """The worst learning rate's mean (over seeds, completed runs) of each run's largest ``|metric|``, with its sd,
+    its learning rate, and the mean over runs of the largest ``|metric|`` at initialisation (step 0)."""
+    completed = [r for r in runs if not r.diverged]
+    worst_value = worst(by_lr(completed, lambda r: series_max(r, prefix, abs, from_step)))
+    init = mean_sd([max((abs(v) for k, v in r.metrics[0].items() if k.startswith(prefix) and math.isfinite(v)),
+                        default=math.nan) for r in runs if r.metrics.get(0)])[0]
+    return {**dict(zip(("mean", "sd", "lr"), worst_value, strict=True)), "init": init}
+
+
+def attention_summary(runs: list[RunResult]) -> dict[str, Any]:
+    """Largest attention logit |q·k|/√d over layers and measured steps (worst learning rate), with the largest
+    collapsed-row fraction, the smallest entropy and the attention-collapse events."""
+    out = logit_summary(runs, "attn/max_logit/", 0)
+    completed = [r for r in runs if not r.diverged]
+    out["collapsed"] = max((series_max(r, "attn/collapsed/") for r in completed), default=math.nan)
+    mins = [v for r in completed for m in r.metrics.values() for k, v in m.items() if k.startswith("attn/entropy_min/")]
+    out["entropy_min"] = min(mins) if mins else math.nan
+    out["events"] = sum(e["kind"] == "attention_collapse" for r in runs for e in r.events)
+    return out
+
+
+def log_z_summary(runs: list[RunResult]) -> dict[str, Any]:
+    """Largest |mean log Z| of the output logits after initialisation (worst learning rate), log Z at
+    initialisation, and the logit-drift events."""
+    out = logit_summary(runs, "output/log_z_mean", 1)
+    out["events"] = sum(e["kind"] == "logit_drift" for r in runs for e in r.events)
+    return out
+
+
 def summarise(runs: list[RunResult], steps: int) -> dict[str, Any]:
     """Every number the criteria and figures need for one subject (see the module docstring for depth)."""
     first_lr = min(r.lr for r in runs)
@@ -216,6 +292,9 @@ def summarise(runs: list[RunResult], steps: int) -> dict[str, Any]:
         "bound": {"violations": violations, "min_slack": min(slacks) if slacks else math.nan},
         "grad_spread": dict(zip(("mean", "sd", "lr"), worst(by_lr(runs, grad_spread)), strict=True)),
         "loss": dict(zip(("mean", "sd", "lr"), worst(by_lr(runs, final_loss), pick=min), strict=True)),
+        "lr_sensitivity": lr_sensitivity(runs),
+        "attention": attention_summary(runs),
+        "log_z": log_z_summary(runs),
         "profiles": {
             "init": mean_profiles(init_runs, 0),
             "trained": {str(lr): mean_profiles([r for r in completed if r.lr == lr], steps)

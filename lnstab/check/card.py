@@ -16,6 +16,12 @@ PHRASES: dict[str, tuple[str, str, str]] = {
     "growth_trained": ("grows like {ref}", "grows slower than both references",
                        "grows faster than both references"),
     "overflow": ("peaks like {ref}", "peaks lower than both references", "peaks higher than both references"),
+    "lr_sensitivity": ("as sensitive to the learning rate as {ref}", "less sensitive to the learning rate than both "
+                       "references", "more sensitive to the learning rate than both references"),
+    "attention": ("attention logits grow like {ref}", "attention logits stay smaller than both references'",
+                  "attention logits grow larger than both references'"),
+    "log_z": ("log Z drifts like {ref}", "log Z stays nearer 0 than both references'",
+              "log Z drifts further from 0 than both references'"),
     "sensitivity": ("{insensitive} to activation scale", "loses sensitivity with scale faster than both references",
                     "keeps more sensitivity at large scale than both references"),
     "grad_spread": ("spreads gradients like {ref}", "spreads gradients less than both references",
@@ -98,11 +104,41 @@ def why(cid: str, s: dict[str, Any], refs: dict[str, dict[str, Any]], value: flo
         return text + tail + _refs_text(cid, refs, lambda r: f"{r['sensitivity']['slope']:+.2f}")
     if cid == "bound":
         if not math.isfinite(value):
-            return (f"no output norms matched {sites.get('norm_pattern') or 'the output-norm pattern'}, "
-                    "so Theorem 4 does not apply (it needs one output norm per residual update)")
+            where = (f"no output norms matched {sites['norm_pattern']}" if sites.get("norm_pattern") else
+                     "no output norms were located (lnstab's placements with output norms, Hugging Face Gemma 2 and "
+                     "OLMo 2, or --norm-pattern)")
+            return f"{where}, so Theorem 4 does not apply (it needs one output norm per residual update)"
         slack = s["bound"]["min_slack"]
         verdict = "holds, as Theorem 4 says" if value == 0 else "is violated"
         return f"MA(X_D) ≤ RMS(X_0) + ΣΔt(γmax+βmax) {verdict}: {int(value)} violations, smallest slack {fmt(slack)}"
+    if cid == "lr_sensitivity":
+        ls = s["lr_sensitivity"]
+        if not math.isfinite(value):
+            return "needs at least two learning rates (--lrs)" if len(ls["points"]) < 2 else "no initial loss"
+        ladder = ", ".join(f"{float(lr):g}: {fmt(v, 4)}" for lr, v in ls["points"].items())
+        text = (f"mean over the ladder of min(L, L_init) − L* = {value:.3f} nats (L_init {fmt(ls['initial'], 4)}; "
+                f"min(L, L_init) by lr {ladder}; a diverged run counts as L_init)")
+        return text + tail + _refs_text(cid, refs, lambda r: fmt(r["lr_sensitivity"]["mean"]))
+    if cid == "attention":
+        a = s["attention"]
+        if not math.isfinite(value):
+            if not sites.get("attention", True):
+                return ("q and k were not found (lnstab's GPT, Hugging Face GPT-2 and Llama are recognised), so the "
+                        "attention logits were not measured")
+            return "every run diverged" if s["diverged"] == s["runs"] else "no attention logits were measured"
+        text = (f"largest |q·k|/√d {value:.3g} at lr {a['lr']:g} (from {fmt(a['init'])} at initialisation); largest "
+                f"collapsed-row fraction {fmt(a['collapsed'], 2)}, smallest row entropy {fmt(a['entropy_min'], 2)} "
+                f"nats; {a['events']} attention_collapse events")
+        return text + tail + _refs_text(cid, refs, lambda r: fmt(r["attention"]["mean"]))
+    if cid == "log_z":
+        z = s["log_z"]
+        if not math.isfinite(value):
+            if not sites.get("logits", True):
+                return "the output logits were not found (an lm_head, or --head-pattern), so log Z was not measured"
+            return "every run diverged" if s["diverged"] == s["runs"] else "log Z was not measured"
+        text = (f"largest |mean log Z| {value:.3g} at lr {z['lr']:g} after initialisation (log Z {fmt(z['init'])} at "
+                f"initialisation); {z['events']} logit_drift events")
+        return text + tail + _refs_text(cid, refs, lambda r: fmt(r["log_z"]["mean"]))
     if cid == "grad_spread":
         if not math.isfinite(value):
             return "no per-layer gradient norms (block names need a numeric index, e.g. layers.3)"

@@ -6,6 +6,7 @@
     lnstab check --hf ./my-gpt2 --hf-init
     lnstab check --factory mypkg.models:build --layer-pattern 'blocks\\.(\\d+)$' --lrs 1e-3,1e-2
 
+
 Exit status: 0 when no criterion fails, 1 when one does, 2 for a usage error (one line on stderr, nothing
 written), 3 when the checked model or the check itself fails (a stress run raised: one line on stderr naming the
 run, the traceback in ``<out>/error.txt``), so a CI gate never reads a crash as a verdict.
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 import time
 import traceback
@@ -25,22 +25,13 @@ from typing import Any
 import torch
 
 from lnstab import validation
-from lnstab.check.analysis import summarise
-from lnstab.check.card import build_rows
-from lnstab.check.criteria import load_thresholds, overall
-from lnstab.check.figures import write_figures
-from lnstab.check.protocol import Protocol, RunFailed, load_tokens, plan, run_ladder
-from lnstab.check.report import terminal, write_report
-from lnstab.check.subjects import (
-    Subject,
-    context_length,
-    factory_subject,
-    hf_subject,
-    lnstab_subject,
-    parse_value,
-    references,
-)
+from lnstab.check.criteria import load_thresholds
+from lnstab.check.protocol import Protocol, RunFailed, plan, run_ladder
+from lnstab.check.report import terminal
+from lnstab.check.runner import VOCAB_MODES, grade, lnstab_version, load_data, machine, public_command
+from lnstab.check.subjects import Subject, context_length, hf_subject, lnstab_subject, parse_value, references
 from lnstab.check.training import Optimisation
+from lnstab.check.workers import RunPool, auto_workers
 from lnstab.errors import LNStabError
 from lnstab.rundir import atomic_write_text
 
@@ -87,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--embed-pattern", help="Regex of the module whose output is X_0 (default: first block input).")
     src.add_argument("--final-pattern", help="Regex of the module whose input is X_D (e.g. the final norm).")
     src.add_argument("--norm-pattern", help="Regex of the output norms, one per residual update (Theorem 4).")
+    src.add_argument("--head-pattern", help="Regex of the output head whose output is the logits (default lm_head).")
     pro = p.add_argument_group("protocol")
     pro.add_argument("--lrs", type=_floats, help="Learning-rate ladder (default 1e-3,1e-2,1e-1).")
     pro.add_argument("--seeds", type=_ints, help="Seeds (default 0,1).")
@@ -104,8 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
     pro.add_argument("--data.path", dest="data_path", help="Text to train on (e.g. the OpenWebText sample).")
     pro.add_argument("--data.source", dest="data_source", default="auto", help="auto, files or synthetic.")
     pro.add_argument("--accelerator", default="cpu", help="cpu (default), gpu or auto; always fp32.")
-    pro.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; 1 is fastest for tiny models "
-                                                 "on a busy machine).")
+    pro.add_argument("--threads", type=int, help="torch CPU threads in all (default: torch's), shared by the "
+                                                 "workers.")
+    pro.add_argument("--workers", type=int, help="Processes running the stress runs, one thread each by default "
+                                                 "(default: one per thread, at most 4; 1: this process).")
+    pro.add_argument("--vocab", choices=VOCAB_MODES, default="protocol",
+                     help="protocol (default): build the models with the distinct tokens of the windows as their "
+                          "vocabulary where the model allows it (lnstab's family, --hf-init, a factory taking "
+                          "vocab_size); model: the model's own vocabulary.")
     out = p.add_argument_group("output")
     out.add_argument("--no-reference", action="store_true", help="Skip the Pre-LN and Peri-LN references.")
     out.add_argument("--thresholds", help="YAML overriding the default thresholds (see lnstab.check.criteria).")
@@ -144,16 +142,18 @@ def checked_subject(args: argparse.Namespace, model_args: dict[str, Any]) -> tup
                           f"--hf PATH_OR_NAME or --factory package.module:function (got {', '.join(given) or 'none'})")
     if args.hf_init and not args.hf:
         raise LNStabError("--hf-init needs --hf PATH_OR_NAME")
-    patterns = ("layer_pattern", "module_types", "embed_pattern", "final_pattern", "norm_pattern")
+    patterns = ("layer_pattern", "module_types", "embed_pattern", "final_pattern", "norm_pattern", "head_pattern")
     if not args.factory and any(getattr(args, p) for p in patterns):
-        raise LNStabError("--layer-pattern, --module-types, --embed-pattern, --final-pattern and "
-                          "--norm-pattern describe a --factory model")
+        raise LNStabError("--layer-pattern, --module-types, --embed-pattern, --final-pattern, --norm-pattern and "
+                          "--head-pattern describe a --factory model")
     if model_args:
         return lnstab_subject(model_args)
     if args.hf:
         return hf_subject(args.hf, args.hf_init), {}
+    from lnstab.check.factory import factory_subject
+
     return factory_subject(args.factory, args.layer_pattern, args.module_types, args.seq_len, args.embed_pattern,
-                           args.final_pattern, args.norm_pattern), {}
+                           args.final_pattern, args.norm_pattern, args.head_pattern), {}
 
 
 def make_protocol(args: argparse.Namespace, extra: dict[str, Any]) -> Protocol:
@@ -226,14 +226,6 @@ def run_directory(args: argparse.Namespace, name: str) -> Path:
     raise LNStabError(f"no free run directory for {name!r} under {DEFAULT_ROOT}")
 
 
-def describe(subject: Subject, seq_len: int) -> str:
-    """Shape and origin of a subject in words."""
-    s = subject.shape
-    ctx = f"context {s.block_size}" if s.block_size else "context unknown"
-    return (f"{subject.label}: {s.n_layer} layers × {s.n_embd} wide, {ctx}, vocabulary {s.vocab_size}; "
-            f"trained on sequences of {seq_len}")
-
-
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``lnstab check`` (called by ``lnstab``'s console script with the arguments after ``check``).
 
@@ -245,17 +237,19 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     model_args, rest = split_model_args(argv)
     args = build_parser().parse_args(rest)
+    if args.workers is not None:
+        validation.positive_int("--workers", args.workers)
     threads = torch.get_num_threads()
     if args.threads is not None:
         torch.set_num_threads(validation.positive_int("--threads", args.threads))
     try:
-        card = run_check(args, model_args, "lnstab check " + shlex.join(argv))
+        card = run_check(args, model_args, public_command(argv))
     except LNStabError:
         raise
     except Exception as exc:
         if os.environ.get("LNSTAB_DEBUG"):
             raise
-        message = str(exc) if isinstance(exc, CheckFailed) else (
+        message = str(exc) if isinstance(exc, CheckFailed | RunFailed) else (
             f"the check failed before its runs: {type(exc).__name__}: {_first_line(exc)}")
         sys.stderr.write(f"lnstab: error: lnstab check: {message}\n")
         raise SystemExit(EXIT_FAILED) from None
@@ -274,73 +268,40 @@ def run_check(args: argparse.Namespace, model_args: dict[str, Any], command: str
     protocol = make_protocol(args, extra)
     thresholds = load_thresholds(args.thresholds)
     seq_len = context_length(subject, protocol.seq_len)
-    subjects = [subject] + ([] if args.no_reference else references(subject, seq_len))
-    tokens, data = load_tokens(protocol, subject.shape.vocab_size, seq_len)
-    out = run_directory(args, args.name or subject.name)  # only now: a usage error leaves nothing behind
-    try:
-        return _grade(args, subject, subjects, protocol, thresholds, tokens, data, seq_len, out, command, started)
-    except Exception as exc:  # the runs' logs stay; the traceback goes beside them
-        atomic_write_text(out / "error.txt", "".join(traceback.format_exception(exc)))
-        if isinstance(exc, LNStabError):
-            raise
-        what = str(exc) if isinstance(exc, RunFailed) else f"the check failed: {type(exc).__name__}: {_first_line(exc)}"
-        raise CheckFailed(f"{what}; no verdict (traceback in {out / 'error.txt'})") from exc
+    n_runs = len(plan([subject] + ([] if args.no_reference else references(subject, seq_len)), protocol))
+    workers, per_worker = worker_counts(args, n_runs)
+    with RunPool(workers, per_worker) as pool:  # the workers import lnstab while the data loads
+        data, subject = load_data(protocol, subject, seq_len, args.vocab)
+        subjects = [subject] + ([] if args.no_reference else references(subject, seq_len))
+        out = run_directory(args, args.name or subject.name)  # only now: a usage error leaves nothing behind
+        provenance = {"lnstab": lnstab_version(), "machine": machine(workers, per_worker)}
+        try:
+            runs = run_ladder(subjects, protocol, data.tokens, out / "tb", progress=not args.no_progress, pool=pool)
+            return grade(subject, subjects, runs, protocol, thresholds, data, seq_len, out, command, started,
+                         provenance)
+        except Exception as exc:  # the runs' logs stay; the traceback goes beside them
+            write_error(out, exc)
+            if isinstance(exc, LNStabError):
+                raise
+            what = str(exc) if isinstance(exc, RunFailed) else (
+                f"the check failed: {type(exc).__name__}: {_first_line(exc)}")
+            raise CheckFailed(f"{what}; no verdict (traceback in {out / 'error.txt'})") from exc
+
+
+def worker_counts(args: argparse.Namespace, n_runs: int) -> tuple[int, int]:
+    """``(workers, torch threads per worker)`` from ``--workers`` and the thread count."""
+    threads = torch.get_num_threads()
+    workers = args.workers or auto_workers(n_runs, threads)
+    return workers, max(1, threads // workers)
+
+
+def write_error(out: Path, exc: BaseException) -> None:
+    """``<out>/error.txt``: the traceback, with the one from the process that ran a failed stress run."""
+    text = "".join(traceback.format_exception(exc))
+    if isinstance(exc, RunFailed) and exc.detail:
+        text += "\nThe stress run's own traceback:\n" + exc.detail
+    atomic_write_text(out / "error.txt", text)
 
 
 def _first_line(exc: BaseException) -> str:
     return next((line.strip() for line in str(exc).splitlines() if line.strip()), "")[:300]
-
-
-def _grade(args: argparse.Namespace, subject: Subject, subjects: list[Subject], protocol: Protocol,
-           thresholds: dict[str, Any], tokens: torch.Tensor, data: dict[str, Any], seq_len: int, out: Path,
-           command: str, started: float) -> dict[str, Any]:
-    """Train the ladder, grade it and write the card into ``out``; the card."""
-    runs = run_ladder(subjects, protocol, tokens, out / "tb", progress=not args.no_progress)
-    summaries = {s.key: summarise(runs[s.key], protocol.optimisation.steps) for s in subjects}
-    rows = build_rows(summaries, thresholds, {"norm_pattern": subject.sites.norm_pattern})
-    figures = write_figures(out, summaries, runs, {s.key: s.label for s in subjects}, list(protocol.lrs))
-    verdict = overall([r["status"] for r in rows])
-    opt = protocol.optimisation
-    card = {
-        "name": out.name,
-        "out": str(out),
-        "command": command,
-        "status": verdict,
-        "exit_code": 1 if verdict == "fail" else 0,
-        "model": {"label": subject.label, "description": describe(subject, seq_len), "shape": vars(subject.shape),
-                  "sites": vars(subject.sites)},
-        "references": {s.key: {"label": s.label, "short": s.label.split()[0], "shape": vars(s.shape),
-                               "description": describe(s, seq_len)
-                               + (" (the checked model itself: its runs are reused)" if s.same_as else ""),
-                               "same_as": s.same_as} for s in subjects if s.key != "checked"},
-        "protocol": protocol.as_dict(),
-        "protocol_text": (f"{len(plan(subjects, protocol))} stress runs: lr {', '.join(f'{x:g}' for x in protocol.lrs)}"
-                          f" × seeds {', '.join(map(str, protocol.seeds))}, {opt.steps} steps of "
-                          f"{protocol.batch_size}×{seq_len} tokens, warmup {opt.warmup_steps}, clip {opt.grad_clip:g}, "
-                          f"fp32 on {protocol.accelerator}"),
-        "data": data,
-        "data_text": (f"{data['windows']} windows of {seq_len + 1} GPT-2 tokens from {data['path']}"
-                      if data["source"] == "files" else
-                      f"{data['windows']} windows of {seq_len + 1} tokens of lnstab's synthetic Markov stream "
-                      f"(vocabulary {data['vocab_size']}; no text)"),
-        "criteria": rows,
-        "figures": figures,
-        "summaries": summaries,
-        "runs": [run_record(r, out) for s in subjects if s.same_as is None for r in runs[s.key]],
-    }
-    card["wall_s"] = time.perf_counter() - started
-    write_report(out, card, thresholds)
-    return card
-
-
-def run_record(run: Any, out: Path) -> dict[str, Any]:
-    """One stress run for ``report.json`` (its losses, divergence and where its TensorBoard logs are)."""
-    from lnstab.check.analysis import first_bad
-
-    return {
-        "subject": run.subject, "lr": run.lr, "seed": run.seed, "diverged": run.diverged, "first_bad": first_bad(run),
-        "loss_init": run.losses[0] if run.losses else float("nan"),
-        "loss_final": run.losses[-1] if run.losses else float("nan"),
-        "losses": run.losses, "events": run.events, "wall_s": run.wall_s,
-        "log_dir": str(Path(run.log_dir).relative_to(out)) if Path(run.log_dir).is_relative_to(out) else run.log_dir,
-    }

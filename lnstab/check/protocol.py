@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import warnings
 from collections.abc import Iterator
@@ -16,7 +15,7 @@ import torch
 
 from lnstab import validation
 from lnstab.check.subjects import Subject
-from lnstab.check.training import Optimisation, RunResult, stress_run
+from lnstab.check.training import Optimisation, RunResult
 from lnstab.errors import LNStabError
 
 GPT2_VOCAB = 50257
@@ -31,14 +30,14 @@ class RunFailed(Exception):
         subject: The subject's label.
         lr: The run's learning rate.
         seed: The run's seed.
+        detail: The traceback of the run (from the process that ran it).
     """
 
-    def __init__(self, subject: str, lr: float, seed: int, exc: BaseException) -> None:
-        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
-        self.subject, self.lr, self.seed = subject, lr, seed
+    def __init__(self, subject: str, lr: float, seed: int, exc_type: str, first: str, detail: str = "") -> None:
+        self.subject, self.lr, self.seed, self.detail = subject, lr, seed, detail
         hint = " (its loss does not depend on a trainable parameter: detached logits?)" if (
             "does not require grad" in first) else ""
-        super().__init__(f"{subject} failed in its stress run at lr {lr:g}, seed {seed}: {type(exc).__name__}"
+        super().__init__(f"{subject} failed in its stress run at lr {lr:g}, seed {seed}: {exc_type}"
                          + (f": {first[:300]}" if first else "") + hint)
 
 
@@ -124,13 +123,15 @@ class Protocol:
         return {**asdict(self), "source": self.source}
 
 
-def load_tokens(protocol: Protocol, vocab_size: int, seq_len: int) -> tuple[torch.Tensor, dict[str, Any]]:
+def load_tokens(protocol: Protocol, vocab_size: int, seq_len: int, own_vocab: bool = True
+                ) -> tuple[torch.Tensor, dict[str, Any]]:
     """``batch_size × (steps + 1)`` windows ``(N, seq_len + 1)`` of token ids, and what they are.
 
-    ``files`` streams GPT-2 tokens of ``data_path`` through :class:`lnstab.datamodules.OpenWebTextDataModule` (the
-    model must predict GPT-2's 50257 tokens); ``synthetic`` is lnstab's seeded Markov stream over the model's
-    vocabulary (:class:`lnstab.datamodules.SyntheticDataModule`). Every run takes the same windows, each seed in
-    its own order.
+    ``files`` streams GPT-2 tokens of ``data_path`` through :class:`lnstab.datamodules.OpenWebTextDataModule` (with
+    ``own_vocab`` the model must predict GPT-2's 50257 tokens; without, the windows are relabelled onto the protocol
+    vocabulary afterwards, :func:`compact_vocabulary`); ``synthetic`` is lnstab's seeded Markov stream over
+    ``vocab_size`` tokens (:class:`lnstab.datamodules.SyntheticDataModule`). Every run takes the same windows, each
+    seed in its own order.
     """
     n = protocol.batch_size * (protocol.optimisation.steps + 1)
     if protocol.source == "synthetic":
@@ -140,7 +141,7 @@ def load_tokens(protocol: Protocol, vocab_size: int, seq_len: int) -> tuple[torc
         return stream.view(n, seq_len + 1), {"source": "synthetic", "vocab_size": vocab_size, "windows": n}
     from lnstab.datamodules import OpenWebTextDataModule
 
-    if vocab_size < GPT2_VOCAB:
+    if own_vocab and vocab_size < GPT2_VOCAB:
         raise LNStabError(f"--data.path {protocol.data_path} holds GPT-2 tokens (50257), but the model predicts only "
                           f"{vocab_size}; use --data.source synthetic or a model with GPT-2's vocabulary")
     path = os.path.expanduser(protocol.data_path or "")
@@ -157,7 +158,15 @@ def load_tokens(protocol: Protocol, vocab_size: int, seq_len: int) -> tuple[torc
         raise LNStabError(f"--data.path {protocol.data_path} holds {tokens.size(0)} windows of {seq_len + 1} tokens; "
                           f"the check needs {n} (--batch-size × (--steps + 1))")
     return tokens, {"source": "files", "path": str(protocol.data_path), "windows": n,
-                    "validation_documents_skipped": int(dm.hparams.val_tokens)}
+                    "validation_documents_skipped": int(dm.hparams.val_tokens), "vocab_size": GPT2_VOCAB}
+
+
+def compact_vocabulary(tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The windows relabelled onto the distinct tokens they hold (``0 … V'−1`` in the order of the original ids), and
+    ``V'``: the protocol vocabulary. The text is the same; only the ids of tokens that never occur are gone, so a
+    model with ``V'`` outputs learns the same sequence with a head ``V / V'`` times smaller."""
+    distinct, inverse = torch.unique(tokens, return_inverse=True)
+    return inverse.view_as(tokens).to(torch.long), int(distinct.numel())
 
 
 @contextlib.contextmanager
@@ -182,37 +191,45 @@ def plan(subjects: list[Subject], protocol: Protocol) -> list[tuple[Subject, flo
 
 
 def run_ladder(subjects: list[Subject], protocol: Protocol, tokens: torch.Tensor, log_root: Path,
-               progress: bool = True) -> dict[str, list[RunResult]]:
-    """Train every planned run (a progress bar across runs on stderr); ``{subject key: runs}``, copies included."""
+               progress: bool = True, pool: Any = None) -> dict[str, list[RunResult]]:
+    """Train every planned run (a progress bar across runs on stderr) in ``pool`` (a
+    :class:`~lnstab.check.workers.RunPool`; ``None``: this process); ``{subject key: runs}``, copies included.
+
+    Only the runs at the first learning rate probe the Jacobians at initialisation: the others start from the same
+    seeded weights and batches, and the card reads the initial probe of the first rate only.
+    """
     from tqdm.auto import tqdm
 
-    runs = plan(subjects, protocol)
+    from lnstab.check.workers import Failure, Job, RunPool, final_loss
+
+    settings = {"batch_size": protocol.batch_size, "optimisation": protocol.optimisation,
+                "measure_every": protocol.measure_every, "jacobian_iters": protocol.jacobian_iters,
+                "probe_size": protocol.probe_size, "accelerator": protocol.accelerator}
+    first_lr = min(protocol.lrs)
+    jobs = [Job(i, s, lr, seed, {**settings, "probe_init": lr == first_lr}, tokens, log_root)
+            for i, (s, lr, seed) in enumerate(plan(subjects, protocol))]
     results: dict[str, list[RunResult]] = {s.key: [] for s in subjects}
-    bar = tqdm(total=len(runs), desc="lnstab check", unit="run", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=len(jobs), desc="lnstab check", unit="run", disable=not progress, dynamic_ncols=True)
+
+    def done(job: Job, result: Any) -> None:
+        if isinstance(result, Failure):
+            return
+        bar.set_postfix_str(f"{job.subject.key} lr={job.lr:g} seed={job.seed} loss={final_loss(result):.3g}"
+                            + (" diverged" if result.diverged else ""))
+        bar.update()
+
     try:
-        for subject, lr, seed in runs:
-            bar.set_postfix_str(f"{subject.key} lr={lr:g} seed={seed}")
-            torch.manual_seed(seed)
-            try:
-                model = subject.build()
-                if not any(p.requires_grad for p in model.parameters()):
-                    raise ValueError("the model has no trainable parameters")
-                with quiet():
-                    result = stress_run(
-                        subject.key, model, subject.sites, tokens, lr=lr, seed=seed, batch_size=protocol.batch_size,
-                        optimisation=protocol.optimisation, measure_every=protocol.measure_every,
-                        jacobian_iters=protocol.jacobian_iters, probe_size=protocol.probe_size, log_root=log_root,
-                        accelerator=protocol.accelerator,
-                    )
-            except Exception as exc:  # the model's own error (or the check's): a status of its own, not a verdict
-                raise RunFailed(subject.label, lr, seed, exc) from exc
-            results[subject.key].append(result)
-            last = result.losses[-1] if result.losses else math.nan
-            bar.set_postfix_str(f"{subject.key} lr={lr:g} seed={seed} loss={last:.3g}"
-                                + (" diverged" if result.diverged else ""))
-            bar.update()
+        with contextlib.ExitStack() as stack:
+            pool = pool if pool is not None else stack.enter_context(RunPool(1))
+            outcomes = pool.run(jobs, done)
     finally:
         bar.close()
+    for job, outcome in zip(jobs, outcomes, strict=True):
+        if isinstance(outcome, Failure):  # the model's own error (or the check's): a status of its own, no verdict
+            raise RunFailed(job.subject.label, job.lr, job.seed, outcome.exc_type, outcome.first_line,
+                            outcome.traceback)
+        if outcome is not None:
+            results[job.subject.key].append(outcome)
     for subject in subjects:
         if subject.same_as is not None:
             results[subject.key] = results[subject.same_as]

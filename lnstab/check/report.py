@@ -10,7 +10,7 @@ import yaml
 
 from lnstab.rundir import atomic_write_text, write_json
 
-SCHEMA = 1
+SCHEMA = 2
 MARK = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "n/a": "n/a"}
 
 
@@ -54,7 +54,7 @@ def terminal(card: dict[str, Any]) -> str:
         "",
         *[f"  {MARK[r['status']]:4s} {r['title']}: {r['why']}" for r in card["criteria"]],
         "",
-        f"report: {card['out']}/report.md  (exit {card['exit_code']}, {card['wall_s']:.0f} s)",
+        f"report: {card.get('_out', card['out'])}/report.md  (exit {card['exit_code']}, {card['wall_s']:.0f} s)",
     ]
     return "\n".join(out) + "\n"
 
@@ -77,6 +77,8 @@ def markdown(card: dict[str, Any]) -> str:
         *[f"- {card['references'][k]['description']}" for k in refs],
         f"- Protocol: {card['protocol_text']}",
         f"- Data: {card['data_text']}",
+        f"- Training: {card['model'].get('training') or 'train mode'}",
+        *([f"- Made by {provenance(card['provenance'])}"] if card.get("provenance") else []),
         "",
         f"| criterion | unit | measured | {ref_cols + ' | ' if refs else ''}warn | fail | status | why |",
         f"|---|---|---|{'---|' * len(refs)}---|---|---|---|",
@@ -101,8 +103,19 @@ def markdown(card: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def provenance(p: dict[str, Any]) -> str:
+    """``lnstab 0.1.0 (commit …) on AMD EPYC (2 cores, native bf16), 2 workers × 1 thread, torch 2.13``."""
+    m = p.get("machine", {})
+    bf16 = {True: "native bf16", False: "no native bf16", None: "bf16 support unknown"}[m.get("native_bf16")]
+    workers = m.get("workers", 1)
+    threads = m.get("threads_per_worker", 1)
+    return (f"lnstab {p.get('lnstab', '?')} on {m.get('cpu', '?')} ({m.get('cores', '?')} cores, {bf16}), "
+            f"{workers} worker{'s' if workers != 1 else ''} × {threads} thread{'s' if threads != 1 else ''}, "
+            f"torch {m.get('torch', '?')}")
+
+
 def write_report(out: Path, card: dict[str, Any], thresholds: dict[str, Any]) -> None:
     """``report.md``, ``report.json`` and the resolved ``thresholds.yaml`` into ``out`` (each written atomically)."""
     atomic_write_text(out / "report.md", markdown(card))
-    write_json(out / "report.json", {"schema": SCHEMA, **card})
+    write_json(out / "report.json", {"schema": SCHEMA, **{k: v for k, v in card.items() if not k.startswith("_")}})
     atomic_write_text(out / "thresholds.yaml", yaml.safe_dump(thresholds, sort_keys=False))

@@ -3,6 +3,9 @@
 Every subject of a check (the checked model and its references) is trained by the same :class:`StressModule`
 (AdamW with decay on matrices only, linear warmup then cosine to a tenth of the peak, as
 :class:`lnstab.module.GPTModule`) on the same cached batches, so two subjects differ only in their architecture.
+The model trains in train mode (its dropout switched off beforehand, see :mod:`lnstab.check.subjects`), so any
+other training-only branch runs as in training; lnstab's GPT trains on its own objective (the chunked head loss, with
+its z-loss when the config has one), other models on the cross-entropy of their logits.
 """
 
 from __future__ import annotations
@@ -22,14 +25,16 @@ from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
 from lnstab.callbacks import (
+    AttentionLogitStatistics,
     DivergenceMonitor,
     GradientStatistics,
     GrowthBoundMonitor,
     HiddenStateStatistics,
-    JacobianSensitivity,
+    OutputLogitStatistics,
     RunStatus,
     StabilityLayout,
 )
+from lnstab.model import GPT
 from lnstab.module import lr_at
 
 
@@ -59,8 +64,9 @@ class Optimisation:
 class StressModule(pl.LightningModule):
     """Next-token loss of ``model`` (token ids ``(B, T)`` → logits ``(B, T, V)``) under :class:`Optimisation`.
 
-    The wrapped model stays in eval mode while it trains (dropout off), so every measurement is a function of the
-    weights and the batch alone. The training loss of every step is kept in :attr:`losses`.
+    The model trains in train mode (switch its dropout off first). lnstab's GPT is trained on its own objective
+    (``model(idx, targets)``: the chunked head's cross-entropy plus its z-loss, if any), any other model on the
+    cross-entropy of its logits. The cross-entropy of every step is kept in :attr:`losses`.
 
     Args:
         model: The network to train; its modules are reachable as ``model.<name>`` (hooks find them by suffix).
@@ -79,16 +85,16 @@ class StressModule(pl.LightningModule):
         return self.model(idx)
 
     @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self.model.eval()  # Lightning puts the module in train mode at fit start; the check measures without dropout
-
-    @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch  # (B, T), (B, T)
-        logits = self(x)  # (B, T, V)
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
-        self.losses.append(loss.item())
-        self.log("train/loss", loss)
+        if isinstance(self.model, GPT):
+            parts = self.model(x, y, loss_parts=True)  # chunked head: no (B, T, V) logits
+            loss, ce = parts.loss, parts.cross_entropy
+        else:
+            logits = self(x)  # (B, T, V)
+            loss = ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+        self.losses.append(ce.item())
+        self.log("train/loss", ce)
         return loss
 
     @override
@@ -121,7 +127,11 @@ class Sites:
         final_pattern: The module whose input is X_D (``None``: the last block's output).
         block_pattern: Whole blocks for the Jacobian probe, first group the layer index.
         param_pattern: Parameters of one block, first group the layer index (``None``: no per-layer gradients).
-        norm_pattern: Output norms of Theorem 4, one per residual update (``None``: none).
+        norm_pattern: Output norms of Theorem 4, one per residual update (``None``: none; a model's own
+            ``output_norms()`` wins, as in :class:`~lnstab.callbacks.GrowthBoundMonitor`).
+        head_pattern: The output head whose output is the logits (``None``: ``lm_head``, or lnstab's chunked head).
+        attention: Whether the attention-logit instrument finds q and k (lnstab's GPT, HF GPT-2 and Llama).
+        logits: Whether the output-logit instrument finds the logits.
     """
 
     hidden_pattern: str
@@ -130,6 +140,9 @@ class Sites:
     block_pattern: str | None = None
     param_pattern: str | None = None
     norm_pattern: str | None = None
+    head_pattern: str | None = None
+    attention: bool = True
+    logits: bool = True
 
 
 class Recorder(pl.Callback):
@@ -198,13 +211,16 @@ def stress_run(
     probe_size: int,
     log_root: Path,
     accelerator: str = "cpu",
+    probe_init: bool = True,
 ) -> RunResult:
     """Train ``model`` for ``optimisation.steps`` updates at ``lr`` with every instrument attached.
 
-    The hidden states are measured every ``measure_every`` steps from step 0 (initialisation) to step
-    ``optimisation.steps`` (after the last update), the Jacobians at both ends; TensorBoard logs, the hidden-state
-    series, divergence events and ``summary.json`` go to ``log_root/<subject>/lr<lr>_seed<seed>/``.
+    The hidden states, attention logits and output logits are measured every ``measure_every`` steps from step 0
+    (initialisation) to step ``optimisation.steps`` (after the last update), the block Jacobians after training and,
+    with ``probe_init``, at initialisation (:class:`~lnstab.check.probes.BranchProbe`); TensorBoard logs, the
+    hidden-state series, divergence events and ``summary.json`` go to ``log_root/<subject>/lr<lr>_seed<seed>/``.
     """
+    from lnstab.check.probes import BranchProbe
 
     started = time.perf_counter()
     hidden = HiddenStateStatistics(
@@ -226,18 +242,30 @@ def stress_run(
     )
     instruments: list[Any] = [growth]
     callbacks: list[pl.Callback] = [StabilityLayout(), hidden, growth]
+    if sites.attention:
+        attention = AttentionLogitStatistics(every_n_steps=measure_every)
+        callbacks.append(attention)
+        instruments.append(attention)
+    if sites.logits:
+        output = OutputLogitStatistics(every_n_steps=measure_every, **(
+            {"head_pattern": sites.head_pattern} if sites.head_pattern else {}))
+        callbacks.append(output)
+        instruments.append(output)
     if sites.param_pattern is not None:
         grads = GradientStatistics(every_n_steps=1, layer_pattern=sites.param_pattern)
         callbacks.append(grads)
         instruments.append(grads)
     if sites.block_pattern is not None:
-        jac = JacobianSensitivity(
-            every_n_steps=optimisation.steps, probe_size=probe_size, n_iter=jacobian_iters,
-            layer_pattern=sites.block_pattern,
-        )
-        callbacks.append(jac)
+        steps = (0, optimisation.steps) if probe_init else (optimisation.steps,)
+        jac = BranchProbe(sites.block_pattern, steps, probe_size=probe_size, n_iter=jacobian_iters)
+        callbacks.insert(0, jac)  # before the instruments start measuring the step
         instruments.append(jac)
-    monitor = DivergenceMonitor(policy="stop", layer_pattern=sites.hidden_pattern)
+    monitor = DivergenceMonitor(
+        policy="stop", layer_pattern=sites.hidden_pattern,
+        stats_every_n_steps=measure_every if (sites.attention or sites.logits) else 0,
+        **({} if sites.attention else {"collapse_fraction": None, "attention_logit_threshold": None}),
+        **({} if sites.logits else {"log_z_threshold": None}),
+    )
     status = RunStatus(signals=(), save_on_interrupt=False)  # summary.json status only; Ctrl-C ends the whole check
     recorder = Recorder(instruments)
     callbacks += [monitor, status, recorder]
@@ -245,7 +273,7 @@ def stress_run(
     trainer = pl.Trainer(
         accelerator=accelerator,
         devices=1,
-        precision="32-true",
+        precision="32-true",  # explicit: the verdicts must not depend on which CPU kind runs the check
         logger=logger,
         callbacks=callbacks,
         max_steps=optimisation.steps + 1,
@@ -276,4 +304,3 @@ def stress_run(
         metrics=dict(recorder.by_step),
         wall_s=time.perf_counter() - started,
     )
-

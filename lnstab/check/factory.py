@@ -1,0 +1,230 @@
+"""A ``--factory package.module:function`` model: importing it, finding its blocks, probing its forward.
+
+The function is called with no arguments, or with ``vocab_size=`` when it takes that argument and the protocol's
+smaller vocabulary is in use (:meth:`lnstab.check.subjects.Subject.with_vocab`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lnstab.check.subjects import HF_BLOCKS, Shape, Subject, dropout_off, instrument_support
+from lnstab.check.training import Sites
+from lnstab.errors import LNStabError
+
+
+@dataclass(frozen=True)
+class FactoryRecipe:
+    """``package.module:function`` called with ``kwargs``; ``path``: the ``sys.path`` a worker process needs."""
+
+    spec: str
+    kwargs: tuple[tuple[str, Any], ...] = ()
+    path: tuple[str, ...] = ()
+
+    def build(self) -> nn.Module:
+        for entry in reversed(self.path):
+            if entry not in sys.path:
+                sys.path.insert(0, entry)
+        fn = import_factory(self.spec)
+        try:
+            model = fn(**dict(self.kwargs))
+        except Exception as exc:
+            raise LNStabError(f"--factory {self.spec!r} raised {type(exc).__name__}: {exc}") from None
+        if not isinstance(model, nn.Module):
+            raise LNStabError(f"--factory {self.spec!r} returned {type(model).__name__}; it must return a "
+                              "torch.nn.Module")
+        return model
+
+    def with_vocab(self, vocab_size: int) -> FactoryRecipe | None:
+        """The recipe with ``vocab_size=``, or ``None`` when the function takes no such argument."""
+        if not takes_vocab_size(import_factory(self.spec)):
+            return None
+        return FactoryRecipe(self.spec, tuple({**dict(self.kwargs), "vocab_size": vocab_size}.items()), self.path)
+
+
+def takes_vocab_size(fn: Callable[..., Any]) -> bool:
+    """Whether a factory function has a ``vocab_size`` parameter."""
+    import inspect
+
+    try:
+        return "vocab_size" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def import_factory(spec: str) -> Callable[[], Any]:
+    """The function named by ``package.module:function`` (the working directory is importable, as with python -m)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise LNStabError(f"--factory {spec!r} is not allowed; give package.module:function")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise LNStabError(f"--factory {spec!r}: module {module_name!r} cannot be imported ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    fn = module
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise LNStabError(f"--factory {spec!r}: module {module_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise LNStabError(f"--factory {spec!r}: {attr!r} is not callable")
+    return fn
+
+
+def resolve_types(option: str, value: str | None) -> tuple[type, ...]:
+    """Comma-separated dotted class paths as classes."""
+    if not value:
+        return ()
+    types = []
+    for item in (v.strip() for v in value.split(",") if v.strip()):
+        module_name, _, attr = item.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError, ValueError):
+            raise LNStabError(f"{option} {item!r} cannot be imported; give dotted class paths") from None
+        if not isinstance(cls, type):
+            raise LNStabError(f"{option} {item!r} is not a class")
+        types.append(cls)
+    return tuple(types)
+
+
+def compile_regex(option: str, value: str | None) -> re.Pattern | None:
+    """``value`` compiled, or a one-line error naming the option."""
+    if value is None:
+        return None
+    try:
+        return re.compile(value)
+    except re.error as err:
+        raise LNStabError(f"{option} {value!r} is not a valid regular expression ({err})") from None
+
+
+def block_names(model: nn.Module, pattern: re.Pattern | None, types: tuple[type, ...]) -> list[str]:
+    """Names of the modules that ``pattern`` (searched) or ``types`` select, in module order."""
+    return [
+        name for name, module in model.named_modules()
+        if name and ((pattern is not None and pattern.search(name)) or (types and isinstance(module, types)))
+    ]
+
+
+def exact_pattern(names: list[str]) -> str:
+    """A regex matching exactly these module names (as suffixes after a dot), numbered in order by the instruments."""
+    return r"(?:^|\.)(?:" + "|".join(re.escape(n) for n in names) + r")$"
+
+
+def param_pattern(names: list[str]) -> str | None:
+    """A parameter regex whose group is the layer index, when every block name ends in ``.<index>``."""
+    parts = [re.fullmatch(r"(.*)\.(\d+)", n) for n in names]
+    if not names or any(p is None for p in parts):
+        return None
+    prefixes = sorted({p.group(1) for p in parts})
+    return r"(?:^|\.)(?:" + "|".join(re.escape(p) for p in prefixes) + r")\.(\d+)\."
+
+
+def factory_subject(
+    spec: str,
+    layer_pattern: str | None,
+    module_types: str | None,
+    seq_len: int,
+    embed_pattern: str | None = None,
+    final_pattern: str | None = None,
+    norm_pattern: str | None = None,
+    head_pattern: str | None = None,
+) -> Subject:
+    """A model built by ``package.module:function``; its blocks are found by ``layer_pattern`` / ``module_types``."""
+    import_factory(spec)
+    pattern = compile_regex("--layer-pattern", layer_pattern)
+    types = resolve_types("--module-types", module_types)
+    for option, value in (("--embed-pattern", embed_pattern), ("--final-pattern", final_pattern),
+                          ("--norm-pattern", norm_pattern), ("--head-pattern", head_pattern)):
+        compile_regex(option, value)
+
+    recipe = FactoryRecipe(spec, (), tuple(p for p in sys.path if p))
+    model = recipe.build()
+    dropped = dropout_off(model)
+    if pattern is None and not types:
+        pattern = re.compile(HF_BLOCKS)
+        if not block_names(model, pattern, ()):
+            raise LNStabError(f"--factory {spec!r}: no numbered blocks (h.N, layers.N, blocks.N) found; "
+                              "give --layer-pattern REGEX or --module-types package.Class")
+    names = block_names(model, pattern, types)
+    if not names:
+        some = ", ".join(n for n, _ in list(model.named_modules())[1:7])
+        what = f"--layer-pattern {layer_pattern!r}" if layer_pattern else f"--module-types {module_types!r}"
+        raise LNStabError(f"{what} matched no module of the model from --factory {spec!r} (its modules: {some}, …)")
+    vocab, width = probe_factory(model, spec, names, seq_len)
+    exact = exact_pattern(names)
+    attention, logits = instrument_support(model, head_pattern)
+    sites = Sites(
+        hidden_pattern=exact,
+        embed_pattern=embed_pattern,
+        final_pattern=final_pattern,
+        block_pattern=exact,
+        param_pattern=param_pattern(names),
+        norm_pattern=norm_pattern,
+        head_pattern=head_pattern,
+        attention=attention,
+        logits=logits,
+    )
+    name = "factory-" + spec.rpartition(":")[2].replace(".", "-")
+    what = f"{dropped} nn.Dropout module{'s' if dropped != 1 else ''} set to p=0" if dropped else "no nn.Dropout module"
+    note = (f"train mode; {what}; dropout applied functionally and any other training-only branch run as in "
+            "training")
+    subject = Subject("checked", f"checked ({spec})", recipe, sites, Shape(len(names), width, None, vocab), name=name,
+                      dropout=note)
+    subject.extra["probe"] = (spec, names, seq_len)
+    return subject
+
+
+def probe_factory(model: nn.Module, spec: str, names: list[str], seq_len: int) -> tuple[int, int]:
+    """Run ``model`` on token ids ``(2, T)``; check that logits are ``(2, T, V)`` and that every selected block
+    ran; return ``V`` and the block width."""
+    widths: list[int] = []
+    called: set[str] = set()
+    modules = dict(model.named_modules())
+
+    def keep(module: nn.Module, args: Any, out: Any) -> None:
+        out = out[0] if isinstance(out, list | tuple) else out
+        if isinstance(out, torch.Tensor) and out.dim() >= 1:
+            widths.append(out.shape[-1])
+
+    def seen(name: str) -> Any:
+        return lambda module, args, out: called.add(name)
+
+    handles = [modules[names[0]].register_forward_hook(keep)]
+    handles += [modules[n].register_forward_hook(seen(n)) for n in names]
+    ids = torch.zeros(2, seq_len, dtype=torch.long)
+    try:
+        with torch.no_grad():
+            out = model.eval()(ids)
+    except Exception as exc:
+        raise LNStabError(f"--factory {spec!r}: the model failed on token ids of shape (2, {seq_len}) "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+    finally:
+        for handle in handles:
+            handle.remove()
+    idle = [n for n in names if n not in called]
+    if idle:
+        raise LNStabError(f"--factory {spec!r}: block {idle[0]!r} (one of {len(names)} the layer pattern or types "
+                          f"select) is never called by the model's forward; select only the blocks it runs")
+    if not isinstance(out, torch.Tensor) or out.dim() != 3 or tuple(out.shape[:2]) != (2, seq_len):
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise LNStabError(f"--factory {spec!r} returned {got} for token ids (2, {seq_len}); "
+                          "it must map token ids (B, T) to logits (B, T, V)")
+    if out.shape[-1] < 2 or not out.is_floating_point():
+        raise LNStabError(f"--factory {spec!r} returned logits of shape {tuple(out.shape)} and dtype {out.dtype}; "
+                          "it must return floating-point logits over at least 2 tokens")
+    if not widths:
+        raise LNStabError(f"--factory {spec!r}: block {names[0]!r} did not return a tensor")
+    return int(out.shape[-1]), int(widths[0])

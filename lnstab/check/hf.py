@@ -1,0 +1,185 @@
+"""Hugging Face causal LMs in the check: loading (never remote code), dropout switched off, a smaller protocol
+vocabulary for fresh initialisations, and the output norms Theorem 4 needs for the families that have them.
+
+Where the output norms are (one per residual update, in update order within a decoder layer):
+
+* Gemma 2 (``model_type`` ``gemma2``): ``post_attention_layernorm`` and ``post_feedforward_layernorm``, the second
+  norm of each "sandwich" (``input_layernorm`` and ``pre_feedforward_layernorm`` are the input norms). Gemma's
+  RMSNorm scales by ``1 + weight`` (its weight is initialised to 0), so the gain Theorem 4 reads is ``1 + weight``.
+* OLMo 2 (``olmo2``): ``post_attention_layernorm`` and ``post_feedforward_layernorm`` are its only block norms
+  (OLMo 2's reordered norm, ``x + RMSNorm(f(x))``); its RMSNorm scales by ``weight``.
+
+Beware the names: in Llama (and most other families) ``post_attention_layernorm`` is the *input* norm of the MLP,
+not an output norm, which is why the location is per family and nothing is guessed from names alone.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lnstab.errors import LNStabError
+
+# model_type -> (output norms of one decoder layer in update order, whether the RMSNorm scales by 1 + weight)
+OUTPUT_NORMS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "gemma2": (("post_attention_layernorm", "post_feedforward_layernorm"), True),
+    "olmo2": (("post_attention_layernorm", "post_feedforward_layernorm"), False),
+}
+DECODER_LAYERS = ("model.layers", "transformer.h")
+
+
+class LayerUpdates:
+    """The two normalised updates of one decoder layer, as one entry of Theorem 4's sum.
+
+    Each update adds at most ``γmax·√d`` to a token's norm (RMSNorm output has RMS ≤ 1, times a gain of at most
+    ``γmax``), so a layer's two updates together add at most ``(γmax₁ + γmax₂)·√d``: :attr:`weight` is that sum as a
+    one-element tensor, read live from the parameters (with ``1 + weight`` for Gemma), which is what
+    :class:`lnstab.callbacks.GrowthBoundMonitor` reads of an output norm (``max |weight|``, no bias). One entry per
+    layer keeps the bound's count of updates equal to the instruments' sites, one per Hugging Face block.
+
+    Args:
+        norms: The layer's output norms.
+        offset: ``1.0`` for Gemma's ``1 + weight`` RMSNorm, else ``0.0``.
+    """
+
+    def __init__(self, norms: list[nn.Module], offset: float) -> None:
+        self.norms, self.offset = norms, offset
+
+    @property
+    def weight(self) -> torch.Tensor:
+        gains = [(n.weight.detach().float() + self.offset).abs().max() for n in self.norms]
+        return torch.stack(gains).sum().reshape(1)  # (1,)
+
+    bias = None
+
+
+class HFCausalLM(nn.Module):
+    """A Hugging Face causal LM as token ids ``(B, T)`` → logits ``(B, T, V)`` (no cache).
+
+    Exposes ``output_norms()`` (Theorem 4's updates, see :class:`LayerUpdates`; empty for families whose output norms
+    are not located) the way lnstab's GPT does, so :class:`lnstab.callbacks.GrowthBoundMonitor` finds them.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.hf = model
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        self.updates: list[LayerUpdates] = []
+        if model_type in OUTPUT_NORMS:
+            names, one_plus = OUTPUT_NORMS[model_type]
+            for layer in decoder_layers(model):
+                norms = [getattr(layer, n, None) for n in names]
+                if all(isinstance(getattr(n, "weight", None), torch.Tensor) for n in norms):
+                    self.updates.append(LayerUpdates(norms, 1.0 if one_plus else 0.0))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=idx, use_cache=False).logits
+
+    def output_norms(self) -> list[tuple[LayerUpdates, float]]:
+        """``(updates of layer i, Δt = 1)`` for every decoder layer of a family with located output norms."""
+        return [(u, 1.0) for u in self.updates]
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers (``model.layers`` or ``transformer.h``), in order."""
+    for path in DECODER_LAYERS:
+        node: Any = model
+        for part in path.split("."):
+            node = getattr(node, part, None)
+        if isinstance(node, nn.ModuleList):
+            return list(node)
+    return []
+
+
+def norm_pattern(model_type: str | None) -> str | None:
+    """A regex of the located output norms (what the card names), ``None`` for other families."""
+    if model_type not in OUTPUT_NORMS:
+        return None
+    names = "|".join(OUTPUT_NORMS[model_type][0])
+    return r"(?:^|\.)layers\.(\d+)\.(" + names + r")$"
+
+
+def dropout_overrides(config: Any) -> dict[str, float]:
+    """Every dropout probability of a Hugging Face config that is not 0 (``*dropout*``, ``*pdrop*``), set to 0."""
+    out = {}
+    for key, value in config.to_dict().items():
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float) and value > 0:
+            out[key] = 0.0
+    return out
+
+
+def vocab_overrides(config: Any, vocab_size: int) -> dict[str, Any]:
+    """``vocab_size`` and the special token ids it no longer holds (set to ``None``)."""
+    out: dict[str, Any] = {"vocab_size": vocab_size}
+    for key, value in config.to_dict().items():
+        if key.endswith("_token_id") and isinstance(value, int) and value >= vocab_size:
+            out[key] = None
+    return out
+
+
+@dataclass(frozen=True)
+class HFRecipe:
+    """How to build the model in any process: the name, fresh init or trained weights, and config overrides."""
+
+    name: str
+    init: bool
+    overrides: tuple[tuple[str, Any], ...] = ()
+
+    def config(self) -> Any:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(self.name, trust_remote_code=False)
+        for key, value in self.overrides:
+            setattr(config, key, value)
+        return config
+
+    def build(self) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        config = self.config()
+        if self.init:
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(self.name, config=config, trust_remote_code=False)
+        return HFCausalLM(model.float())
+
+    def with_vocab(self, vocab_size: int) -> HFRecipe | None:
+        """A fresh initialisation with ``vocab_size`` tokens; ``None`` for trained weights (their vocabulary is
+        fixed)."""
+        if not self.init:
+            return None
+        overrides = {**dict(self.overrides), **vocab_overrides(self.config(), vocab_size)}
+        return HFRecipe(self.name, True, tuple(overrides.items()))
+
+
+def load_config(name: str) -> Any:
+    """The config of ``name`` (a directory or a hub name), or a one-line error."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name, trust_remote_code=False)
+    except Exception as exc:  # OSError offline / missing, ValueError for remote code or unknown types
+        raise load_error(name, "cannot be loaded", exc) from None
+
+
+def load_error(name: str, what: str, exc: BaseException) -> LNStabError:
+    """``--hf NAME <what>: <first line of the error>`` (and why a hub name may fail offline)."""
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    where = "" if os.path.isdir(name) else " (not a local directory; without network only local directories work)"
+    return LNStabError(f"--hf {name!r} {what}{where}: {first}")
+
+
+def config_shape(config: Any) -> dict[str, Any]:
+    """Depth, width, context, vocabulary and heads of a Hugging Face config."""
+    get = lambda *keys: next((getattr(config, k) for k in keys if getattr(config, k, None) is not None), None)  # noqa: E731
+    return {
+        "n_layer": int(get("num_hidden_layers", "n_layer")),
+        "n_embd": int(get("hidden_size", "n_embd")),
+        "block_size": get("max_position_embeddings", "n_positions"),
+        "vocab_size": int(get("vocab_size")),
+        "n_head": get("num_attention_heads", "n_head"),
+    }

@@ -1,0 +1,244 @@
+"""From a checked subject to a card: the protocol vocabulary, the data, the runs, the grades, and what the card says
+about where it was made (the lnstab version and the machine kind, never the machine's paths)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import re
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lnstab.check.analysis import summarise
+from lnstab.check.card import build_rows
+from lnstab.check.criteria import overall
+from lnstab.check.protocol import GPT2_VOCAB, Protocol, compact_vocabulary, load_tokens, plan
+from lnstab.check.report import write_report
+from lnstab.check.subjects import Subject
+from lnstab.errors import LNStabError
+
+VOCAB_MODES = ("protocol", "model")
+
+
+@dataclass
+class Data:
+    """The windows every run trains on and what the card says of them and of the vocabulary."""
+
+    tokens: torch.Tensor
+    info: dict[str, Any]
+    vocab: dict[str, Any]
+
+
+def load_data(protocol: Protocol, subject: Subject, seq_len: int, vocab_mode: str) -> tuple[Data, Subject]:
+    """The windows and the subject to train on them: with ``vocab_mode='protocol'`` and a subject that allows it
+    (:meth:`Subject.with_vocab`), the windows are relabelled onto the distinct tokens they hold and the subject is
+    built with that many outputs; else the model's own vocabulary (``files`` then needs GPT-2's)."""
+    probe = subject.with_vocab(2) if vocab_mode == "protocol" else None
+    compact = probe is not None
+    vocab = subject.shape.vocab_size
+    tokens, info = load_tokens(protocol, vocab, seq_len, own_vocab=not compact)
+    if info["source"] == "files":
+        info["identity"] = file_identity(protocol.data_path)
+    if not compact:
+        return Data(tokens, info, {"mode": "model", "size": vocab, "own": vocab}), subject
+    tokens, size = compact_vocabulary(tokens)
+    source_vocab = info.get("vocab_size", vocab)
+    compacted = subject.with_vocab(size)
+    check_logits(compacted, size, seq_len)
+    return Data(tokens, info, {"mode": "protocol", "size": size, "own": vocab, "source": source_vocab}), compacted
+
+
+def check_logits(subject: Subject, vocab_size: int, seq_len: int) -> None:
+    """Refuse, in one line, a subject built for ``vocab_size`` tokens whose logits are not that wide."""
+    torch.manual_seed(0)
+    model = subject.build()
+    with torch.no_grad():
+        out = model.eval()(torch.zeros(1, min(seq_len, 8), dtype=torch.long))
+    width = out.shape[-1] if isinstance(out, torch.Tensor) else None
+    if width != vocab_size:
+        raise LNStabError(f"{subject.label} built with vocab_size={vocab_size} returned logits over {width} tokens; "
+                          "a factory's vocab_size argument must set the width of its logits (or give --vocab model)")
+
+
+def lnstab_version() -> str:
+    """The installed lnstab version, with the git commit of the source tree when it is a checkout."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        text = version("lnstab")
+    except PackageNotFoundError:
+        text = "unknown"
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=Path(__file__).parent,
+                                capture_output=True, text=True, timeout=5)
+        if commit.returncode == 0 and re.fullmatch(r"[0-9a-f]{7,40}", commit.stdout.strip()):
+            text += f" (commit {commit.stdout.strip()})"
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return text
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``, else the platform's)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def machine(workers: int, threads: int) -> dict[str, Any]:
+    """The machine kind a card was made on: CPU model, cores, native bf16, threads and workers, torch."""
+    try:
+        bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        bf16 = None
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "native_bf16": bf16, "workers": workers,
+            "threads_per_worker": threads, "torch": torch.__version__, "os": platform.system()}
+
+
+def public_path(text: str) -> str:
+    """A path as a card may show it: relative to the working directory when under it, else its last part."""
+    path = Path(os.path.expanduser(text))
+    if not path.is_absolute():
+        return text
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return path.name or text
+
+
+def public_command(argv: list[str]) -> str:
+    """``lnstab check …`` with every absolute path argument (or ``--opt=/abs/path``) shown by :func:`public_path`."""
+    import shlex
+
+    shown = []
+    for arg in argv:
+        key, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+        target = value if (eq or not key) else ""
+        if target and os.path.isabs(os.path.expanduser(target)):
+            arg = f"{key}={public_path(target)}" if eq else public_path(target)
+        shown.append(arg)
+    return "lnstab check " + shlex.join(shown)
+
+
+def file_identity(path: str | None) -> dict[str, Any]:
+    """A data file by name, size and the start of its SHA-256 (no path)."""
+    if not path:
+        return {}
+    file = Path(os.path.expanduser(path))
+    try:
+        digest = hashlib.sha256()
+        with file.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        return {"file": file.name, "bytes": file.stat().st_size, "sha256": digest.hexdigest()[:16]}
+    except OSError:
+        return {"file": file.name}
+
+
+def data_text(data: Data, seq_len: int) -> str:
+    """One line on the windows and the vocabulary."""
+    info, vocab = data.info, data.vocab
+    if info["source"] == "files":
+        ident = info.get("identity", {})
+        text = (f"{info['windows']} windows of {seq_len + 1} GPT-2 tokens from {ident.get('file', info['path'])}"
+                + (f" ({ident['bytes']:,} bytes, sha256 {ident['sha256']}…)" if "sha256" in ident else ""))
+    else:
+        text = (f"{info['windows']} windows of {seq_len + 1} tokens of lnstab's synthetic Markov stream over "
+                f"{info['vocab_size']} tokens (no text)")
+    if vocab["mode"] == "protocol":
+        text += (f"; protocol vocabulary: the {vocab['size']} distinct tokens of the windows, relabelled 0…"
+                 f"{vocab['size'] - 1} in id order, so every model is built with {vocab['size']} outputs instead of "
+                 f"{vocab['own']} (same text, a smaller head)")
+    else:
+        text += f"; the model's own vocabulary ({vocab['size']} outputs)"
+    return text
+
+
+def grade(subject: Subject, subjects: list[Subject], runs: dict[str, list[Any]], protocol: Protocol,
+          thresholds: dict[str, Any], data: Data, seq_len: int, out: Path, command: str, started: float,
+          provenance: dict[str, Any], figures: bool = True) -> dict[str, Any]:
+    """Grade the runs of ``subject`` (key ``checked``) against its references and write the card into ``out``."""
+    steps = protocol.optimisation.steps
+    summaries = {s.key: summarise(runs[s.key], steps) for s in subjects}
+    rows = build_rows(summaries, thresholds, {"norm_pattern": subject.sites.norm_pattern,
+                                              "attention": subject.sites.attention, "logits": subject.sites.logits})
+    drawn: list[str] = []
+    if figures:
+        from lnstab.check.figures import write_figures
+
+        drawn = write_figures(out, summaries, runs, {s.key: s.label for s in subjects}, list(protocol.lrs))
+    verdict = overall([r["status"] for r in rows])
+    opt = protocol.optimisation
+    shown_out = public_path(str(out))
+    card = {
+        "name": out.name,
+        "out": shown_out,
+        "command": command,
+        "status": verdict,
+        "exit_code": 1 if verdict == "fail" else 0,
+        "model": {"label": subject.label, "description": describe(subject, seq_len), "shape": vars(subject.shape),
+                  "sites": vars(subject.sites), "training": subject.dropout},
+        "references": {s.key: {"label": s.label, "short": s.label.split()[0], "shape": vars(s.shape),
+                               "description": describe(s, seq_len)
+                               + (" (the checked model itself: its runs are reused)" if s.same_as else ""),
+                               "same_as": s.same_as} for s in subjects if s.key != "checked"},
+        "protocol": {**protocol.as_dict(), "data_path": public_path(protocol.data_path or "") or None},
+        "protocol_text": (f"{len(plan(subjects, protocol))} stress runs: lr {', '.join(f'{x:g}' for x in protocol.lrs)}"
+                          f" × seeds {', '.join(map(str, protocol.seeds))}, {opt.steps} steps of "
+                          f"{protocol.batch_size}×{seq_len} tokens, warmup {opt.warmup_steps}, clip {opt.grad_clip:g}, "
+                          f"fp32 (precision 32-true) on {protocol.accelerator}, train mode with dropout off"),
+        "data": {**{k: v for k, v in data.info.items() if k != "path"}, "vocab": data.vocab},
+        "data_text": data_text(data, seq_len),
+        "provenance": provenance,
+        "criteria": rows,
+        "figures": drawn,
+        "summaries": summaries,
+        "runs": [run_record(r, out) for s in subjects if s.same_as is None for r in runs[s.key]],
+    }
+    card["wall_s"] = time.perf_counter() - started
+    card["_out"] = str(out)
+    write_report(out, card, thresholds)
+    return card
+
+
+def describe(subject: Subject, seq_len: int) -> str:
+    """Shape and origin of a subject in words."""
+    s = subject.shape
+    ctx = f"context {s.block_size}" if s.block_size else "context unknown"
+    vocab = f"vocabulary {s.vocab_size}" + (f" (protocol; its own {subject.own_vocab})" if subject.own_vocab
+                                            and subject.own_vocab != s.vocab_size else "")
+    return f"{subject.label}: {s.n_layer} layers × {s.n_embd} wide, {ctx}, {vocab}; trained on sequences of {seq_len}"
+
+
+def run_record(run: Any, out: Path) -> dict[str, Any]:
+    """One stress run for ``report.json`` (its losses, divergence and where its TensorBoard logs are)."""
+    from lnstab.check.analysis import first_bad
+
+    log_dir = Path(run.log_dir)
+    return {
+        "subject": run.subject, "lr": run.lr, "seed": run.seed, "diverged": run.diverged, "first_bad": first_bad(run),
+        "loss_init": run.losses[0] if run.losses else float("nan"),
+        "loss_final": run.losses[-1] if run.losses else float("nan"),
+        "losses": run.losses, "events": run.events, "wall_s": run.wall_s,
+        "log_dir": str(log_dir.relative_to(out)) if log_dir.is_relative_to(out) else public_path(run.log_dir),
+    }
+
+
+def check_vocab_mode(value: str) -> str:
+    """``--vocab`` is ``protocol`` or ``model``."""
+    if value not in VOCAB_MODES:
+        raise LNStabError(f"--vocab {value} is not allowed; use protocol or model")
+    return value
+
+
+__all__ = ["GPT2_VOCAB", "Data", "grade", "load_data", "machine", "lnstab_version", "public_command"]

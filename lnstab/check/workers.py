@@ -1,0 +1,151 @@
+"""The ladder's stress runs in this process or in worker processes (``--workers``), one torch thread each.
+
+The models of a check are small (4 × 128 by default): a run's matrix products are too small to keep two threads of
+one process busy, so two single-threaded processes finish a ladder about twice as fast as one process on two
+threads. Workers are spawned (never forked: the parent's OpenMP state must not be inherited), import lnstab while the
+parent loads the data, and rebuild each model from its subject's picklable recipe; a run is seeded the same way in
+either place, so its weights and batches are the same (its floating-point sums may differ in the last bits with the
+thread count).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+AUTO_MAX_WORKERS = 4
+
+
+def auto_workers(runs: int, threads: int) -> int:
+    """Workers for ``runs`` runs on ``threads`` torch threads: one per thread up to 4 (1 for under 4 runs)."""
+    return 1 if runs < 4 else max(1, min(AUTO_MAX_WORKERS, threads, runs))
+
+
+@dataclass
+class Job:
+    """One stress run to do: the subject (with its recipe), the rung, and every protocol setting."""
+
+    index: int
+    subject: Any
+    lr: float
+    seed: int
+    settings: dict[str, Any]
+    tokens: torch.Tensor
+    log_root: Path
+
+
+@dataclass
+class Failure:
+    """A run that raised in a worker: what the parent's error line says and the worker's traceback."""
+
+    index: int
+    exc_type: str
+    first_line: str
+    traceback: str
+
+
+def run_job(job: Job) -> Any:
+    """Build the seeded model and train it (in this process or a worker); the ``RunResult``, or a
+    :class:`Failure` when the model (or the check) raised."""
+    from lnstab.check.protocol import quiet
+    from lnstab.check.training import stress_run
+
+    try:
+        torch.manual_seed(job.seed)
+        model = job.subject.build()
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ValueError("the model has no trainable parameters")
+        with quiet():
+            return stress_run(job.subject.key, model, job.subject.sites, job.tokens, lr=job.lr, seed=job.seed,
+                              log_root=job.log_root, **job.settings)
+    except Exception as exc:
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+        return Failure(job.index, type(exc).__name__, first, "".join(traceback.format_exception(exc)))
+
+
+def _start_worker(path: list[str], threads: int) -> None:
+    for entry in reversed(path):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    torch.set_num_threads(threads)
+    import lnstab.check.training  # noqa: F401  (the heavy imports, while the parent loads the data)
+
+
+def _ready() -> int:
+    return os.getpid()
+
+
+class RunPool:
+    """Runs :class:`Job` s in order in this process (``workers=1``) or in ``workers`` spawned processes.
+
+    Use as a context manager; the pool starts its workers at once, so they import lnstab while the caller prepares
+    the runs.
+
+    Args:
+        workers: Processes; 1 runs everything in this process.
+        threads: torch threads per worker (this process keeps its own setting).
+    """
+
+    def __init__(self, workers: int, threads: int = 1) -> None:
+        self.workers = workers
+        self.executor: ProcessPoolExecutor | None = None
+        if workers > 1:
+            import multiprocessing
+
+            self.executor = ProcessPoolExecutor(
+                workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
+                initargs=([p for p in sys.path if p] + [os.getcwd()], threads))
+            for _ in range(workers):
+                self.executor.submit(_ready)
+
+    def __enter__(self) -> RunPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=exc[0] is None, cancel_futures=True)
+
+    def run(self, jobs: list[Job], done: Callable[[Job, Any], None]) -> list[Any]:
+        """Every job's result in job order; ``done(job, result)`` after each (e.g. a progress bar). The first
+        :class:`Failure` stops the rest and is returned in place of its result."""
+        results: list[Any] = [None] * len(jobs)
+        if self.executor is None:
+            for job in jobs:
+                results[job.index] = run_job(job)
+                done(job, results[job.index])
+                if isinstance(results[job.index], Failure):
+                    break
+            return results
+        futures: dict[Future, Job] = {self.executor.submit(run_job, job): job for job in jobs}
+        pending = set(futures)
+        while pending:
+            finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            for future in finished:
+                job = futures[future]
+                try:
+                    result = future.result()
+                except Exception as exc:  # the worker died (killed, out of memory): the check failed
+                    result = Failure(job.index, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
+                                     "".join(traceback.format_exception(exc)))
+                results[job.index] = result
+                done(job, result)
+                if isinstance(result, Failure):
+                    for other in pending:
+                        other.cancel()
+                    return results
+        return results
+
+
+def final_loss(result: Any) -> float:
+    """The last training loss of a run result (``nan`` without one)."""
+    losses = getattr(result, "losses", None)
+    return losses[-1] if losses else math.nan

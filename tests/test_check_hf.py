@@ -1,0 +1,122 @@
+"""Hugging Face families in ``lnstab check``: where Gemma 2's and OLMo 2's output norms are (and that Llama's
+``post_attention_layernorm`` is not one), Gemma's ``1 + weight`` gain in Theorem 4's sum, the bound checked end to end
+on directories built from configs (no downloads), and dropout switched off for train-mode stress runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_check import TINY, check, rows
+from torch import nn
+
+from lnstab.check.hf import HFCausalLM, LayerUpdates
+from lnstab.check.subjects import hf_subject
+
+SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=128,
+             max_position_embeddings=32, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+
+
+def gemma2() -> nn.Module:
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(**SHAPE, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16)
+    config._attn_implementation = "eager"
+    return Gemma2ForCausalLM(config)
+
+
+def olmo2() -> nn.Module:
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    return Olmo2ForCausalLM(Olmo2Config(**SHAPE))
+
+
+def llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(**SHAPE, num_key_value_heads=2))
+
+
+def residual_updates(model: nn.Module, names: tuple[str, str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer 0's output minus its input, and the sum of the outputs of the two named norms, on one batch."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(name: str, value: torch.Tensor) -> None:
+        seen.setdefault(name, value[0] if isinstance(value, tuple) else value)
+
+    layer = model.model.layers[0]
+    hooks = [layer.register_forward_pre_hook(lambda m, a, k: keep("in", a[0] if a else k["hidden_states"]),
+                                             with_kwargs=True),
+             layer.register_forward_hook(lambda m, a, o: keep("out", o))]
+    hooks += [getattr(layer, n).register_forward_hook(lambda m, a, o, n=n: keep(n, o)) for n in names]
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for norm in names:  # away from init, so a gain read as weight instead of 1 + weight would show
+            getattr(layer, norm).weight.normal_(0, 0.3)
+        model(input_ids=torch.randint(0, 128, (2, 8)), use_cache=False)
+    for hook in hooks:
+        hook.remove()
+    return seen["out"] - seen["in"], seen[names[0]] + seen[names[1]]
+
+
+@pytest.mark.parametrize("build", [gemma2, olmo2])
+def test_the_located_norms_are_the_residual_updates(build) -> None:
+    update, norms = residual_updates(build(), ("post_attention_layernorm", "post_feedforward_layernorm"))
+    torch.testing.assert_close(update, norms, rtol=1e-5, atol=1e-5)  # x_out = x_in + N_attn(·) + N_mlp(·)
+
+
+def test_llamas_post_attention_layernorm_is_not_an_output_norm() -> None:
+    model = llama()
+    update, norms = residual_updates(model, ("post_attention_layernorm", "input_layernorm"))
+    assert not torch.allclose(update, norms, atol=1e-3)  # the name is Llama's MLP *input* norm
+    assert HFCausalLM(model).output_norms() == []  # so no output norms are located, and Theorem 4 is n/a
+
+
+@pytest.mark.parametrize(("build", "offset"), [(gemma2, 1.0), (olmo2, 0.0)])
+def test_theorem_4_reads_each_layers_two_gains(build, offset) -> None:
+    model = build()
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            layer.post_attention_layernorm.weight.fill_(0.5 + i)
+            layer.post_feedforward_layernorm.weight.fill_(-3.0)
+    updates = HFCausalLM(model).output_norms()
+    assert [dt for _, dt in updates] == [1.0, 1.0] and all(isinstance(u, LayerUpdates) for u, _ in updates)
+    for i, (u, _) in enumerate(updates):  # Gemma: |1 + w|; OLMo 2: |w|
+        expected = abs(offset + 0.5 + i) + abs(offset - 3.0)
+        assert u.weight.item() == pytest.approx(expected) and u.bias is None
+
+
+def test_gemma_rmsnorm_scales_by_one_plus_weight() -> None:
+    norm = gemma2().model.layers[0].post_attention_layernorm
+    with torch.no_grad():
+        norm.weight.fill_(0.25)
+    x = torch.randn(3, 32)
+    rms = x / x.pow(2).mean(-1, keepdim=True).add(norm.eps).sqrt()
+    torch.testing.assert_close(norm(x), rms * 1.25)
+
+
+@pytest.mark.parametrize("build", [gemma2, olmo2])
+def test_theorem_4_is_checked_on_directories_built_from_configs(build, tmp_path) -> None:
+    build().save_pretrained(tmp_path / "model")
+    code, report = check(tmp_path / "card", "--hf", str(tmp_path / "model"), "--hf-init", "--lrs", "1e-2", *TINY)
+    bound = rows(report)["bound"]
+    assert bound["status"] == "pass" and bound["measured"] == 0 and "holds" in bound["why"]
+    assert report["summaries"]["checked"]["bound"]["min_slack"] > 0
+    assert "post_attention_layernorm" in report["model"]["sites"]["norm_pattern"]
+
+
+def test_hugging_face_dropout_is_switched_off_in_the_config(tmp_path) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.1,
+                        embd_pdrop=0.2, attn_pdrop=0.3)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    subject = hf_subject(str(tmp_path / "gpt2"), init=True)
+    overrides = dict(subject.recipe.overrides)
+    assert {k: overrides[k] for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")} == {
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    model = subject.build()
+    assert model.hf.config.attn_pdrop == 0.0
+    assert all(m.p == 0 for m in model.modules() if isinstance(m, nn.Dropout))
+    assert "attn_pdrop" in subject.dropout and "train mode" in subject.dropout
+    trained = hf_subject(str(tmp_path / "gpt2"), init=False)  # trained weights keep their own vocabulary
+    assert trained.with_vocab(10) is None and subject.with_vocab(10).shape.vocab_size == 10
