@@ -6,10 +6,12 @@
     lnstab check --hf ./my-gpt2 --hf-init
     lnstab check --factory mypkg.models:build --layer-pattern 'blocks\\.(\\d+)$' --lrs 1e-3,1e-2
 
+    lnstab check --validate --data.path owt-sample.jsonl.gz      # the validation set: docs/check/validation
 
 Exit status: 0 when no criterion fails, 1 when one does, 2 for a usage error (one line on stderr, nothing
 written), 3 when the checked model or the check itself fails (a stress run raised: one line on stderr naming the
-run, the traceback in ``<out>/error.txt``), so a CI gate never reads a crash as a verdict.
+run, the traceback in ``<out>/error.txt``), so a CI gate never reads a crash as a verdict. With ``--validate``: 0
+when every row of the validation set agrees with the published outcome, 1 when one does not.
 """
 
 from __future__ import annotations
@@ -110,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--out", help="Run directory (default runs/check/<name>; never overwritten).")
     out.add_argument("--name", help="Name of the default run directory.")
     out.add_argument("--no-progress", action="store_true", help="No progress bar.")
+    out.add_argument("--validate", action="store_true", help="Run the validation set (lnstab.check.validation) at "
+                     "the default shape and write its README (--out, default docs/check/validation).")
+    out.add_argument("--overwrite", action="store_true", help="With --validate: replace an earlier validation.")
+    out.add_argument("--rows", help="With --validate: comma-separated row ids (default: every row).")
     return p
 
 
@@ -239,10 +245,19 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(rest)
     if args.workers is not None:
         validation.positive_int("--workers", args.workers)
+    if args.overwrite and not args.validate:
+        raise LNStabError("--overwrite is for --validate; a check never overwrites a run directory")
+    if args.rows and not args.validate:
+        raise LNStabError("--rows is for --validate")
     threads = torch.get_num_threads()
     if args.threads is not None:
         torch.set_num_threads(validation.positive_int("--threads", args.threads))
     try:
+        if args.validate:
+            from lnstab.check.validate import main as validate
+
+            validate(args, model_args, argv)
+            return
         card = run_check(args, model_args, public_command(argv))
     except LNStabError:
         raise

@@ -26,12 +26,23 @@ from lnstab.errors import LNStabError
 from lnstab.safeload import load_yaml
 
 DEFAULT_THRESHOLDS_YAML = """\
+# Fixed before the validation set (lnstab.check.validation, docs/check/validation) was run; a change made after a
+# run is reported there as such, with every verdict re-run.
+#
 # Fraction of stress runs (learning rates x seeds) with a fatal divergence event (non-finite loss, gradient,
 # weights or activation). Pass: no more often than Peri-LN; fail: more often than both references.
 divergence:
   warn: peri
   fail: max(pre, peri)
   absolute: {warn: 0, fail: 0.5}
+# Wortsman et al. (2023)'s LR sensitivity: mean over the ladder of min(L(lr), L_init) - L*, a diverged run counting
+# as L_init. At the check's 30 steps the low rungs measure learning speed as much as stability (a slower learner
+# loses more there), and a divergence at a high rung already fails the divergence criterion, so this one warns
+# only: when the model loses more over the ladder than both references (margin: 2 sd over seeds).
+lr_sensitivity:
+  warn: max(pre, peri) + 2*sd
+  fail: null
+  absolute: {warn: null, fail: null}
 # Doublings of the mean |x| over the deeper half of the depth, log2(MA(X_D) / MA(X_D/2)), at initialisation.
 # Warns only, when it grows faster than both references (margin: 2 sd over seeds) or, without references, faster
 # than any linear law from a non-negative start (Theorem 4's envelope doubles at most once): the theorems bound
@@ -54,22 +65,43 @@ overflow:
   warn: 0.5*fp16_max
   fail: 0.5*bf16_max
   absolute: {warn: 0.5*fp16_max, fail: 0.5*bf16_max}
+# Attention-logit growth (Dehghani et al. 2023; Wortsman et al. 2023): the largest |q.k|/sqrt(d_h) over layers and
+# measured steps, at the learning rate where it is largest (runs that did not diverge). Warn: larger than both
+# references; fail: beyond 1e3, DivergenceMonitor's attention-collapse threshold, where a row is one-hot in every
+# float format (e^-1000 is 0).
+attention:
+  warn: max(pre, peri) + 2*sd
+  fail: 1000
+  absolute: {warn: null, fail: 1000}
+# Output-logit drift (PaLM's reason for z-loss; Wortsman et al. 2023): the largest |mean log Z| of the output
+# softmax after initialisation, at the learning rate where it is largest (runs that did not diverge). Warn: larger
+# than both references by more than one nat (the normaliser off by a factor e; every model starts near log V, so
+# two seeds' spread alone would flag differences of hundredths); fail: beyond 30, DivergenceMonitor's logit-drift
+# threshold (above log V at initialisation for any vocabulary under e^30 tokens).
+log_z:
+  warn: max(pre, peri) + 2*sd + 1
+  fail: 30
+  absolute: {warn: null, fail: 30}
 # Log-log slope of each block's Jacobian sensitivity ||d f/d X|| on its input's mean |x|, pooled over layers,
 # seeds and learning rates, at initialisation and after training (-1: scale-invariant blocks whose sensitivity
 # falls as activations grow; >= 0: sensitivity that does not fall). Margins: 2 standard errors of the slope.
+# It explains (Kan et al., Props. 7/8) rather than predicts: no published outcome turns on it, so it warns only.
 sensitivity:
   warn: peri + 2*sd
-  fail: max(pre, peri) + 2*sd
-  absolute: {warn: -0.5, fail: 0}
+  fail: null
+  absolute: {warn: -0.5, fail: null}
 # Violations of Theorem 4's bound MA(X_D) <= RMS(X_0) + sum dt*(gamma_max + beta_max) (models with output norms).
 bound:
   warn: null
   fail: 0
   absolute: {warn: null, fail: 0}
-# log10(max/min) of the per-layer gradient norms, median over steps, at the worst learning rate.
+# log10(max/min) of the per-layer gradient norms, median over steps, at the worst learning rate. Warn: wider than
+# Peri-LN's; fail: a decade (x10) wider than the worse reference's. Post-LN's gradients vanish towards the input by
+# orders of magnitude (Xiong et al. 2020; Liu et al. 2020), while a reordered norm that trains stably (OLMo 2's)
+# spreads them a few times more than Pre-LN only.
 grad_spread:
   warn: peri + 2*sd
-  fail: max(pre, peri) + 2*sd
+  fail: max(pre, peri) + 2*sd + 1
   absolute: {warn: 1, fail: 2}
 # Final training loss at the best learning rate: a stable model that does not learn is flagged, never failed.
 loss:
@@ -106,9 +138,12 @@ class Criterion:
 
 CRITERIA: tuple[Criterion, ...] = (
     Criterion("divergence", "Divergence rate over the learning-rate ladder", "fraction of runs"),
+    Criterion("lr_sensitivity", "LR sensitivity over the ladder (Wortsman et al.)", "nats"),
     Criterion("growth_init", "Growth over depth at initialisation", "doublings, deeper half"),
     Criterion("growth_trained", "Growth over depth after stress training", "doublings, deeper half"),
     Criterion("overflow", "Largest |x| (overflow headroom)", "max |x|"),
+    Criterion("attention", "Attention-logit growth (largest |q·k|/√d)", "logit"),
+    Criterion("log_z", "Output-logit drift (largest |mean log Z|)", "nats"),
     Criterion("sensitivity", "Jacobian sensitivity against activation scale", "log-log slope"),
     Criterion("bound", "Theorem 4 bound (output norms)", "violations"),
     Criterion("grad_spread", "Gradient-norm spread over layers", "log10 max/min"),
@@ -122,7 +157,7 @@ def criterion_value(criterion: str, summary: dict[str, Any]) -> tuple[float, flo
     s = summary
     if criterion == "divergence":
         return (s["diverged"] / s["runs"] if s["runs"] else math.nan), 0.0
-    if criterion in ("growth_init", "growth_trained", "grad_spread", "loss"):
+    if criterion in ("growth_init", "growth_trained", "grad_spread", "loss", "lr_sensitivity", "attention", "log_z"):
         return s[criterion]["mean"], s[criterion]["sd"]
     if criterion == "overflow":
         return s["max_abs"], 0.0

@@ -1,0 +1,266 @@
+"""``lnstab check --validate``: every row of :data:`lnstab.check.validation.ROWS` as a card at the default shape,
+graded against the verdict its published outcome implies, and ``docs/check/validation/README.md``.
+
+All rows share one set of stress runs: the Pre-LN and Peri-LN references (identical for every row of one shape) run
+once, a row identical to a reference reuses its runs, and every run goes through one worker pool. Each row's card
+(``<out>/<row>/report.md``, ``report.json``, ``thresholds.yaml``; no figures, no TensorBoard logs) is what
+``lnstab check`` with that row's arguments writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from lnstab.check.criteria import CRITERIA, DEFAULT_THRESHOLDS, load_thresholds
+from lnstab.check.protocol import plan, run_ladder
+from lnstab.check.runner import check_logits, grade, lnstab_version, load_data, machine, public_command
+from lnstab.check.subjects import Subject, context_length, hf_subject, lnstab_subject, parse_value, references
+from lnstab.check.validation import DEFAULT_SHAPE, ROWS, Row, gemma2_config
+from lnstab.check.validation_notes import NOTES, THRESHOLD_CHANGES
+from lnstab.check.workers import RunPool
+from lnstab.errors import LNStabError
+
+DEFAULT_OUT = Path("docs/check/validation")
+SHAPE_KEYS = ("preset", "n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+SHORT = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "n/a": "n/a"}
+
+
+def pairs(args: tuple[str, ...]) -> dict[str, Any]:
+    """``("--model.a", "1", …)`` as ``{"a": 1, …}``."""
+    return {k.removeprefix("--model."): parse_value(v) for k, v in zip(args[::2], args[1::2], strict=True)}
+
+
+def row_subject(row: Row, shape: dict[str, Any], workdir: Path) -> tuple[Subject, list[str]]:
+    """The checked subject of ``row`` at ``shape``, and the ``lnstab check`` arguments that make the same card."""
+    if row.hf == "gemma2":
+        probe, _ = lnstab_subject(shape)
+        s = probe.shape
+        from transformers import Gemma2ForCausalLM
+
+        directory = workdir / "gemma2"
+        Gemma2ForCausalLM(gemma2_config(s.n_layer, s.n_embd, s.n_head, s.block_size, s.vocab_size)).save_pretrained(
+            directory)
+        return hf_subject(str(directory), True), ["--hf", "<a Gemma 2 directory of this shape>", "--hf-init"]
+    model = {**shape, **pairs(row.model)}
+    subject, _ = lnstab_subject(model)
+    return subject, [arg for k, v in model.items() for arg in (f"--model.{k}", str(v).lower()
+                                                              if isinstance(v, bool) else str(v))]
+
+
+def prepare_out(out: Path, overwrite: bool) -> None:
+    """An empty ``out``, or one whose earlier validation may be replaced (``--overwrite``)."""
+    if out.exists() and not out.is_dir():
+        raise LNStabError(f"--out {out} is not allowed; it is a file, not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise LNStabError(f"--out {out} already holds a validation; give --overwrite to replace it")
+        if not (out / "README.md").is_file():
+            raise LNStabError(f"--out {out} is not empty and holds no validation README; refusing to replace it")
+        for row in ROWS:
+            shutil.rmtree(out / row.id, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def main(args: argparse.Namespace, model_args: dict[str, Any], argv: list[str]) -> None:
+    """Run the validation set; exit status 0 when every row agrees, 1 when one does not."""
+    started = time.perf_counter()
+    if args.hf or args.factory:
+        raise LNStabError("--validate checks its own set of models; --hf and --factory are not used with it")
+    bad = [k for k in model_args if k not in SHAPE_KEYS]
+    if bad:
+        raise LNStabError(f"--model.{bad[0]} is not allowed with --validate; only the shape may change "
+                          f"({', '.join(SHAPE_KEYS)})")
+    wanted = [r.strip() for r in (args.rows or "").split(",") if r.strip()]
+    unknown = [r for r in wanted if r not in {row.id for row in ROWS}]
+    if unknown:
+        raise LNStabError(f"--rows {unknown[0]} is not allowed; rows: {', '.join(r.id for r in ROWS)}")
+    rows = [r for r in ROWS if not wanted or r.id in wanted]
+    from lnstab.check.cli import make_protocol, worker_counts
+
+    protocol = make_protocol(args, {})
+    thresholds = load_thresholds(args.thresholds)
+    out = Path(args.out) if args.out else DEFAULT_OUT
+    shape = {**pairs(DEFAULT_SHAPE), **model_args}
+    with tempfile.TemporaryDirectory(prefix="lnstab-validate-") as tmp:
+        work = Path(tmp)
+        checked = [row_subject(row, shape, work) for row in rows]
+        seq_len = context_length(checked[0][0], protocol.seq_len)
+        prepare_out(out, args.overwrite)
+        estimate = len(plan([checked[0][0], *references(checked[0][0], seq_len)], protocol)) * len(rows)
+        workers, per_worker = worker_counts(args, estimate)
+        with RunPool(workers, per_worker) as pool:
+            data, first = load_data(protocol, checked[0][0], seq_len, args.vocab)
+            subjects = [first] + [with_protocol_vocab(s, data, seq_len) for s, _ in checked[1:]]
+            registry, keys = unique_runs(rows, subjects, seq_len)
+            runs = run_ladder(list(registry.values()), protocol, data.tokens, work / "tb",
+                              progress=not args.no_progress, pool=pool)
+        provenance = {"lnstab": lnstab_version(), "machine": machine(workers, per_worker)}
+        cards = []
+        for row, subject, (_, card_args) in zip(rows, subjects, checked, strict=True):
+            key, ref_keys = keys[row.id]
+            card_subjects = [dataclasses.replace(subject, key="checked", same_as=None)] + [
+                dataclasses.replace(registry[k], key=name, same_as="checked" if k == key else None)
+                for name, k in ref_keys.items()]
+            card_runs = {"checked": runs[key], **{name: runs[k] for name, k in ref_keys.items()}}
+            spent = sum(r.wall_s for k in {key, *ref_keys.values()} for r in runs[k])
+            command = public_command([*card_args, *protocol_args(argv)])
+            cards.append(grade(card_subjects[0], card_subjects, card_runs, protocol, thresholds, data, seq_len,
+                               out / row.id, command, time.perf_counter() - spent, provenance, figures=False))
+    wall = time.perf_counter() - started
+    n_runs = sum(len(v) for k, v in runs.items() if k in registry)
+    text = readme(rows, cards, thresholds, public_command(["--validate", *argv_without(argv, "--validate")]),
+                  wall, n_runs, len(registry), provenance)
+    (out / "README.md").write_text(text, encoding="utf-8")
+    agree = sum(c["status"] in r.expected for r, c in zip(rows, cards, strict=True))
+    sys.stdout.write(f"lnstab check --validate: {agree} of {len(rows)} rows agree with the published outcome "
+                     f"({wall:.0f} s); {out / 'README.md'}\n")
+    if agree < len(rows):
+        raise SystemExit(1)
+
+
+def argv_without(argv: list[str], flag: str) -> list[str]:
+    return [a for a in argv if a != flag]
+
+
+def protocol_args(argv: list[str]) -> list[str]:
+    """The protocol flags of a ``--validate`` command line (no ``--validate``, ``--overwrite``, ``--rows``,
+    ``--out``, ``--model.*``): what a single card of a row needs beside the row's own arguments."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in ("--validate", "--overwrite"):
+            continue
+        if name in ("--rows", "--out") or name.startswith("--model."):
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return out
+
+
+def with_protocol_vocab(subject: Subject, data: Any, seq_len: int) -> Subject:
+    """``subject`` on the validation's windows: with the protocol vocabulary when that is in use."""
+    if data.vocab["mode"] != "protocol":
+        return subject
+    compact = subject.with_vocab(data.vocab["size"])
+    if compact is None:
+        raise LNStabError(f"{subject.label} cannot take the protocol vocabulary; give --vocab model")
+    check_logits(compact, data.vocab["size"], seq_len)
+    return compact
+
+
+def unique_runs(rows: list[Row], subjects: list[Subject], seq_len: int
+                ) -> tuple[dict[str, Subject], dict[str, tuple[str, dict[str, str]]]]:
+    """The distinct models to train (a row or reference identical to an earlier one reuses its runs) by run key,
+    and per row the keys of its checked model's and its references' runs."""
+    registry: dict[str, Subject] = {}
+    by_config: dict[Any, str] = {}
+
+    def register(subject: Subject, key: str) -> str:
+        ident = repr(subject.config) if subject.config is not None else repr(subject.recipe)
+        if ident in by_config:
+            return by_config[ident]
+        while key in registry:
+            key += "'"
+        registry[key] = dataclasses.replace(subject, key=key, same_as=None)
+        by_config[ident] = key
+        return key
+
+    keys = {}
+    for row, subject in zip(rows, subjects, strict=True):
+        refs = {r.key: register(r, r.key) for r in references(subject, seq_len)}
+        keys[row.id] = (register(subject, row.id), refs)
+    return registry, keys
+
+
+def statuses(card: dict[str, Any]) -> dict[str, str]:
+    return {r["id"]: r["status"] for r in card["criteria"]}
+
+
+def deciding(card: dict[str, Any]) -> list[str]:
+    """The criteria whose status is the card's verdict (for a warning or a failure)."""
+    if card["status"] == "pass":
+        return []
+    return [r["id"] for r in card["criteria"] if r["status"] == card["status"]]
+
+
+def history() -> list[str]:
+    """``git log`` of the thresholds and the expected verdicts (oldest first), when this is a git checkout."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        done = subprocess.run(["git", "log", "--reverse", "--format=%h %ad %s", "--date=short", "--",
+                               "lnstab/check/criteria.py", "lnstab/check/validation.py"], cwd=root,
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line[:160] for line in done.stdout.splitlines()] if done.returncode == 0 else []
+
+
+def readme(rows: list[Row], cards: list[dict[str, Any]], thresholds: dict[str, Any], command: str, wall: float,
+           n_runs: int, n_models: int, provenance: dict[str, Any]) -> str:
+    """The validation README: agreement, one row per architecture, which criteria decide which rows, thresholds."""
+    from lnstab.check.report import cell
+    from lnstab.check.report import provenance as made_by
+
+    agree = [c["status"] in r.expected for r, c in zip(rows, cards, strict=True)]
+    strict = sum(a for a, r in zip(agree, rows, strict=True) if len(r.expected) == 1)
+    single = sum(len(r.expected) == 1 for r in rows)
+    custom = thresholds != load_thresholds(None)
+    proto = cards[0]["protocol_text"] if cards else ""
+    lines = [
+        "# `lnstab check` against the published record",
+        "",
+        f"Generated by `{command}` in {wall / 60:.1f} min ({n_runs} stress runs of {n_models} distinct models; made by "
+        f"{made_by(provenance)}). Every row is a card at the check's default shape beside the same Pre-LN and "
+        f"Peri-LN references ({cards[0]['model']['description'] if cards else ''}); {proto}. "
+        f"Data: {cards[0]['data_text'] if cards else ''}.",
+        "",
+        f"**Agreement: {sum(agree)} of {len(rows)} rows ({100 * sum(agree) / max(1, len(rows)):.0f} %; goal ≥ 90 %)** "
+        f"— {strict} of the {single} rows whose outcome implies one verdict, {sum(agree) - strict} of the "
+        f"{len(rows) - single} reported stable (any verdict but FAIL agrees). Thresholds: "
+        + ("the defaults of `lnstab/check/criteria.py`, fixed before the set was run (history below)." if not custom
+           else "**a --thresholds file, not the defaults**."),
+        "",
+        "| # | architecture | published outcome (source) | implies | card | agrees | decided by / why |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for i, (row, card, ok) in enumerate(zip(rows, cards, agree, strict=True), 1):
+        implies = " or ".join(SHORT[e] for e in row.expected)
+        decided = ", ".join(f"`{c}`" for c in deciding(card)) or "every criterion passes"
+        note = NOTES.get(row.id, "")
+        why = decided + (f"; {note}" if note else "" if ok else "; not yet explained")
+        lines.append(f"| {i} | [{cell(row.design)}]({row.id}/report.md) | {cell(row.outcome)} ({cell(row.source)}) | "
+                     f"{implies} | **{SHORT[card['status']]}** | {'yes' if ok else '**no**'} | {cell(why)} |")
+    lines += ["", "## Each criterion on each row", "",
+              "| row | " + " | ".join(c.id for c in CRITERIA) + " |", "|---|" + "---|" * len(CRITERIA)]
+    for row, card in zip(rows, cards, strict=True):
+        st = statuses(card)
+        lines.append(f"| {row.id} | " + " | ".join(SHORT[st[c.id]] for c in CRITERIA) + " |")
+    lines += ["", "Which rows each criterion decides (its status is the card's verdict):", ""]
+    for c in CRITERIA:
+        decided = {level: [r.id for r, k in zip(rows, cards, strict=True)
+                           if k["status"] == level and statuses(k)[c.id] == level] for level in ("fail", "warn")}
+        fails, warns = decided["fail"], decided["warn"]
+        lines.append(f"- `{c.id}`: fails {', '.join(fails) or 'no row'}; is among the warnings of "
+                     f"{', '.join(warns) or 'no row'}")
+    lines += ["", "## Thresholds", "",
+              "The thresholds and the expected verdicts were committed before the set was run "
+              "(`lnstab/check/criteria.py`, `lnstab/check/validation.py`); their history, oldest first:", ""]
+    lines += [f"- `{h}`" for h in history()] or ["- (not a git checkout)"]
+    lines += ["", "Changes after the first run: " + ("; ".join(THRESHOLD_CHANGES) if THRESHOLD_CHANGES else
+                                                     "none; every verdict above is from the thresholds fixed before "
+                                                     "it.")]
+    if DEFAULT_THRESHOLDS != load_thresholds(None):
+        lines.append("(The module's defaults differ from its YAML: this should not happen.)")
+    lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,124 @@
+"""The validation set of ``lnstab check``: architectures whose stability the literature reports, each with the verdict
+that outcome implies, fixed before the set was run (``lnstab check --validate`` runs it, :mod:`lnstab.check.validate`).
+
+Every row runs at the check's default shape (lnstab's ``mini`` preset: 4 layers × 128 wide, 4 heads, context 128) and
+default protocol, beside the same Pre-LN and Peri-LN references. The implied verdict is one of the card's statuses
+or a set of them:
+
+* ``FAIL`` where the design is reported to diverge or to train badly without special measures;
+* ``WARN`` where it trains but the literature documents a weakness the card measures (Pre-LN's massive activations,
+  beyond fp16's range);
+* ``PASS`` where it is reported stable without such a weakness and is the card's own standard (Peri-LN);
+* ``PASS or WARN`` (not ``FAIL``) where it is reported to train stably: the literature says "stable", not which of
+  the card's warnings (headroom, growth, spread against the references) may apply at a 4-layer, 30-step scale.
+
+A card agrees with a row when its verdict is in the row's set. Citations give the paper and the section, table or
+figure as recalled when the set was fixed (offline; not re-read then).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_SHAPE = ("--model.preset", "mini", "--model.block_size", "128")
+STABLE = ("pass", "warn")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One architecture of the validation set.
+
+    Attributes:
+        id: Short name (its card's directory).
+        design: The design in words.
+        model: ``--model.KEY VALUE`` arguments beyond the default shape (lnstab's family), or ``()`` with ``hf``.
+        hf: ``gemma2``: a Hugging Face model built from a config of the default shape (no download), ``None``.
+        outcome: The published outcome, one line.
+        source: Paper and table / figure / section.
+        expected: The verdicts that outcome implies (lower case card statuses).
+    """
+
+    id: str
+    design: str
+    model: tuple[str, ...]
+    outcome: str
+    source: str
+    expected: tuple[str, ...]
+    hf: str | None = None
+
+
+ROWS: tuple[Row, ...] = (
+    Row("post-ln", "Post-LN, warmup 3 of 30 steps (no long warmup)", ("--model.norm_placement", "post"),
+        "diverges or trains badly without a long learning-rate warmup; gradients near the output are large at "
+        "initialisation",
+        "Xiong et al. 2020, On Layer Normalization in the Transformer Architecture, §3 and Fig. 2 (Post-LN without "
+        "warm-up); Liu et al. 2020, Understanding the Difficulty of Training Transformers, Fig. 1",
+        ("fail",)),
+    Row("no-ln", "no normalisation at all", ("--model.norm_placement", "none"),
+        "diverges under the learning rates a normalised Transformer takes",
+        "Kan et al. 2025 (arXiv 2510.09904): no LN diverges in the most seeds under an aggressive learning rate "
+        "(reproduced here: docs/mini-reproduction, claim 5, 6 of 6 runs)",
+        ("fail",)),
+    Row("pre-ln", "Pre-LN (GPT-2)", ("--model.norm_placement", "pre"),
+        "trains, but its hidden states grow with depth into massive activations that overflow fp16",
+        "Sun et al. 2024, Massive Activations in Large Language Models, Fig. 1; Kim et al. 2025, Peri-LN: Revisiting "
+        "Normalization Layer in the Transformer Architecture, §3 (activation growth, fp16 overflow)",
+        ("warn",)),
+    Row("peri-ln", "Peri-LN / Sandwich-LN (input and output norms)", ("--model.norm_placement", "peri"),
+        "stable: bounded hidden-state growth, no loss spikes, lower seed variance than Pre-LN",
+        "Kim et al. 2025, Peri-LN, §4–5 (Table 1, seeds); Ding et al. 2021, CogView, §2.4 and Fig. 4 (Sandwich-LN)",
+        ("pass",)),
+    Row("pre-ln-dt0.1", "Pre-LN with residual step Δt = 0.1",
+        ("--model.norm_placement", "pre", "--model.residual_scale", "0.1"),
+        "a smaller residual step slows hidden-state growth at equal or better loss",
+        "Kan et al. 2025 (arXiv 2510.09904), the Δt = 0.1 experiments (124M, Pre-LN and Peri-LN); reproduced for "
+        "growth here: docs/mini-reproduction, claim 2",
+        STABLE),
+    Row("olmo2", "OLMo 2: output norm + QK-norm + z-loss 1e-4",
+        ("--model.norm_placement", "output", "--model.qk_norm", "true", "--model.z_loss", "1e-4"),
+        "stable at 7B–32B; the reordered norm and QK-norm were adopted for stability",
+        "Team OLMo 2024, 2 OLMo 2 Furious, §3 (training stability: reordered norm, QK-norm, z-loss)",
+        STABLE),
+    Row("pre-ln-qknorm", "Pre-LN + QK-norm", ("--model.norm_placement", "pre", "--model.qk_norm", "true"),
+        "lower learning-rate sensitivity than Pre-LN; attention-logit growth removed",
+        "Wortsman et al. 2023, Small-scale proxies for large-scale Transformer training instabilities, Fig. 1; "
+        "Dehghani et al. 2023, Scaling Vision Transformers to 22 Billion Parameters, §2.1",
+        STABLE),
+    Row("deepnorm", "DeepNorm (Post-LN, stream up-weighted by α, β init)", ("--model.norm_placement", "deepnorm"),
+        "Post-LN made stable: trains up to 1,000 layers where Post-LN diverges",
+        "Wang et al. 2022, DeepNet: Scaling Transformers to 1,000 Layers, Fig. 1 and §5",
+        STABLE),
+    Row("rezero", "ReZero: no norms, x + α·f(x), α = 0 at init",
+        ("--model.norm_placement", "none", "--model.residual_gate", "rezero"),
+        "trains deep Transformers without normalisation, faster than Post-LN",
+        "Bachlechner et al. 2020, ReZero is All You Need, §4 (Table 3, 128-layer Transformers)",
+        STABLE),
+    Row("layerscale", "Pre-LN + LayerScale (λ = 0.1 at init, CaiT's rule)",
+        ("--model.norm_placement", "pre", "--model.residual_gate", "layerscale"),
+        "deep models train stably and keep improving with depth",
+        "Touvron et al. 2021, Going deeper with Image Transformers (CaiT), §2 and Fig. 2 (LayerScale)",
+        STABLE),
+    Row("dyt-pre", "DyT in Pre-LN position (γ·tanh(αx)+β for every norm)",
+        ("--model.norm_placement", "pre", "--model.norm_type", "dyt"),
+        "matches LayerNorm / RMSNorm in training stability and loss",
+        "Zhu et al. 2025, Transformers without Normalization, §5 (LLaMA table: DyT matches RMSNorm)",
+        STABLE),
+    Row("gemma2-hf", "Gemma 2 through the Hugging Face path (sandwich RMSNorm, 1 + weight; GeGLU; soft-capping)",
+        (), "stable: Gemma 2 trains with pre- and post-norm (Peri-LN) RMSNorm",
+        "Gemma Team 2024, Gemma 2: Improving Open Language Models at a Practical Size, §2 (architecture, Table 1)",
+        STABLE, hf="gemma2"),
+)
+
+
+def gemma2_config(n_layer: int, n_embd: int, n_head: int, block_size: int, vocab_size: int) -> object:
+    """Gemma 2 at a given shape: head width ``n_embd / n_head`` (and ``query_pre_attn_scalar`` that width, as Gemma 2's
+    2B/9B models set it), GeGLU four times wide, eager attention (its logit soft-capping needs it)."""
+    from transformers import Gemma2Config
+
+    head = n_embd // n_head
+    config = Gemma2Config(hidden_size=n_embd, intermediate_size=4 * n_embd, num_hidden_layers=n_layer,
+                          num_attention_heads=n_head, num_key_value_heads=n_head, head_dim=head,
+                          query_pre_attn_scalar=head, vocab_size=vocab_size, max_position_embeddings=block_size,
+                          pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    config._attn_implementation = "eager"
+    return config

@@ -1,0 +1,83 @@
+"""``lnstab check --validate`` at a tiny shape (the machinery, not the verdicts: those need the default shape), the
+validation set's well-formedness, and its refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_check import TINY
+
+from lnstab.check.subjects import lnstab_subject
+from lnstab.check.validate import pairs, protocol_args, unique_runs
+from lnstab.check.validation import DEFAULT_SHAPE, ROWS
+from lnstab.cli import main
+
+SHAPE = ["--model.preset", "tiny", "--model.vocab_size", "128", "--model.block_size", "32"]
+STATUSES = {"pass", "warn", "fail"}
+
+
+def test_the_validation_set_is_well_formed() -> None:
+    assert len(ROWS) >= 12 and len({r.id for r in ROWS}) == len(ROWS)
+    for row in ROWS:
+        assert row.outcome and row.source and row.design and set(row.expected) <= STATUSES and row.expected
+        if row.hf is None:  # every lnstab row is a valid GPTModule configuration at the default shape
+            subject, _ = lnstab_subject({**pairs(DEFAULT_SHAPE), **pairs(row.model)})
+            assert (subject.config.n_layer, subject.config.n_embd, subject.config.block_size) == (4, 128, 128)
+    implied = {r.id: r.expected for r in ROWS}
+    assert implied["post-ln"] == implied["no-ln"] == ("fail",) and implied["peri-ln"] == ("pass",)
+    assert implied["pre-ln"] == ("warn",)
+
+
+def test_rows_identical_to_a_reference_reuse_its_runs() -> None:
+    rows = [r for r in ROWS if r.id in ("pre-ln", "peri-ln", "olmo2")]
+    subjects = [lnstab_subject({**pairs(tuple(SHAPE)), **pairs(r.model)})[0] for r in rows]
+    registry, keys = unique_runs(rows, subjects, 16)
+    assert sorted(registry) == ["olmo2", "peri-ln", "pre-ln"]  # three models, not five
+    assert keys["pre-ln"] == ("pre-ln", {"pre-ln": "pre-ln", "peri-ln": "peri-ln"})
+    assert keys["olmo2"][0] == "olmo2" and registry["olmo2"].config.qk_norm
+    assert not registry["pre-ln"].config.qk_norm and registry["pre-ln"].config.z_loss == 0  # plain references
+
+
+def test_protocol_args_keep_only_the_protocol() -> None:
+    argv = ["--validate", "--rows", "a,b", "--out=x", "--model.preset", "tiny", "--steps", "6", "--overwrite"]
+    assert protocol_args(argv) == ["--steps", "6"]
+
+
+def test_validate_writes_a_card_per_row_and_the_readme(tmp_path, capsys) -> None:
+    out = tmp_path / "validation"
+    code = 0
+    try:  # at this size a row may disagree: exit 1 then, never a crash
+        main(["check", "--validate", *SHAPE, *TINY, "--lrs", "1e-2,1e-1", "--rows", "pre-ln,peri-ln,olmo2,gemma2-hf",
+              "--out", str(out)])
+    except SystemExit as exc:
+        code = exc.code
+    printed = capsys.readouterr().out
+    agree = int(printed.split(": ")[1].split(" of ")[0])
+    assert code == (0 if agree == 4 else 1) and "of 4 rows agree" in printed
+    text = (out / "README.md").read_text()
+    assert f"**Agreement: {agree} of 4 rows" in text and "stress runs of 4 distinct models" in text
+    for row in ("pre-ln", "peri-ln", "olmo2", "gemma2-hf"):
+        report = json.loads((out / row / "report.json").read_text())
+        assert f"]({row}/report.md)" in text and report["status"] in STATUSES
+        assert str(tmp_path) not in (out / row / "report.json").read_text()  # no path of this machine
+    pre = json.loads((out / "pre-ln" / "report.json").read_text())
+    assert pre["references"]["pre-ln"]["same_as"] == "checked"  # the reference itself: its runs are reused
+    gemma = json.loads((out / "gemma2-hf" / "report.json").read_text())
+    assert {r["id"]: r for r in gemma["criteria"]}["bound"]["status"] == "pass"  # Theorem 4 on Gemma 2
+    assert not (out / "tb").exists() and "--validate" in text
+    with pytest.raises(SystemExit) as info:  # an earlier validation is replaced only when asked
+        main(["check", "--validate", *SHAPE, *TINY, "--rows", "pre-ln", "--out", str(out)])
+    assert info.value.code == 2 and "--overwrite" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--hf", "x"], "--hf and --factory are not used"),
+    (["--model.norm_placement", "post"], "--model.norm_placement is not allowed with --validate"),
+    (["--rows", "nope"], "--rows nope is not allowed"),
+])
+def test_validate_refuses_in_one_line(args, said, tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["check", "--validate", *TINY, *args, "--out", str(tmp_path / "v")])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and said in err and "\n" not in err, err
