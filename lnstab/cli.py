@@ -21,7 +21,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -31,10 +30,10 @@ from lnstab.callbacks import FinalEvaluation, Instruments, RunCheckpoint, RunSta
 from lnstab.callbacks.run_status import RunInterrupted
 from lnstab.checkpoint import load_checkpoint
 from lnstab.configfiles import expand_extends, experiment_name
-from lnstab.errors import ConfigError, LNStabError, MachineError
+from lnstab.errors import ConfigError, MachineError, find_user_error, one_line
 from lnstab.module import GPTModule
 from lnstab.precision import precision_warning, resolve_precision
-from lnstab.rundir import CONFIG_FILE, latest_eval, read_summary
+from lnstab.rundir import CONFIG_FILE
 from lnstab.rundir import run_dir as trainer_run_dir
 from lnstab.safeload import load_yaml
 from lnstab.trainer import LNStabTrainer
@@ -252,21 +251,11 @@ class LNStabCLI(LightningCLI):
         ``test``, like ``lnstab evaluate``, recorded as the fit's evaluation). A signal meanwhile leaves the run
         ``interrupted``: the next resume tries again."""
         c = self.config[self.subcommand]
-        ckpt, run, max_steps = c.get("ckpt_path"), c.get("run_dir"), self.trainer.max_steps
-        if not ckpt or not run or Path(ckpt).is_dir() or max_steps is None or max_steps < 1:
-            return
         evaluators = [cb for cb in self.trainer.callbacks if isinstance(cb, FinalEvaluation) and cb.run_on["fit"]]
-        step = load_checkpoint(ckpt, mmap=True).get("global_step")
-        if not evaluators or step is None or step < max_steps:
+        ckpt, run = c.get("ckpt_path"), c.get("run_dir")
+        if not evaluators or not runs.final_evaluation_owed(ckpt, run, self.trainer.max_steps):
             return
-        try:
-            status = read_summary(run).get("status")
-            done = latest_eval(run)
-        except Exception:  # noqa: BLE001 - a damaged record: the fit repairs what it can
-            return
-        if status != "interrupted" or (done or {}).get("global_step") == step:
-            return
-        rank_zero_info(f"lnstab: {run} trained all {step} steps; its final evaluation was interrupted: evaluating")
+        rank_zero_info(f"lnstab: {run} trained all its steps; its final evaluation was interrupted: evaluating")
         saved = [(cb, dict(cb.run_on), cb.test_stage) for cb in evaluators]
         for cb in evaluators:
             cb.run_on["test"], cb.test_stage = True, "fit"
@@ -275,9 +264,6 @@ class LNStabCLI(LightningCLI):
         finally:
             for cb, run_on, stage in saved:
                 cb.run_on, cb.test_stage = run_on, stage
-
-    def before_evaluate(self) -> None:
-        self._check_evaluation()
 
     def before_instantiate_classes(self) -> None:
         c = self.config[self.subcommand] if self.subcommand else self.config
@@ -401,36 +387,16 @@ def main(argv: list[str] | None = None) -> None:
         status = LNStabCLI.run_status
         if status is not None and status.signal is not None:  # an error after a signal: the run is interrupted
             print(f"lnstab: the run was stopping on {signal.Signals(status.signal).name} when "
-                  f"{type(exc).__name__}: {_one_line(exc)[:300]}; recorded as interrupted", file=sys.stderr)
+                  f"{type(exc).__name__}: {one_line(exc)[:300]}; recorded as interrupted", file=sys.stderr)
             raise SystemExit(128 + int(status.signal)) from None
         user_error = find_user_error(exc)
         if user_error is None or os.environ.get("LNSTAB_DEBUG"):
             raise
-        print(f"lnstab: error: {_one_line(user_error)}", file=sys.stderr)
+        print(f"lnstab: error: {one_line(user_error)}", file=sys.stderr)
         raise SystemExit(1 if isinstance(user_error, MachineError) else 2) from None
     status = next((cb for cb in getattr(cli.trainer, "callbacks", []) if isinstance(cb, RunStatus)), None)
     if status is not None and status.exit_code:
         raise SystemExit(status.exit_code)
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
-
-
-def find_user_error(exc: BaseException) -> BaseException | None:
-    """The user's mistake behind ``exc``: an :class:`LNStabError` or Lightning's ``MisconfigurationException``,
-    itself or one that jsonargparse wrapped while instantiating."""
-    seen: set[int] = set()
-    stack = [exc]
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, LNStabError | MisconfigurationException):
-            return e
-        stack += [e.__cause__, e.__context__]
-    return None
 
 
 if __name__ == "__main__":

@@ -197,6 +197,25 @@ def check_resumable(run_dir: str | os.PathLike) -> None:
         )
 
 
+def final_evaluation_owed(ckpt: str | None, run_dir: str | None, max_steps: int | None) -> bool:
+    """Whether resuming ``ckpt`` into ``run_dir`` owes the run its final evaluation: the checkpoint is at the last
+    step (nothing left to train), the run is ``interrupted`` (a signal stopped its evaluation) and its latest
+    evaluation is not of that step. A damaged record owes nothing (the fit repairs what it can)."""
+    from lnstab.checkpoint import load_checkpoint
+    from lnstab.rundir import latest_eval
+
+    if not ckpt or not run_dir or Path(ckpt).is_dir() or max_steps is None or max_steps < 1:
+        return False
+    step = load_checkpoint(ckpt, mmap=True).get("global_step")
+    if step is None or step < max_steps:
+        return False
+    try:
+        status, done = read_summary(run_dir).get("status"), latest_eval(run_dir)
+    except Exception:  # noqa: BLE001 - a damaged record
+        return False
+    return status == "interrupted" and (done or {}).get("global_step") != step
+
+
 def _normal(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return tuple(_normal(v) for v in value)
@@ -211,6 +230,7 @@ __all__ = [
     "check_against_checkpoint",
     "check_fresh_run_dir",
     "check_resumable",
+    "final_evaluation_owed",
     "explicit_keys",
     "newest_run_checkpoint",
     "resolve_resume",
