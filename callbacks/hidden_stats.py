@@ -16,12 +16,12 @@ from lnstab.rundir import HIDDEN_SERIES_FILE, atomic_write_text, run_dir
 from . import _stats
 from ._sites import EMBED_PATTERN, FINAL_PATTERN, Site, auto_sites, log_metrics, resolve_types, tensorboard_writer
 from ._strategy import require_strategy
-from ._tap import TapCallback
+from ._tap import MeasuringTapCallback
 
 STATS = ("mean_abs", "var_entry", "var_data", "max_abs")  # the paper's four, logged by default
 
 
-class HiddenStateStatistics(TapCallback):
+class HiddenStateStatistics(MeasuringTapCallback):
     """Residual-stream statistics at X_0, after every attention and MLP update, and at the final-norm input.
 
     For a site's tensor ``x`` of shape ``(B, n, d)`` (any ``(B, ...)``; flattened to ``(B, N)``, ``N = n·d``):
@@ -115,28 +115,8 @@ class HiddenStateStatistics(TapCallback):
         self.subscribe(pl_module, self.sites, [self.stats] * len(self.sites))
 
     @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if self.subscription is None or not self.step_begins(trainer):
-            return  # later micro-batches of a step keep capturing (or not) as its first one decided
-        step = trainer.global_step
-        if step % self.every_n_steps == 0 and step not in self.steps:
-            self.subscription.reset()
-            self.subscription.active = True
-            self._capture_step = step
-
-    @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if self._capture_step is not None and self.step_ended(trainer):
-            self._finalize(trainer)
-
-    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._capture_step is not None:
-            self._finalize(trainer)
+        super().on_train_end(trainer, pl_module)  # a step still measuring is finished first
         self._write(trainer)
 
     def reduce(self, trainer: pl.Trainer) -> torch.Tensor | None:
@@ -148,7 +128,11 @@ class HiddenStateStatistics(TapCallback):
         table = sub.reduce(trainer, self.stats)
         return torch.stack([table[name] for name in self.stats])
 
+    def metric_name(self, stat: str, tag: str) -> str:
+        return f"hidden/{stat}/{tag}"
+
     def _finalize(self, trainer: pl.Trainer) -> None:
+        """As :class:`MeasuringTapCallback`'s, and the values join the series ``hidden_stats.json`` holds."""
         step, self._capture_step = self._capture_step, None
         self.subscription.active = False
         table = self.reduce(trainer)
@@ -161,7 +145,7 @@ class HiddenStateStatistics(TapCallback):
         for stat, row in zip(self.stats, values, strict=True):
             for tag, value in zip(self.tags, row, strict=True):
                 self.values[stat].setdefault(tag, []).append(value)
-                self.last[f"hidden/{stat}/{tag}"] = value
+                self.last[self.metric_name(stat, tag)] = value
         log_metrics(trainer, self.last, step)
 
     @rank_zero_only
