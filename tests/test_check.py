@@ -158,13 +158,13 @@ def test_no_norm_model_at_a_high_learning_rate_fails_divergence(tmp_path) -> Non
     assert read_summary(tmp_path / "card" / "tb" / "checked" / "lr0.3_seed0")["status"] == "diverged"
 
 
-def test_blocks_that_triple_the_residual_fail_the_growth_law(tmp_path) -> None:
+def test_blocks_that_triple_the_residual_warn_on_the_growth_law(tmp_path) -> None:
     args = ["--factory", "check_factories:tripling_lm", "--module-types", "check_factories.TriplingBlock",
             "--lrs", "1e-2", *TINY]
     code, report = check(tmp_path / "card", *args)
-    growth = rows(report)["growth_trained"]
-    assert growth["status"] == "fail" and code == 1
-    assert growth["measured"] > growth["fail"] >= max(growth["references"].values())
+    growth = rows(report)["growth_trained"]  # growth warns only: its harm is its size (overflow judges that)
+    assert growth["status"] == "warn" and growth["fail"] is None and code == report["exit_code"]
+    assert growth["measured"] > growth["warn"] and growth["measured"] > max(growth["references"].values())
     assert "faster than both references" in growth["why"] and "exponential law fits better" in growth["why"]
     init = rows(report)["growth_init"]  # at initialisation exactly ×3 per layer: ×9 over the deeper 2 of 4 layers
     assert init["measured"] == pytest.approx(2 * math.log2(3), rel=0.02) and init["status"] == "warn"

@@ -88,6 +88,14 @@ def test_attention_logit_growth_fails_beyond_the_collapse_threshold() -> None:
         "status"] == "warn"
 
 
+def test_attention_fails_only_an_order_of_magnitude_beyond_references_that_collapse_too() -> None:
+    refs = {"pre-ln": summarise(attention_runs(8000.0), 10), "peri-ln": summarise(attention_runs(7600.0), 10)}
+    for logits, expected in ((8000.0, "pass"), (9000.0, "warn"), (90000.0, "fail")):
+        checked = summarise(attention_runs(logits), 10)
+        row = {r["id"]: r for r in build_rows({"checked": checked, **refs}, DEFAULT_THRESHOLDS, {})}["attention"]
+        assert row["fail"] == pytest.approx(80000.0) and row["status"] == expected, logits
+
+
 def test_attention_is_not_applicable_where_q_and_k_are_not_found() -> None:
     plain = summarise([run(1e-2, 0, curve(10, 7))], 10)
     refs = {"pre-ln": summarise(attention_runs(20.0), 10), "peri-ln": summarise(attention_runs(12.0), 10)}

@@ -56,7 +56,7 @@ def test_layer_depths_for_half_steps_and_blocks() -> None:
 
 
 def test_thresholds_follow_the_references_and_fall_back_without_them() -> None:
-    spec = DEFAULT_THRESHOLDS["growth_trained"]
+    spec = {"warn": "peri + 2*sd", "fail": "max(pre, peri) + 2*sd", "absolute": {"warn": 1, "fail": 2}}
     refs = {"pre-ln": (1.5, 0.1), "peri-ln": (0.8, 0.05)}
     limits = resolve(spec, refs)
     assert limits["warn"] == pytest.approx(0.8 + 0.2) and limits["fail"] == pytest.approx(1.5 + 0.2)
@@ -66,6 +66,7 @@ def test_thresholds_follow_the_references_and_fall_back_without_them() -> None:
     assert missing["fail"] == 2 and missing["fail_source"] == "absolute" and missing["warn_source"] == "relative"
     assert resolve(spec, None)["warn"] == 1 and resolve(DEFAULT_THRESHOLDS["loss"], refs)["fail"] is None
     assert resolve(DEFAULT_THRESHOLDS["growth_init"], refs)["fail"] is None  # growth at initialisation only warns
+    assert resolve(DEFAULT_THRESHOLDS["growth_trained"], refs)["fail"] is None  # so does growth after training
     # When the references come in the other order the pass band ends at Peri-LN, the fail band above both.
     swapped = resolve(spec, {"pre-ln": (0.2, 0.0), "peri-ln": (0.6, 0.0)})
     assert swapped["warn"] == swapped["fail"] == pytest.approx(0.6)

@@ -52,13 +52,15 @@ growth_init:
   fail: null
   absolute: {warn: 1, fail: null}
 # The same after the stress training, at the learning rate where it is largest (runs that did not diverge).
-# Pass: no faster than Peri-LN; fail: faster than both references. Without references the laws themselves:
-# linear growth doubles at most once (warn above), quadratic growth twice (fail above); exponential growth
-# e^(r*depth) doubles r*D/(2 ln 2) times, more the deeper the model.
+# Pass: no faster than Peri-LN; warn above (without references: faster than any linear law, which doubles at most
+# once; exponential growth e^(r*depth) doubles r*D/(2 ln 2) times, more the deeper the model). Warns only since the
+# validation set's first run (changed after it, reported there): growth's harm is its size, which the overflow
+# criterion judges against the formats' limits; growing faster than Pre-LN failed only no LN (which fails by
+# divergence) and DyT in Pre-LN position (which trains like LayerNorm: Zhu et al. 2025).
 growth_trained:
   warn: peri + 2*sd
-  fail: max(pre, peri) + 2*sd
-  absolute: {warn: 1, fail: 2}
+  fail: null
+  absolute: {warn: 1, fail: null}
 # The largest |x| of the residual stream in any run that did not diverge, against the formats' own limits:
 # warn beyond half of fp16's largest number (DivergenceMonitor's overflow fraction), fail beyond half of bf16's.
 overflow:
@@ -68,10 +70,12 @@ overflow:
 # Attention-logit growth (Dehghani et al. 2023; Wortsman et al. 2023): the largest |q.k|/sqrt(d_h) over layers and
 # measured steps, at the learning rate where it is largest (runs that did not diverge). Warn: larger than both
 # references; fail: beyond 1e3, DivergenceMonitor's attention-collapse threshold, where a row is one-hot in every
-# float format (e^-1000 is 0).
+# float format (e^-1000 is 0), and (changed after the validation set's first run, reported there) an order of
+# magnitude beyond both references: at the ladder's top rate (0.1) Pre-LN and Peri-LN themselves reach ~8e3 with
+# 99% of rows collapsed, so 1e3 alone failed the references.
 attention:
   warn: max(pre, peri) + 2*sd
-  fail: 1000
+  fail: max(1000, 10*max(pre, peri))
   absolute: {warn: null, fail: 1000}
 # Output-logit drift (PaLM's reason for z-loss; Wortsman et al. 2023): the largest |mean log Z| of the output
 # softmax after initialisation, at the learning rate where it is largest (runs that did not diverge). Warn: larger
