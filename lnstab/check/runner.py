@@ -106,9 +106,10 @@ def machine(workers: int, threads: int) -> dict[str, Any]:
 
 
 def public_path(text: str) -> str:
-    """A path as a card may show it: relative to the working directory when under it, else its last part."""
+    """A path as a card may show it: relative to the working directory when under it, else (absolute, or climbing
+    out of it with ``..``) its last part."""
     path = Path(os.path.expanduser(text))
-    if not path.is_absolute():
+    if not path.is_absolute() and ".." not in path.parts:
         return text
     try:
         return str(path.resolve().relative_to(Path.cwd().resolve()))
@@ -124,7 +125,7 @@ def public_command(argv: list[str]) -> str:
     for arg in argv:
         key, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
         target = value if (eq or not key) else ""
-        if target and os.path.isabs(os.path.expanduser(target)):
+        if target and (os.path.isabs(os.path.expanduser(target)) or ".." in Path(target).parts):
             arg = f"{key}={public_path(target)}" if eq else public_path(target)
         shown.append(arg)
     return "lnstab check " + shlex.join(shown)
