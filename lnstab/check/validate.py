@@ -235,8 +235,10 @@ def readme(rows: list[Row], cards: list[dict[str, Any]], thresholds: dict[str, A
         f"**Agreement: {sum(agree)} of {len(rows)} rows ({100 * sum(agree) / max(1, len(rows)):.0f} %; goal ≥ 90 %)** "
         f"— {strict} of the {single} rows whose outcome implies one verdict, {sum(agree) - strict} of the "
         f"{len(rows) - single} reported stable (any verdict but FAIL agrees). Thresholds: "
-        + ("the defaults of `lnstab/check/criteria.py`, fixed before the set was run (history below)." if not custom
-           else "**a --thresholds file, not the defaults**."),
+        + ("**a --thresholds file, not the defaults**." if custom else
+           "the defaults of `lnstab/check/criteria.py`, fixed before the set was first run"
+           + (f"; {len(THRESHOLD_CHANGES)} changed after that run and every verdict re-run (see Thresholds)."
+              if THRESHOLD_CHANGES else " (history below).")),
         "",
         "| # | architecture | published outcome (source) | implies | card | agrees | decided by / why |",
         "|---|---|---|---|---|---|---|",
