@@ -293,6 +293,22 @@ def test_lr_sensitivity_on_constructed_curves(tmp_path) -> None:
     assert "| pre | 1.4 | 0.01 | 3 | 6 | 0.001, 0.01, 0.1 | 4/4 | 1 |" in table.to_markdown()
 
 
+def test_the_initial_loss_is_that_of_step_0_else_ln_v_not_a_loss_after_training() -> None:
+    from lnstab.report.lr_sensitivity import initial_loss
+
+    class Run:  # what initial_loss reads of a RunRecord
+        def __init__(self, losses, vocab) -> None:
+            self.losses, self.config = losses, {"model.vocab_size": vocab} if vocab else {}
+
+        def series(self, tag):
+            return self.losses
+
+    assert initial_loss(Run([(0, 6.2), (9, 5.0)], 64)) == 6.2
+    # first logged at step 9 (log_every_n_steps 10): it has trained at the run's own rate already
+    assert initial_loss(Run([(9, 5.0), (19, 4.0)], 64)) == pytest.approx(math.log(64))
+    assert initial_loss(Run([(9, 5.0)], None)) == 5.0
+
+
 def test_report_draws_logit_figures_and_the_lr_sensitivity(tmp_path, capsys) -> None:
     g = ladder_grid(tmp_path)
     for i, run in enumerate(sorted(p for p in g.iterdir() if p.is_dir())):

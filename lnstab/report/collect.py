@@ -171,7 +171,8 @@ def read_run(directory: Path) -> RunRecord:
 
 def _runs_below(directory: Path) -> list[Path]:
     children = sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith("."))
-    others = [p for p in children if not is_run_dir(p) and any(p.iterdir())]
+    # a directory holding nothing but hidden files (a run starting: its .lnstab.lock) is not a run yet, nor a stranger
+    others = [p for p in children if not is_run_dir(p) and any(not c.name.startswith(".") for c in p.iterdir())]
     if others:
         raise ReportError(f"{others[0]} is not an lnstab run directory (no config.yaml, summary.json or "
                           f"checkpoints/), in {directory}")
@@ -229,31 +230,58 @@ def collect(paths: list[str | Path], warn: Callable[[str], None] = _stderr) -> l
 
 
 def _fill_damaged(manifest: dict[str, Any], batch: list[RunRecord]) -> None:
-    """A damaged run whose config could not be read takes a healthy sibling's with its own overrides (as a missing
-    run does), so it counts in its own configuration."""
+    """A damaged run whose config could not be read takes the grid's base config with its own overrides (as a
+    missing run does), so it counts in its own configuration."""
     overrides = dict(manifest_runs(manifest))
-    sibling = next((r for r in batch if r.config and r.status != "damaged"), None)
+    base = _base_config(batch, overrides)
     for r in batch:
         if r.status == "damaged" and not r.config and r.name in overrides:
-            r.config = _planned_config(overrides[r.name], sibling)
+            r.config = _planned_config(overrides[r.name], base)
 
 
-def _planned_config(overrides: dict[str, Any], sibling: RunRecord | None) -> dict[str, Any]:
-    config = dict(sibling.config) if sibling else {}
+def _base_config(present: list[RunRecord], overrides: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """The config the grid's runs share before their own overrides: a present run's, where every key its overrides
+    set is taken from a present run whose overrides leave that key alone (the base value), or dropped when every run
+    sets it. A sibling's config as it is would lend a run the sibling's own overrides (a QK-norm run's
+    ``qk_norm: true`` to a Peri-LN run that never set it)."""
+    healthy = [r for r in present if r.config and r.status != "damaged"]
+    if not healthy:
+        return None
+    flat = {r.name: _flat_keys(overrides.get(r.name, {})) for r in healthy}
+    first = healthy[0]
+    base = dict(first.config)
+    for key in flat[first.name]:
+        donor = next((r for r in healthy if key not in flat[r.name] and key in r.config), None)
+        if donor is None:
+            base.pop(key, None)
+        else:
+            base[key] = donor.config[key]
+    return base
+
+
+def _flat_keys(overrides: dict[str, Any]) -> set[str]:
+    keys: set[str] = set()
     for key, value in overrides.items():
-        flat = flatten(value, key) if isinstance(value, dict) and sibling else {key: value}
+        keys |= set(flatten(value, key)) if isinstance(value, dict) else {key}
+    return keys
+
+
+def _planned_config(overrides: dict[str, Any], base: dict[str, Any] | None) -> dict[str, Any]:
+    config = dict(base) if base else {}
+    for key, value in overrides.items():
+        flat = flatten(value, key) if isinstance(value, dict) and base else {key: value}
         config.update({k: v for k, v in flat.items() if not k.startswith(IGNORED_PREFIXES)})
     return config
 
 
 def _missing(directory: Path, manifest: dict[str, Any], present: list[RunRecord]) -> list[RunRecord]:
-    """Runs the sweep's manifest names that have no run directory: their config is a sibling's with their own
-    overrides (the runs of a grid differ only in those), or just the overrides when no sibling exists."""
+    """Runs the sweep's manifest names that have no run directory: their config is the grid's base config
+    (:func:`_base_config`) with their own overrides, or just the overrides when no run is present."""
     have = {r.name for r in present}
-    sibling = next((r for r in present if r.config and r.status != "damaged"), None)
+    base = _base_config(present, dict(manifest_runs(manifest)))
     out = []
     for name, overrides in manifest_runs(manifest):
         if name not in have:
             out.append(RunRecord(name=name, path=directory / name, status="missing",
-                                 config=_planned_config(overrides, sibling)))
+                                 config=_planned_config(overrides, base)))
     return out

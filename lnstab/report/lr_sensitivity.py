@@ -6,10 +6,10 @@ For one configuration (every varying config value but the learning rate and the 
     LR sensitivity = mean over η of [ min(L(η), L_init) − L* ],   L* = min over η of min(L(η), L_init)
 
 ``L(η)`` is the final loss at ``η`` (the mean over its seeds of ``min(L_run, L_init)``), ``L_init`` the initial loss
-(the mean over the configuration's runs of their first logged ``train/loss``), so a diverged run counts as
-``L_init``: no better than not training. A run's final loss is its validation loss (``summary.json``), else its
-last finite ``train/loss``; a diverged run's, or a completed run's without a finite loss, is infinite. Runs that did
-not finish (missing, running, interrupted, failed, damaged) do not count. A configuration trained at one learning
+(the mean over the configuration's runs of :func:`initial_loss`: the loss at step 0, else ``ln V``), so a diverged run
+counts as ``L_init``: no better than not training. A run's final loss is its validation loss (``summary.json``), else
+its last finite ``train/loss``; a diverged run's, or a completed run's without a finite loss, is infinite. Runs that
+did not finish (missing, running, interrupted, failed, damaged) do not count. A configuration trained at one learning
 rate has no sensitivity (``–``).
 """
 
@@ -46,8 +46,16 @@ def final_loss(run: RunRecord) -> float | None:
 
 
 def initial_loss(run: RunRecord) -> float | None:
-    """The first finite ``train/loss`` the run logged."""
-    return next((v for _, v in run.series("train/loss") if math.isfinite(v)), None)
+    """The loss before training: ``train/loss`` logged at step 0; else ``ln(vocab_size)``, the loss of the near-uniform
+    logits a GPT has at initialisation (a loss first logged at step 9 or 49 has already trained at the run's own
+    learning rate, which would make ``L_init`` depend on it); else the first finite ``train/loss`` logged."""
+    series = run.series("train/loss")
+    if series and series[0][0] == 0 and math.isfinite(series[0][1]):
+        return series[0][1]
+    vocab = run.config.get("model.vocab_size")
+    if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 1:
+        return math.log(vocab)
+    return next((v for _, v in series if math.isfinite(v)), None)
 
 
 @dataclass
