@@ -202,8 +202,9 @@ register(Statistic(
     doc="mean entropy (nats) of the attention rows: each query's softmax over the keys it may see",
 ))
 register(Statistic(
-    "attn_entropy_min", "max", lambda v: v.attention.neg_entropy_max, lambda m: -m, view="attention",
-    doc="smallest attention-row entropy (nats), pooled as the max of negated entropies",
+    "attn_entropy_min", "max", lambda v: v.attention.neg_entropy_max, lambda m: (-m).clamp(min=0.0), view="attention",
+    doc="smallest attention-row entropy (nats), pooled as the max of negated entropies; a one-hot row's rounding "
+        "(-1e-30) is 0",
 ))
 register(Statistic(
     "attn_collapsed", "sum", lambda v: torch.stack([v.attention.collapsed, v.attention.rows_tensor]),

@@ -328,3 +328,23 @@ def test_report_draws_logit_figures_and_the_lr_sensitivity(tmp_path, capsys) -> 
     report = (out / "report.md").read_text()
     assert "LR sensitivity (Wortsman et al. 2023)" in report and (out / "lr_sensitivity.csv").read_text()
     assert "![final loss against learning rate, one line per configuration](lr_sensitivity.png)" in report
+
+
+def test_logit_table_takes_extremes_over_layers_and_steps_then_means_over_seeds(tmp_path) -> None:
+    from lnstab.report.logits import logit_table
+
+    g = ladder_grid(tmp_path)
+    runs = {p.name: p for p in g.iterdir() if p.is_dir()}
+    write_scalars(runs["pre_lr0.001_s0"], {"attn/max_logit/L00": [(0, 1.0), (50, 30.0)],
+                                           "attn/max_logit/L01": [(0, 2.0), (50, 10.0), (100, float("nan"))],
+                                           "attn/entropy_min/L00": [(0, 0.6), (50, 0.2)],
+                                           "attn/collapsed/L01": [(0, 0.0), (50, 0.25)],
+                                           "output/log_z_mean": [(0, 6.9), (50, 5.0)],
+                                           "output/max_logit": [(0, 1.0), (50, 4.0)]}, "a")
+    write_scalars(runs["pre_lr0.001_s1"], {"attn/max_logit/L00": [(0, 1.0), (50, 50.0)],
+                                           "output/log_z_mean": [(0, 6.9), (50, 7.0)]}, "a")
+    rows = [r for r in logit_table(collect([g])).rows if r["norm_placement"] == "pre" and r["learning_rate"] == "0.001"]
+    (row,) = rows
+    assert row["n"] == 2 and row["attn_max_logit_mean"] == pytest.approx(40.0)  # 30 and 50: NaN steps left out
+    assert row["attn_entropy_min_mean"] == pytest.approx(0.2) and row["attn_collapsed_mean"] == pytest.approx(0.25)
+    assert row["log_z_last_mean"] == pytest.approx(6.0) and row["output_max_logit_mean"] == pytest.approx(4.0)

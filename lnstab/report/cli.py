@@ -3,7 +3,8 @@
 ``lnstab report RUN_OR_GRID_DIR… --out DIR`` reads the runs and writes the report.
 
 Writes into ``DIR``: ``report.md`` (every table and figure, with the runs' statuses), ``divergence.{md,csv}``,
-``performance.{md,csv}``, ``stability.{md,csv}``, ``runs.{md,csv}`` (one row per run) and the PNG figures of
+``performance.{md,csv}``, ``stability.{md,csv}``, ``lr_sensitivity.{md,csv}``, ``logits.{md,csv}``, ``runs.{md,csv}``
+(one row per run) and the PNG figures of
 :mod:`lnstab.report.figures`. Nothing is overwritten unless ``--overwrite`` is given. A run with a damaged file is
 named in one line on stderr and in ``report.md``, and counted in the tables as ``damaged``; the rest is reported.
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 from lnstab.errors import LNStabError
 from lnstab.report.collect import RunRecord, collect
 from lnstab.report.figures import FIGURES, draw_all
+from lnstab.report.logits import logit_table
 from lnstab.report.lr_sensitivity import lr_sensitivity_table
 from lnstab.report.tables import divergence_table, group, performance_table, runs_table, stability_table
 from lnstab.rundir import atomic_write_text
@@ -30,6 +32,9 @@ TABLES = {
     "stability": ("Stability: end of training, mean ± std over the runs with data (n = used/all)", stability_table),
     "lr_sensitivity": ("LR sensitivity (Wortsman et al. 2023): mean over the learning-rate ladder of "
                        "min(L, L_init) − L* per configuration", lr_sensitivity_table),
+    "logits": ("Attention and output logits: largest attention logit (over layers and steps), smallest attention "
+               "entropy, largest collapsed fraction, last mean log Z, largest output logit; mean ± std over runs",
+               logit_table),
     "runs": ("Runs", runs_table),
 }
 

@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 
 from lnstab.report.collect import RunRecord
 from lnstab.report.lr_sensitivity import ladders
-from lnstab.report.tables import Configuration, jacobian_points, last_site
+from lnstab.report.tables import Configuration, _norm, jacobian_points, join_label, label_part, last_site, short_names
 
 STATS = (("mean_abs", "mean |x| (MA)"), ("var_entry", "entry-wise variance"), ("var_data", "data-wise variance"))
 DPI = 110
@@ -211,24 +211,54 @@ def max_over_layers(run: RunRecord, prefix: str) -> list[tuple[int, float]]:
     return sorted(by_step.items())
 
 
+def _by_learning_rate(configs: list[Configuration]) -> list[tuple[Any, list[tuple[str, Configuration]]]]:
+    """``[(lr, [(label without the lr, configuration), …]), …]``: one panel per learning rate where the
+    configurations vary in one (a grid over a ladder has too many lines for one panel), else one panel."""
+    keys = {k for c in configs for k in c.values}
+    lr = next((k for k in sorted(keys) if k.rsplit(".", 1)[-1] in ("learning_rate", "lr")), None)
+    if lr is None or len({_norm(c.values.get(lr)) for c in configs}) < 2:
+        return [(None, [(c.label, c) for c in configs])]
+    names = short_names(sorted(keys))
+    panels: dict[Any, list[tuple[str, Configuration]]] = {}
+    for c in configs:
+        label = join_label([label_part(names[k], v) for k, v in c.values.items() if k != lr]) or "all runs"
+        panels.setdefault(c.values.get(lr), []).append((label, c))
+    return sorted(panels.items(), key=lambda item: (item[0] is None, item[0] if item[0] is not None else 0))
+
+
 def _over_steps(configs: list[Configuration], path: Path, series: Callable[[RunRecord], list[tuple[int, float]]],
                 ylabel: str, title: str, log: bool) -> Path | None:
-    fig = Figure(figsize=(7.5, 4.5))
-    ax = fig.subplots()
+    """One line per configuration over steps; one panel per learning rate where the configurations vary in one
+    (same colour for the same configuration in every panel, shared y axis)."""
+    panels = _by_learning_rate(configs)
+    fig = Figure(figsize=(3.2 * len(panels) + 2.5, 4.2))
+    axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
+    colours: dict[str, str] = {}
     drawn = False
-    for i, c in enumerate(configs):
-        xs, ys = _mean_by_key([p for r in c.runs for p in series(r)])
-        if xs:
-            ax.plot(xs, ys, color=_colour(i), label=c.label)
-            drawn = True
+    for ax, (lr, members) in zip(axes, panels, strict=True):
+        for label, c in members:
+            xs, ys = _mean_by_key([p for r in c.runs for p in series(r)])
+            if xs:
+                colour = colours.setdefault(label, _colour(len(colours)))
+                ax.plot(xs, ys, color=colour, label=label)  # one legend entry per label, built below
+                drawn = True
+        ax.set_xlabel("step")
+        if lr is not None:
+            ax.set_title(f"lr={lr:g}" if isinstance(lr, int | float) else f"lr={lr}", fontsize=9)
     if not drawn:
         return None
     if log:
-        _log_if_positive(ax)
-    ax.set_xlabel("step")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    _legend(ax)
+        for ax in axes:
+            _log_if_positive(ax)
+    axes[0].set_ylabel(ylabel)
+    fig.suptitle(title)
+    handles = {}
+    for ax in axes:
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(lab, h)
+    if handles:
+        axes[-1].legend(list(handles.values()), list(handles), fontsize=7, loc="upper left",
+                        bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     return _save(fig, path)
 
 
@@ -241,7 +271,7 @@ def attention_max_logit(configs: list[Configuration], path: Path) -> Path | None
 def log_z_over_steps(configs: list[Configuration], path: Path) -> Path | None:
     """The mean over tokens of log Z = logsumexp of the output logits (``output/log_z_mean``), over steps."""
     return _over_steps(configs, path, lambda r: r.series("output/log_z_mean"), "mean log Z (nats)",
-                       "Output-logit drift: mean log Z (z-loss pulls it to 0)", log=False)
+                       "Output-logit drift: mean log Z (z-loss pulls it to 0)", log=True)
 
 
 def lr_sensitivity(configs: list[Configuration], path: Path) -> Path | None:

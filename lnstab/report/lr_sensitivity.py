@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lnstab.report.collect import RunRecord
-from lnstab.report.tables import Table, _norm, _show, label_part, short_names, varying_keys
+from lnstab.report.tables import Table, _norm, _show, join_label, label_part, short_names, varying_keys
 
 LR_NAMES = ("learning_rate", "lr")
 
@@ -53,9 +53,21 @@ def initial_loss(run: RunRecord) -> float | None:
     if series and series[0][0] == 0 and math.isfinite(series[0][1]):
         return series[0][1]
     vocab = run.config.get("model.vocab_size")
+    if vocab is None and "model.preset" in run.config:  # lnstab's GPT: the preset's vocabulary (GPT-2's 50257)
+        vocab = _preset_vocab(run.config)
     if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 1:
         return math.log(vocab)
     return next((v for _, v in series if math.isfinite(v)), None)
+
+
+def _preset_vocab(config: dict[str, Any]) -> int | None:
+    from lnstab.module import gpt_config
+
+    model = {k.removeprefix("model."): v for k, v in config.items() if k.startswith("model.")}
+    try:
+        return gpt_config(model).vocab_size
+    except Exception:  # noqa: BLE001 - not a GPTModule config after all
+        return None
 
 
 @dataclass
@@ -93,7 +105,7 @@ def ladders(records: list[RunRecord]) -> tuple[str | None, list[str], list[Ladde
         ident = tuple(_norm(r.config.get(k)) for k in keys)
         if ident not in out:
             values = {k: r.config.get(k) for k in keys}
-            out[ident] = Ladder(values, ", ".join(label_part(names[k], v) for k, v in values.items()) or "all runs")
+            out[ident] = Ladder(values, join_label([label_part(names[k], v) for k, v in values.items()]) or "all runs")
         out[ident].runs.append(r)
     for ladder in out.values():
         starts = [v for v in map(initial_loss, ladder.runs) if v is not None]

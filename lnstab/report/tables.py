@@ -81,10 +81,25 @@ def short_names(keys: list[str]) -> dict[str, str]:
 LABELS = {"norm_placement": "", "residual_scale": "Δt", "learning_rate": "lr", "weight_decay": "wd"}
 
 
+# Model options at their "off" value say nothing in a legend; switched on, a boolean is named alone.
+OFF = {"qk_norm": False, "z_loss": 0, "residual_gate": "none", "norm_type": "layernorm", "compile": False}
+
+
 def label_part(name: str, value: Any) -> str:
-    """``name=value`` for a figure legend, shortened for the paper's axes."""
+    """``name=value`` for a figure legend, shortened for the paper's axes; ``""`` for a model option that is off
+    (``qk_norm=False``, ``z_loss=0``, ``residual_gate=none``, ``norm_type=layernorm``), the name alone for a boolean
+    that is on (``qk_norm``)."""
     short = LABELS.get(name, name)
+    if name in OFF and _norm(value) == _norm(OFF[name]):
+        return ""
+    if value is True:
+        return short
     return f"{short}={_show(value)}" if short else _show(value)
+
+
+def join_label(parts: list[str]) -> str:
+    """Legend parts joined with ``, ``, the empty ones left out."""
+    return ", ".join(p for p in parts if p)
 
 
 @dataclass
@@ -105,7 +120,7 @@ def group(records: list[RunRecord]) -> tuple[list[str], list[Configuration]]:
         ident = tuple(_norm(r.config.get(k)) for k in keys)
         if ident not in groups:
             values = {k: r.config.get(k) for k in keys}
-            label = ", ".join(label_part(names[k], v) for k, v in values.items()) or "all runs"
+            label = join_label([label_part(names[k], v) for k, v in values.items()]) or "all runs"
             groups[ident] = Configuration(values, label)
         groups[ident].runs.append(r)
     return keys, list(groups.values())
