@@ -242,6 +242,9 @@ class LNStabCLI(LightningCLI):
     def before_test(self) -> None:
         self._check_evaluation()
 
+    def before_evaluate(self) -> None:
+        self._check_evaluation()
+
     def before_fit(self) -> None:
         self._evaluate_if_owed()
 
