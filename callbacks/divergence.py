@@ -14,7 +14,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lnstab import validation as check
-from lnstab.rundir import EVENTS_FILE, atomic_write_text, run_dir, update_summary
+from lnstab.rundir import EVENTS_FILE, atomic_write_text, json_safe, run_dir, update_summary
 
 from ._sites import Site, auto_sites, log_metrics
 from ._stat_checks import StatChecks
@@ -343,7 +343,7 @@ class DivergenceMonitor(TapCallback):
 
     def _event(self, step: int, kind: str, value: float, layer: str | None = None,
                stat: str | None = None) -> dict[str, Any]:
-        event = {"step": step, "kind": kind, "value": value if math.isfinite(value) else str(value), "layer": layer}
+        event = {"step": step, "kind": kind, "value": float(value), "layer": layer}
         return {**event, "stat": stat} if stat is not None else event
 
     def _record(self, trainer: pl.Trainer, new: list[dict[str, Any]], step: int) -> None:
@@ -355,7 +355,8 @@ class DivergenceMonitor(TapCallback):
 
     @rank_zero_only
     def _write_events(self, trainer: pl.Trainer) -> None:
-        lines = "".join(json.dumps(e) + "\n" for e in self.events)
+        # strict JSON: a non-finite value is the tagged {"$float": "nan"} that read_events gives back as a float
+        lines = "".join(json.dumps(json_safe(e), allow_nan=False) + "\n" for e in self.events)
         atomic_write_text(run_dir(trainer) / EVENTS_FILE, lines)
 
     @override

@@ -11,7 +11,7 @@ from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
 from lnstab import validation as check
-from lnstab.rundir import HIDDEN_SERIES_FILE, atomic_write_text, run_dir
+from lnstab.rundir import HIDDEN_SERIES_FILE, atomic_write_text, json_safe, run_dir
 
 from . import _stats
 from ._sites import EMBED_PATTERN, FINAL_PATTERN, Site, auto_sites, log_metrics, resolve_types, tensorboard_writer
@@ -154,7 +154,9 @@ class HiddenStateStatistics(MeasuringTapCallback):
             return
         if self.series_file is not None:
             series = {"tags": self.tags, "steps": self.steps, "stats": self.values}
-            atomic_write_text(run_dir(trainer) / self.series_file, json.dumps(series, indent=1) + "\n")
+            # strict JSON: a diverged run's NaN/inf are tagged {"$float": "nan"}, which read_hidden_series gives back
+            text = json.dumps(json_safe(series), indent=1, allow_nan=False)
+            atomic_write_text(run_dir(trainer) / self.series_file, text + "\n")
         writer = tensorboard_writer(trainer)
         if self.log_heatmap and writer is not None:
             for stat in self.stats:

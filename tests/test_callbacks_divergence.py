@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import lightning.pytorch as pl
 import pytest
@@ -10,8 +11,14 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from test_callbacks_helpers import StepClock, lit, loader, trainer
 
-from lnstab.callbacks import DivergenceMonitor, NonFiniteCheckpointError, RunCheckpoint, RunStatus
-from lnstab.rundir import read_summary
+from lnstab.callbacks import (
+    DivergenceMonitor,
+    HiddenStateStatistics,
+    NonFiniteCheckpointError,
+    RunCheckpoint,
+    RunStatus,
+)
+from lnstab.rundir import read_events, read_hidden_series, read_summary
 
 NAN_STEP = 3
 
@@ -64,6 +71,33 @@ def test_stop_reports_step_and_layer_and_stops(tmp_path):
     assert [json.loads(line)["kind"] for line in lines] == [e["kind"] for e in monitor.events]
     last = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
     assert all(torch.isfinite(v).all() for v in last["state_dict"].values())
+
+
+def strict_json(text: str):
+    """``json.loads`` that refuses the bare NaN / Infinity which Python writes by default and strict JSON lacks."""
+    def refuse(constant: str):
+        raise ValueError(f"bare {constant} in a JSON file")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_diverged_run_writes_strict_json_that_reads_back_as_non_finite_floats(tmp_path):
+    """The events and the hidden-state series of a run whose activations went NaN hold no bare NaN (jq, JavaScript
+    and most JSON readers refuse it); lnstab's readers give the tagged values back as floats."""
+    module, clock = lit("gpt"), StepClock()
+    inject_nan(module, clock)
+    t = trainer(tmp_path, [clock, HiddenStateStatistics(every_n_steps=1), DivergenceMonitor(policy="continue"),
+                           RunStatus()], max_steps=6)
+    t.fit(module, loader(n=64))
+    directory = run_dir(tmp_path)
+    for line in (directory / "divergence_events.jsonl").read_text().splitlines():
+        strict_json(line)
+    strict_json((directory / "hidden_stats.json").read_text())
+    values = {e["kind"]: e["value"] for e in read_events(directory)}
+    assert isinstance(values["nonfinite_loss"], float) and math.isnan(values["nonfinite_loss"])
+    series = read_hidden_series(directory)
+    at = series["steps"].index(NAN_STEP)
+    after_attn = series["stats"]["mean_abs"]["L01_attn"]
+    assert math.isnan(after_attn[at]) and all(math.isfinite(v) for v in after_attn[:at])
 
 
 def test_skip_drops_only_that_update_and_continues(tmp_path):
