@@ -30,6 +30,7 @@ from lnstab import validation as check
 from lnstab.callbacks import spectral_norm
 from lnstab.callbacks._sites import find_sites, first_tensor, log_metrics, probe_input
 from lnstab.callbacks._tap import paused_taps
+from lnstab.callbacks.jacobian import _block_call as block_call
 
 
 def branch_norm(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, n_iter: int, seed: int = 0
@@ -54,13 +55,12 @@ def branch_norm(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, n_i
     return estimate
 
 
-def _block_call(block: nn.Module, args: tuple, kwargs: dict) -> Callable[[torch.Tensor], torch.Tensor]:
-    kwargs = {k: v for k, v in kwargs.items() if "cache" not in k and "past" not in k}
-    if "use_cache" in kwargs:
-        kwargs["use_cache"] = False
+def _branch_call(block: nn.Module, args: tuple, kwargs: dict) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The block's residual branch ``x ↦ block(x) − x``, called as the captured call (caches off)."""
+    call = block_call(block, args, kwargs)
 
     def branch(x: torch.Tensor) -> torch.Tensor:
-        return first_tensor(block(x, *args[1:], **kwargs)) - x
+        return call(x) - x
 
     return branch
 
@@ -91,7 +91,7 @@ def measure_branches(root: nn.Module, blocks: list[Any], probe: torch.Tensor, n_
                 for i, site in enumerate(blocks):
                     args, kwargs = inputs[i]
                     x = first_tensor(args).detach()
-                    fn = _block_call(site.module, args, kwargs)
+                    fn = _branch_call(site.module, args, kwargs)
                     try:
                         norm = branch_norm(fn, x, n_iter, seed)
                     except RuntimeError:  # an operation without double backward
