@@ -7,17 +7,20 @@ Attention sites (one per self-attention layer; tag ``L07`` from the block index 
   from ``c_attn``'s output ``(B, T, 3C)``; scale ``1/√hs``.
 * Hugging Face ``GPT2Attention`` (self-attention only): q and k split from ``c_attn``'s output; scale
   ``module.scaling`` (it includes ``scale_attn_by_inverse_layer_idx``).
-* Hugging Face ``LlamaAttention``: ``q_proj``/``k_proj`` outputs ``(B, T, heads·head_dim)`` with the rotary
+* Hugging Face ``LlamaAttention`` (and ``Gemma2Attention``; ``Olmo2Attention`` from ``q_norm``/``k_norm``, its
+  QK-norm over all heads): ``q_proj``/``k_proj`` outputs ``(B, T, heads·head_dim)`` with the rotary
   embedding applied as the module applies it, from the ``position_embeddings`` (cos, sin) its forward receives (a
   pre-hook with kwargs); k heads shared by ``num_key_value_groups`` q heads (grouped-query attention); scale
-  ``module.scaling``. A hook on the projections alone would see pre-rotary q and k: the wrong logits.
+  ``module.scaling``. A hook on the projections alone would see pre-rotary q and k: the wrong logits. Gemma 2's
+  ``attn_logit_softcapping`` and ``sliding_window`` go to the view (entropy and collapse of the capped logits
+  within the window; the largest logit uncapped).
 * Any model, by name: ``q_pattern`` and ``k_pattern`` select projection modules whose outputs are
   ``(B, T, heads·head_size)`` and ``n_head`` gives the q heads (k heads follow from k's width: GQA). Such q and k are
   used as they leave the projections: a rotary embedding, a norm or anything else applied between the projection and
   the attention product is not seen, so this path is for models that have none.
 
 Every path assumes causal self-attention over the whole sequence: padding masks, sliding windows, cross-attention
-and KV caches (earlier keys) are not taken into account.
+and KV caches (earlier keys) are not taken into account (Gemma 2's sliding windows are).
 
 Output site: lnstab's GPT never forms logits while training (its loss is the chunked head of :mod:`lnstab.loss`), so
 the logits come from the output of ``transformer.ln_f`` times ``lm_head.weight`` (an extra head product, on measuring
@@ -125,13 +128,28 @@ def _auto_capture(module: nn.Module, options: dict[str, Any]) -> Capture | None:
         return FusedQKV(module.c_attn, module.n_head, width, scale, options)
     if "GPT2Attention" in names and not getattr(module, "is_cross_attention", False):
         return FusedQKV(module.c_attn, module.num_heads, module.split_size, module.scaling, options)
-    if "LlamaAttention" in names:
-        rotary = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", None)
-        if rotary is None:  # a subclass defined elsewhere: Llama's own
-            rotary = importlib.import_module("transformers.models.llama.modeling_llama").apply_rotary_pos_emb
-        return SplitQK(module.q_proj, module.k_proj, module.scaling, options, flat=True, head_dim=module.head_dim,
-                       rotary=rotary)
+    for family, (q_name, k_name, library) in _ROTARY_FAMILIES.items():
+        if family in names:
+            rotary = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", None)
+            if rotary is None:  # a subclass defined elsewhere: the family's own
+                modeling = importlib.import_module(f"transformers.models.{library}.modeling_{library}")
+                rotary = modeling.apply_rotary_pos_emb
+            view_options = dict(options)
+            if family == "Gemma2Attention":
+                view_options.update(softcap=getattr(module, "attn_logit_softcapping", None),
+                                    window=getattr(module, "sliding_window", None))
+            return SplitQK(getattr(module, q_name), getattr(module, k_name), module.scaling, view_options, flat=True,
+                           head_dim=module.head_dim, rotary=rotary)
     return None
+
+
+# Hugging Face attention modules whose q and k leave two modules as (B, T, heads·head_dim), before the rotary
+# embedding: the class, the modules (OLMo 2 normalises q and k over all heads after the projections), the library.
+_ROTARY_FAMILIES = {
+    "LlamaAttention": ("q_proj", "k_proj", "llama"),
+    "Gemma2Attention": ("q_proj", "k_proj", "gemma2"),  # with its soft-capping and sliding windows
+    "Olmo2Attention": ("q_norm", "k_norm", "olmo2"),
+}
 
 
 def _by_tag(root: nn.Module, pattern: re.Pattern) -> dict[str, tuple[str, nn.Module]]:
@@ -173,8 +191,8 @@ def attention_sites(root: nn.Module, options: dict[str, Any], q_pattern: re.Patt
     if not found:
         raise ConfigError(
             f"model={type(root).__name__} is not allowed with {who}; no attention module whose q and k can be found "
-            "(lnstab's CausalSelfAttention, Hugging Face GPT2Attention or LlamaAttention): name the projections "
-            "with q_pattern, k_pattern and n_head"
+            "(lnstab's CausalSelfAttention; Hugging Face GPT2Attention, LlamaAttention, Gemma2Attention or "
+            "Olmo2Attention): name the projections with q_pattern, k_pattern and n_head"
         )
     tags = [s.tag for _, _, s in found]
     if len(set(tags)) != len(tags):

@@ -67,13 +67,21 @@ class AttentionView(SiteView):
         min_keys: Rows whose query sees fewer keys (the first ``min_keys − 1`` positions) count in ``max_logit``
             only: position 0 sees one key, so its entropy is 0 and its weight 1 whatever the model does.
         collapse_weight: A row is collapsed when its largest weight exceeds this.
+        softcap: Soft-capping of the logits before the softmax, ``softcap·tanh(z / softcap)`` (Gemma 2's
+            ``attn_logit_softcapping``): the entropy and collapse statistics are of the capped logits, as the softmax
+            sees them; ``max_logit`` stays the uncapped largest ``|z|``, the growth that the cap hides.
+        window: Sliding-window attention (Gemma 2's ``sliding_window`` layers): query ``i`` sees keys
+            ``i − window < j ≤ i`` only, as Hugging Face's mask; ``None``: every earlier key.
     """
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, scale: float, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
-                 min_keys: int = 2, collapse_weight: float = COLLAPSE_WEIGHT) -> None:
+                 min_keys: int = 2, collapse_weight: float = COLLAPSE_WEIGHT, softcap: float | None = None,
+                 window: int | None = None) -> None:
         super().__init__(q)
         self.q, self.k, self.scale = q, k, float(scale)
         self.chunk_elements, self.min_keys, self.collapse_weight = chunk_elements, min_keys, collapse_weight
+        self.softcap = float(softcap) if softcap else None
+        self.window = int(window) if window else None
 
     @cached_property
     def attention(self) -> AttentionSummary:
@@ -98,8 +106,11 @@ class AttentionView(SiteView):
             for start in range(0, T, rows_per_chunk):
                 end = min(T, start + rows_per_chunk)  # rows [start, end) see keys [0, end)
                 z = torch.matmul(q[..., start:end, :], k[..., :end, :].transpose(-1, -2))  # (…, c, e)
-                hidden = (torch.arange(end, device=device)[None, :]
-                          > torch.arange(start, end, device=device)[:, None])  # (c, e): keys after the query
+                keys = torch.arange(end, device=device)[None, :]
+                queries = torch.arange(start, end, device=device)[:, None]
+                hidden = keys > queries  # (c, e): keys after the query
+                if self.window is not None:
+                    hidden |= keys <= queries - self.window  # and keys that left the query's window
                 zc = z.masked_fill(hidden, 0.0)  # (B, n_kv, group, c, e): the visible logits, 0 elsewhere
                 low, high = torch.aminmax(zc)
                 max_logit = torch.maximum(max_logit, torch.maximum(high, low.neg()))  # NaN-propagating
@@ -107,6 +118,9 @@ class AttentionView(SiteView):
                 if skip >= end - start:
                     continue
                 z, zc = z[..., skip:, :], zc[..., skip:, :]  # the rows that count
+                if self.softcap is not None:  # the softmax sees the capped logits
+                    z = z.div_(self.softcap).tanh_().mul_(self.softcap)
+                    zc = z.masked_fill(hidden[skip:], 0.0)
                 top = z.masked_fill_(hidden[skip:], -math.inf).amax(dim=-1, keepdim=True)  # (…, c', 1): row max
                 e = z.sub_(top).clamp_(min=EXP_FLOOR).exp_()  # exp(z − max): 1 at the row's largest weight
                 total = e.sum(dim=-1)  # (…, c'): the softmax denominator, so the largest weight is 1 / total

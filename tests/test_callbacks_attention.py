@@ -27,16 +27,22 @@ from lnstab.model import Block
 NAMES = ("max_logit", "entropy_mean", "entropy_min", "collapsed")
 
 
-def direct(qs: list[torch.Tensor], ks: list[torch.Tensor], scale: float, min_keys: int = 2) -> dict[str, float]:
+def direct(qs: list[torch.Tensor], ks: list[torch.Tensor], scale: float, min_keys: int = 2,
+           softcap: float | None = None, window: int | None = None) -> dict[str, float]:
     """The four statistics from the materialised float64 attention of micro-batches ``(q, k)`` pooled together;
-    q ``(B, H, T, hs)``, k ``(B, H_kv, T, hs)`` (each k head repeated for its group of q heads, as Llama does)."""
+    q ``(B, H, T, hs)``, k ``(B, H_kv, T, hs)`` (each k head repeated for its group of q heads, as Llama does); with
+    ``softcap`` the softmax of ``softcap·tanh(z / softcap)`` (the largest logit uncapped), with ``window`` keys
+    ``i − window < j ≤ i`` only (Gemma 2)."""
     q = torch.cat(qs).double()
     k = torch.cat(ks).double()
     k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)  # (B, H, T, hs)
     T = q.size(2)
     z = q @ k.transpose(-1, -2) * scale  # (B, H, T, T)
     visible = torch.ones(T, T, dtype=torch.bool).tril()
-    p = z.masked_fill(~visible, -math.inf).softmax(dim=-1)
+    if window is not None:
+        visible &= ~torch.ones(T, T, dtype=torch.bool).tril(-window)
+    capped = softcap * torch.tanh(z / softcap) if softcap else z
+    p = capped.masked_fill(~visible, -math.inf).softmax(dim=-1)
     entropy = -(p * p.clamp_min(1e-300).log()).sum(dim=-1)[..., min_keys - 1 :]  # (B, H, T')
     collapsed = (p.amax(dim=-1)[..., min_keys - 1 :] > 0.99).double()
     return {"max_logit": z[..., visible].abs().max().item(), "entropy_mean": entropy.mean().item(),
@@ -153,35 +159,50 @@ def hf_model(kind: str) -> nn.Module:
                             eos_token_id=0, scale_attn_by_inverse_layer_idx=True, attn_implementation="sdpa",
                             attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)  # the same forward in train mode
         return GPT2LMHeadModel(config)
+    shape = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if kind == "gemma2":  # soft-capping and a sliding window that bind at T = 16, query_pre_attn_scalar ≠ head_dim
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        model = Gemma2ForCausalLM(Gemma2Config(**shape, head_dim=8, query_pre_attn_scalar=4, attn_logit_softcapping=2.0,
+                                               sliding_window=5, final_logit_softcapping=None,
+                                               attn_implementation="eager"))
+        with torch.no_grad():  # logits well past the cap, so that capping changes the weights
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight *= 150
+        return model
+    if kind == "olmo2":  # q and k normalised over all heads after the projections, then rotated
+        from transformers import Olmo2Config, Olmo2ForCausalLM
+
+        return Olmo2ForCausalLM(Olmo2Config(**shape, attn_implementation="sdpa"))
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0,
-                         eos_token_id=0, attn_implementation="sdpa")
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(LlamaConfig(**shape, attn_implementation="sdpa"))
 
 
 def eager_reference(hf: nn.Module, x: torch.Tensor, monkeypatch, kind: str) -> tuple[list, list]:
-    """q, k as the eager attention receives them (after RoPE; k heads not yet repeated) and its weights."""
+    """q, k as the eager attention receives them (after RoPE; k heads not yet repeated), with its scale, soft-cap
+    and sliding window, and its weights."""
     import importlib
 
-    modeling = importlib.import_module(f"transformers.models.{'gpt2' if kind == 'gpt2' else 'llama'}."
-                                       f"modeling_{'gpt2' if kind == 'gpt2' else 'llama'}")
+    modeling = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
     eager, seen = modeling.eager_attention_forward, []
 
     def recording(module, query, key, value, attention_mask, **kwargs):
-        seen.append((query.detach(), key.detach(), kwargs.get("scaling")))
+        seen.append((query.detach(), key.detach(), kwargs.get("scaling"),
+                     {"softcap": kwargs.get("softcap"), "window": kwargs.get("sliding_window")}))
         return eager(module, query, key, value, attention_mask, **kwargs)
 
     monkeypatch.setattr(modeling, "eager_attention_forward", recording)
+    implementation = hf.config._attn_implementation
     hf.set_attn_implementation("eager")
     with torch.no_grad():
         weights = hf(input_ids=x, output_attentions=True, use_cache=False).attentions
-    hf.set_attn_implementation("sdpa")
+    hf.set_attn_implementation(implementation)
     return seen, list(weights)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "gemma2", "olmo2"])
 def test_hugging_face_models_against_eager_attention(tmp_path, monkeypatch, kind):
     hf = hf_model(kind)
     callback = AttentionLogitStatistics(every_n_steps=1)
@@ -197,17 +218,23 @@ def test_hugging_face_models_against_eager_attention(tmp_path, monkeypatch, kind
     values = {0: callback.last}  # both instruments log the same tags: each one's own record
     seen, weights = eager_reference(hf, data[:4], monkeypatch, kind)
     assert callback.tags == ["L00", "L01"] and len(seen) == 2
-    for i, ((q, k, scale), p) in enumerate(zip(seen, weights, strict=True)):
+    for i, ((q, k, scale, shape), p) in enumerate(zip(seen, weights, strict=True)):
         if kind == "gpt2":
             assert scale == pytest.approx(1 / math.sqrt(8) / (i + 1))  # scale_attn_by_inverse_layer_idx
         else:
             assert k.size(1) == 2 and q.size(1) == 4  # grouped-query attention: 2 k heads for 4 q heads
-        expected = direct([q], [k], scale)
+        if kind == "gemma2":  # both bind here: layer 0 slides over 5 keys, layer 1 sees all; every logit is capped
+            assert scale == 0.5 and shape["softcap"] == 2.0 and shape["window"] == (5 if i == 0 else None)
+            uncapped = direct([q], [k], scale, window=shape["window"])
+        expected = direct([q], [k], scale, **shape)
         p = p.double()[..., 1:, :]  # the rows that count (min_keys=2)
         entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)
         assert expected["entropy_mean"] == pytest.approx(entropy.mean().item(), rel=1e-5)  # the weights themselves
         assert expected["collapsed"] == (p.amax(-1) > 0.99).double().mean().item()
         assert_close(values[0], expected, f"L{i:02d}", kind)
+        if kind == "gemma2":
+            assert expected["max_logit"] > 3 * 2.0 and uncapped["max_logit"] == expected["max_logit"]
+            assert expected["entropy_mean"] != pytest.approx(uncapped["entropy_mean"], rel=1e-2)
     if pattern is not None:  # user patterns on the projections: q and k before the rotary embedding
         for i in range(2):
             q = torch.cat(projections[("q", i)][:2]).view(4, 16, 4, 8).transpose(1, 2)  # (B, 4, T, hd)
