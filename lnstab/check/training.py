@@ -130,7 +130,8 @@ class Sites:
         norm_pattern: Output norms of Theorem 4, one per residual update (``None``: none; a model's own
             ``output_norms()`` wins, as in :class:`~lnstab.callbacks.GrowthBoundMonitor`).
         head_pattern: The output head whose output is the logits (``None``: ``lm_head``, or lnstab's chunked head).
-        attention: Whether the attention-logit instrument finds q and k (lnstab's GPT, HF GPT-2 and Llama).
+        attention: Whether the attention-logit instrument finds q and k (lnstab's GPT, HF GPT-2, Llama,
+            Gemma 2, OLMo 2).
         logits: Whether the output-logit instrument finds the logits.
     """
 
