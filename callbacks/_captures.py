@@ -117,6 +117,15 @@ class SplitQK(Capture):
         return x.reshape(B, T, width // head_dim, head_dim).transpose(1, 2)  # (B, heads, T, hd)
 
 
+# Hugging Face attention modules whose q and k leave two modules as (B, T, heads·head_dim), before the rotary
+# embedding: the class, the modules (OLMo 2 normalises q and k over all heads after the projections), the library.
+_ROTARY_FAMILIES = {
+    "LlamaAttention": ("q_proj", "k_proj", "llama"),
+    "Gemma2Attention": ("q_proj", "k_proj", "gemma2"),  # with its soft-capping and sliding windows
+    "Olmo2Attention": ("q_norm", "k_norm", "olmo2"),
+}
+
+
 def _auto_capture(module: nn.Module, options: dict[str, Any]) -> Capture | None:
     names = _names(type(module))
     if "CausalSelfAttention" in names and hasattr(module, "c_attn") and hasattr(module, "n_head"):
@@ -134,22 +143,13 @@ def _auto_capture(module: nn.Module, options: dict[str, Any]) -> Capture | None:
             if rotary is None:  # a subclass defined elsewhere: the family's own
                 modeling = importlib.import_module(f"transformers.models.{library}.modeling_{library}")
                 rotary = modeling.apply_rotary_pos_emb
-            view_options = dict(options)
-            if family == "Gemma2Attention":
-                view_options.update(softcap=getattr(module, "attn_logit_softcapping", None),
-                                    window=getattr(module, "sliding_window", None))
+            # what these modules hand their attention function as softcap and sliding_window (None where absent)
+            view_options = {**options, "softcap": getattr(module, "attn_logit_softcapping", None),
+                            "window": getattr(module, "sliding_window", None)}
             return SplitQK(getattr(module, q_name), getattr(module, k_name), module.scaling, view_options, flat=True,
                            head_dim=module.head_dim, rotary=rotary)
     return None
 
-
-# Hugging Face attention modules whose q and k leave two modules as (B, T, heads·head_dim), before the rotary
-# embedding: the class, the modules (OLMo 2 normalises q and k over all heads after the projections), the library.
-_ROTARY_FAMILIES = {
-    "LlamaAttention": ("q_proj", "k_proj", "llama"),
-    "Gemma2Attention": ("q_proj", "k_proj", "gemma2"),  # with its soft-capping and sliding windows
-    "Olmo2Attention": ("q_norm", "k_norm", "olmo2"),
-}
 
 
 def _by_tag(root: nn.Module, pattern: re.Pattern) -> dict[str, tuple[str, nn.Module]]:

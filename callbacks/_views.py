@@ -120,7 +120,7 @@ class AttentionView(SiteView):
                 z, zc = z[..., skip:, :], zc[..., skip:, :]  # the rows that count
                 if self.softcap is not None:  # the softmax sees the capped logits
                     z = z.div_(self.softcap).tanh_().mul_(self.softcap)
-                    zc = z.masked_fill(hidden[skip:], 0.0)
+                    zc.copy_(z).masked_fill_(hidden[skip:], 0.0)  # in place: still two temporaries
                 top = z.masked_fill_(hidden[skip:], -math.inf).amax(dim=-1, keepdim=True)  # (…, c', 1): row max
                 e = z.sub_(top).clamp_(min=EXP_FLOOR).exp_()  # exp(z − max): 1 at the row's largest weight
                 total = e.sum(dim=-1)  # (…, c'): the softmax denominator, so the largest weight is 1 / total
