@@ -15,9 +15,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from lnstab.checkpoint import CheckpointError, checkpoints_of, is_complete, newest_checkpoint
+from lnstab.checkpoint import CheckpointError, checkpoints_of, is_complete, load_checkpoint, newest_checkpoint
 from lnstab.errors import ConfigError
-from lnstab.rundir import CHECKPOINT_DIR, CONFIG_FILE, SUMMARY_FILE, RunFileError, read_summary
+from lnstab.rundir import CHECKPOINT_DIR, CONFIG_FILE, SUMMARY_FILE, RunFileError, latest_eval, read_summary
 
 RESUME_KEYWORDS = ("last", "auto")
 
@@ -201,9 +201,6 @@ def final_evaluation_owed(ckpt: str | None, run_dir: str | None, max_steps: int 
     """Whether resuming ``ckpt`` into ``run_dir`` owes the run its final evaluation: the checkpoint is at the last
     step (nothing left to train), the run is ``interrupted`` (a signal stopped its evaluation) and its latest
     evaluation is not of that step. A damaged record owes nothing (the fit repairs what it can)."""
-    from lnstab.checkpoint import load_checkpoint
-    from lnstab.rundir import latest_eval
-
     if not ckpt or not run_dir or Path(ckpt).is_dir() or max_steps is None or max_steps < 1:
         return False
     step = load_checkpoint(ckpt, mmap=True).get("global_step")
@@ -211,7 +208,7 @@ def final_evaluation_owed(ckpt: str | None, run_dir: str | None, max_steps: int 
         return False
     try:
         status, done = read_summary(run_dir).get("status"), latest_eval(run_dir)
-    except Exception:  # noqa: BLE001 - a damaged record
+    except (RunFileError, OSError):  # a damaged or unreadable record
         return False
     return status == "interrupted" and (done or {}).get("global_step") != step
 
