@@ -3,7 +3,6 @@ about where it was made (the lnstab version and the machine kind, never the mach
 
 from __future__ import annotations
 
-import hashlib
 import os
 import platform
 import re
@@ -15,13 +14,15 @@ from typing import Any
 
 import torch
 
-from lnstab.check.analysis import summarise
+from lnstab.check.analysis import first_bad, summarise
 from lnstab.check.card import build_rows
 from lnstab.check.criteria import overall
 from lnstab.check.protocol import GPT2_VOCAB, Protocol, compact_vocabulary, load_tokens, plan
 from lnstab.check.report import write_report
 from lnstab.check.subjects import Subject
+from lnstab.datamodules.prepared import sha256_file
 from lnstab.errors import LNStabError
+from lnstab.precision import cpu_has_native_bf16
 
 VOCAB_MODES = ("protocol", "model")
 
@@ -97,11 +98,7 @@ def cpu_model() -> str:
 
 def machine(workers: int, threads: int) -> dict[str, Any]:
     """The machine kind a card was made on: CPU model, cores, native bf16, threads and workers, torch."""
-    try:
-        bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        bf16 = None
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "native_bf16": bf16, "workers": workers,
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "native_bf16": cpu_has_native_bf16(), "workers": workers,
             "threads_per_worker": threads, "torch": torch.__version__, "os": platform.system()}
 
 
@@ -137,11 +134,7 @@ def file_identity(path: str | None) -> dict[str, Any]:
         return {}
     file = Path(os.path.expanduser(path))
     try:
-        digest = hashlib.sha256()
-        with file.open("rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-        return {"file": file.name, "bytes": file.stat().st_size, "sha256": digest.hexdigest()[:16]}
+        return {"file": file.name, "bytes": file.stat().st_size, "sha256": sha256_file(file)[:16]}
     except OSError:
         return {"file": file.name}
 
@@ -223,8 +216,6 @@ def describe(subject: Subject, seq_len: int) -> str:
 
 def run_record(run: Any, out: Path) -> dict[str, Any]:
     """One stress run for ``report.json`` (its losses, divergence and where its TensorBoard logs are)."""
-    from lnstab.check.analysis import first_bad
-
     log_dir = Path(run.log_dir)
     return {
         "subject": run.subject, "lr": run.lr, "seed": run.seed, "diverged": run.diverged, "first_bad": first_bad(run),
