@@ -137,12 +137,13 @@ def instrument_support(model: nn.Module, head_pattern: str | None = None) -> tup
     """Whether the attention-logit instrument finds q and k in ``model``, and the output-logit one its logits."""
     from lnstab.callbacks._captures import HEAD_PATTERN, attention_sites, output_site
     from lnstab.callbacks._sites import FINAL_PATTERN
+    from lnstab.callbacks._views import COLLAPSE_WEIGHT, DEFAULT_CHUNK_ELEMENTS, DEFAULT_CHUNK_ROWS
 
-    options = {"chunk_elements": 1 << 18, "min_keys": 2, "collapse_weight": 0.99}
+    options = {"chunk_elements": DEFAULT_CHUNK_ELEMENTS, "min_keys": 2, "collapse_weight": COLLAPSE_WEIGHT}
     found = []
     head = re.compile(head_pattern or HEAD_PATTERN)
     for probe in (lambda: attention_sites(model, options),
-                  lambda: output_site(model, "auto", re.compile(FINAL_PATTERN), head, None, 1024)):
+                  lambda: output_site(model, "auto", re.compile(FINAL_PATTERN), head, None, DEFAULT_CHUNK_ROWS)):
         try:
             probe()
             found.append(True)
