@@ -122,3 +122,40 @@ def gemma2_config(n_layer: int, n_embd: int, n_head: int, block_size: int, vocab
                           pad_token_id=0, eos_token_id=1, bos_token_id=2)
     config._attn_implementation = "eager"
     return config
+
+
+@dataclass(frozen=True)
+class Supplement:
+    """A re-run of (some of) the validation set under other arguments, with its question and what was predicted,
+    both fixed (committed) before it was first run. The expected verdicts stay the rows' own: the published
+    outcomes do not change with the check's protocol.
+
+    Attributes:
+        id: Directory under ``<out>/supplements/``.
+        args: ``lnstab check --validate`` arguments beyond the data (shape or protocol).
+        question: What the re-run asks.
+        prediction: What was expected of it before it ran.
+    """
+
+    id: str
+    args: tuple[str, ...]
+    question: str
+    prediction: str
+
+
+SUPPLEMENTS: tuple[Supplement, ...] = (
+    Supplement(
+        "depth16", ("--rows", "post-ln,deepnorm", "--model.n_layer", "16"),
+        "Is DeepNorm's disagreement the depth? DeepNet's evidence is at 18–1,000 layers, Liu et al.'s Post-LN "
+        "diverges at 18 layers and not at 6; at 16 layers (α = 2.38, β = 0.30 instead of 1.68, 0.42; references "
+        "at 16 layers too) Post-LN should fail and DeepNorm pass or warn.",
+        "Post-LN FAIL (gradient spread); DeepNorm uncertain: if it still fails on gradient spread at 16 layers, the "
+        "criterion, not the depth, misjudges it."),
+    Supplement(
+        "seeds-rungs", ("--seeds", "2,3", "--lrs", "3e-4,3e-3,3e-2,3e-1"),
+        "Do the verdicts hold on seeds (2, 3) and learning rates (half a decade off every default rung, one rung "
+        "wider at both ends) that the thresholds were never run on?",
+        "The 10 agreeing rows agree again; ReZero still fails (it diverges at 0.1, so at 0.3 too) and DeepNorm "
+        "still fails on gradient spread; verdicts near a band's edge (LayerScale's overflow warning, the "
+        "LR-sensitivity warnings) may move between PASS and WARN."),
+)
