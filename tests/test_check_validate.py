@@ -8,9 +8,17 @@ import json
 import pytest
 from test_check import TINY
 
+from lnstab.check.cli import build_parser, make_protocol, split_model_args
 from lnstab.check.subjects import lnstab_subject
-from lnstab.check.validate import pairs, protocol_args, unique_runs
-from lnstab.check.validation import DEFAULT_SHAPE, ROWS
+from lnstab.check.validate import (
+    default_protocol,
+    pairs,
+    protocol_args,
+    supplement_lines,
+    supplement_results,
+    unique_runs,
+)
+from lnstab.check.validation import DEFAULT_SHAPE, ROWS, SUPPLEMENTS
 from lnstab.cli import main
 
 SHAPE = ["--model.preset", "tiny", "--model.vocab_size", "128", "--model.block_size", "32"]
@@ -66,6 +74,11 @@ def test_validate_writes_a_card_per_row_and_the_readme(tmp_path, capsys) -> None
     gemma = json.loads((out / "gemma2-hf" / "report.json").read_text())
     assert {r["id"]: r for r in gemma["criteria"]}["bound"]["status"] == "pass"  # Theorem 4 on Gemma 2
     assert not (out / "tb").exists() and "--validate" in text
+    summary = json.loads((out / "summary.json").read_text())  # what the main README reads of a supplement
+    assert summary["agree"] == agree and summary["args"][:2] == ["--model.preset", "tiny"]
+    assert summary["rows"]["olmo2"]["expected"] == ["pass", "warn"] and "--rows" in summary["args"]
+    assert {v["card"] for v in summary["rows"].values()} <= STATUSES and "## Supplements" not in text
+    assert "the check's default shape but `--model.preset tiny`" in text  # not "the default shape"
     with pytest.raises(SystemExit) as info:  # an earlier validation is replaced only when asked
         main(["check", "--validate", *SHAPE, *TINY, "--rows", "pre-ln", "--out", str(out)])
     assert info.value.code == 2 and "--overwrite" in capsys.readouterr().err
@@ -81,3 +94,39 @@ def test_validate_refuses_in_one_line(args, said, tmp_path, capsys) -> None:
         main(["check", "--validate", *TINY, *args, "--out", str(tmp_path / "v")])
     err = capsys.readouterr().err.strip()
     assert info.value.code == 2 and said in err and "\n" not in err, err
+
+
+def test_every_supplement_is_a_valid_validate_command_on_known_rows() -> None:
+    ids = {r.id for r in ROWS}
+    assert len({s.id for s in SUPPLEMENTS}) == len(SUPPLEMENTS) >= 2
+    for sup in SUPPLEMENTS:
+        model_args, rest = split_model_args(list(sup.args))
+        args = build_parser().parse_args(rest)
+        assert set(model_args) <= {"n_layer", "n_head", "n_embd", "block_size", "preset", "vocab_size"}
+        assert set((args.rows or ",".join(ids)).split(",")) <= ids and sup.question and sup.prediction
+        assert model_args or not default_protocol(make_protocol(args, {}))  # each changes something
+
+
+def test_default_protocol_ignores_the_data_and_sees_any_other_flag() -> None:
+    parse = build_parser().parse_args
+    assert default_protocol(make_protocol(parse(["--data.path", "x.jsonl", "--accelerator", "cpu"]), {}))
+    for flag in (["--seeds", "2,3"], ["--lrs", "1e-3"], ["--steps", "12"], ["--warmup-steps", "0"]):
+        assert not default_protocol(make_protocol(parse(flag), {})), flag
+
+
+def test_the_main_readme_reports_each_supplement_from_its_summary(tmp_path) -> None:
+    first, second = SUPPLEMENTS[0], SUPPLEMENTS[1]
+    (tmp_path / "supplements" / first.id).mkdir(parents=True)
+    (tmp_path / "supplements" / first.id / "summary.json").write_text(json.dumps(
+        {"agree": 1, "wall_s": 90.0, "args": list(first.args),
+         "rows": {"post-ln": {"card": "fail", "expected": ["fail"]},
+                  "deepnorm": {"card": "fail", "expected": ["pass", "warn"]}}}))
+    (tmp_path / "supplements" / second.id).mkdir(parents=True)
+    (tmp_path / "supplements" / second.id / "summary.json").write_text("{not json")  # damaged: not reported
+    found = supplement_results(tmp_path)
+    assert found[first.id]["agree"] == 1 and found[second.id] is None
+    text = "\n".join(supplement_lines(found, "--data.path owt.jsonl.gz"))
+    assert f"[1 of 2 rows agree](supplements/{first.id}/README.md) (1.5 min)" in text
+    assert "post-ln FAIL, deepnorm FAIL (disagrees)" in text and first.prediction in text
+    assert f"`lnstab check --validate --data.path owt.jsonl.gz {' '.join(first.args)}" in text
+    assert f"**{second.id}**" in text and "Result: not run yet." in text

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import shutil
 import subprocess
 import sys
@@ -23,8 +24,8 @@ from lnstab.check.criteria import CRITERIA, DEFAULT_THRESHOLDS, load_thresholds
 from lnstab.check.protocol import plan, run_ladder
 from lnstab.check.runner import check_logits, grade, lnstab_version, load_data, machine, public_command
 from lnstab.check.subjects import Subject, context_length, hf_subject, lnstab_subject, parse_value, references
-from lnstab.check.validation import DEFAULT_SHAPE, ROWS, Row, gemma2_config
-from lnstab.check.validation_notes import NOTES, THRESHOLD_CHANGES
+from lnstab.check.validation import DEFAULT_SHAPE, ROWS, SUPPLEMENTS, Row, gemma2_config
+from lnstab.check.validation_notes import NOTES, SUPPLEMENT_NOTES, THRESHOLD_CHANGES
 from lnstab.check.workers import RunPool
 from lnstab.errors import LNStabError
 
@@ -116,10 +117,18 @@ def main(args: argparse.Namespace, model_args: dict[str, Any], argv: list[str]) 
                                out / row.id, command, time.perf_counter() - spent, provenance, figures=False))
     wall = time.perf_counter() - started
     n_runs = sum(len(v) for k, v in runs.items() if k in registry)
-    text = readme(rows, cards, thresholds, public_command(["--validate", *argv_without(argv, "--validate")]),
-                  wall, n_runs, len(registry), provenance)
-    (out / "README.md").write_text(text, encoding="utf-8")
     agree = sum(c["status"] in r.expected for r, c in zip(rows, cards, strict=True))
+    summary = {"args": [*(a for k, v in model_args.items() for a in (f"--model.{k}", str(v))),
+                        *(["--rows", ",".join(wanted)] if wanted else []), *protocol_args(argv)],
+               "agree": agree, "rows": {r.id: {"card": c["status"], "expected": list(r.expected)}
+                                        for r, c in zip(rows, cards, strict=True)}, "wall_s": round(wall, 1)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    full = not wanted and not model_args and default_protocol(protocol)
+    text = readme(rows, cards, thresholds, public_command(["--validate", *argv_without(argv, "--validate")]),
+                  wall, n_runs, len(registry), provenance, shape=model_args,
+                  supplements=supplement_results(out) if full else None,
+                  data_text=public_command(data_flags(argv)).removeprefix("lnstab check "))
+    (out / "README.md").write_text(text, encoding="utf-8")
     sys.stdout.write(f"lnstab check --validate: {agree} of {len(rows)} rows agree with the published outcome "
                      f"({wall:.0f} s); {out / 'README.md'}\n")
     if agree < len(rows):
@@ -145,6 +154,28 @@ def protocol_args(argv: list[str]) -> list[str]:
             skip = "=" not in arg
             continue
         out.append(arg)
+    return out
+
+
+def default_protocol(protocol: Any) -> bool:
+    """Whether ``protocol`` is the check's default one, whatever its data and accelerator."""
+    from lnstab.check.cli import build_parser, make_protocol
+
+    default = make_protocol(build_parser().parse_args([]), {})
+    loose = {"data_source": "auto", "data_path": None, "accelerator": "cpu"}
+    return dataclasses.replace(protocol, **loose) == dataclasses.replace(default, **loose)
+
+
+def data_flags(argv: list[str]) -> list[str]:
+    """The ``--data.*`` flags (and their values) of a command line."""
+    out, take = [], False
+    for arg in argv:
+        if take:
+            out.append(arg)
+            take = False
+        elif arg.startswith("--data."):
+            out.append(arg)
+            take = "=" not in arg
     return out
 
 
@@ -212,9 +243,48 @@ def history() -> list[str]:
     return [line[:160] for line in done.stdout.splitlines()] if done.returncode == 0 else []
 
 
+def supplement_results(out: Path) -> dict[str, dict[str, Any] | None]:
+    """Each supplement's ``summary.json`` under ``<out>/supplements/<id>/`` (``None`` where it has not been run or
+    its summary does not read back)."""
+    found: dict[str, dict[str, Any] | None] = {}
+    for sup in SUPPLEMENTS:
+        try:
+            found[sup.id] = json.loads((out / "supplements" / sup.id / "summary.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            found[sup.id] = None
+    return found
+
+
+def supplement_lines(results: dict[str, dict[str, Any] | None], data_arg: str) -> list[str]:
+    """The main README's section on the supplements: question, prediction, command and what came out."""
+    lines = ["", "## Supplements", "",
+             "Re-runs under other arguments, each with its question and prediction committed before it first ran "
+             "(`lnstab/check/validation.py`, `SUPPLEMENTS`); the expected verdicts are the rows' own.", ""]
+    for sup in SUPPLEMENTS:
+        got = results.get(sup.id)
+        command = " ".join(["lnstab check --validate", data_arg, *sup.args, "--no-progress",
+                            f"--out <out>/supplements/{sup.id}"])
+        if got is None:
+            outcome = "not run yet"
+        else:
+            verdicts = ", ".join(f"{row} {SHORT[v['card']]}" + ("" if v["card"] in v["expected"] else " (disagrees)")
+                                 for row, v in got["rows"].items())
+            outcome = (f"[{got['agree']} of {len(got['rows'])} rows agree]"
+                       f"(supplements/{sup.id}/README.md) ({got['wall_s'] / 60:.1f} min): {verdicts}")
+        lines += [f"- **{sup.id}** (`{command}`). {sup.question} Predicted: {sup.prediction} Result: {outcome}."]
+        note = SUPPLEMENT_NOTES.get(sup.id)
+        if note and got is not None:
+            lines[-1] += f" {note}"
+    return lines
+
+
 def readme(rows: list[Row], cards: list[dict[str, Any]], thresholds: dict[str, Any], command: str, wall: float,
-           n_runs: int, n_models: int, provenance: dict[str, Any]) -> str:
-    """The validation README: agreement, one row per architecture, which criteria decide which rows, thresholds."""
+           n_runs: int, n_models: int, provenance: dict[str, Any], shape: dict[str, Any] | None = None,
+           supplements: dict[str, dict[str, Any] | None] | None = None, data_text: str = "") -> str:
+    """The validation README: agreement, one row per architecture, which criteria decide which rows, thresholds,
+    and (for the whole set at the default shape and protocol: ``supplements`` given) the row notes and the
+    supplements found under ``<out>/supplements``; another run's rows carry no notes (those explain the default
+    run's numbers), its disagreements are explained in the main README's supplement notes."""
     from lnstab.check.report import cell
     from lnstab.check.report import provenance as made_by
 
@@ -227,7 +297,10 @@ def readme(rows: list[Row], cards: list[dict[str, Any]], thresholds: dict[str, A
         "# `lnstab check` against the published record",
         "",
         f"Generated by `{command}` in {wall / 60:.1f} min ({n_runs} stress runs of {n_models} distinct models; made by "
-        f"{made_by(provenance)}). Every row is a card at the check's default shape beside the same Pre-LN and "
+        f"{made_by(provenance)}). Every row is a card at "
+        + ("the check's default shape" if not shape else
+           "the check's default shape but " + ", ".join(f"`--model.{k} {v}`" for k, v in shape.items()))
+        + " beside the same Pre-LN and "
         f"Peri-LN references ({reference_text(cards)}); {proto}. Data: {cards[0]['data_text'] if cards else ''}. "
         "A row identical to a reference (Pre-LN, Peri-LN) is graded against itself, so it passes every criterion "
         "where that reference sets the pass band (for Peri-LN: all of them) by construction.",
@@ -246,8 +319,8 @@ def readme(rows: list[Row], cards: list[dict[str, Any]], thresholds: dict[str, A
     for i, (row, card, ok) in enumerate(zip(rows, cards, agree, strict=True), 1):
         implies = " or ".join(SHORT[e] for e in row.expected)
         decided = ", ".join(f"`{c}`" for c in deciding(card)) or "every criterion passes"
-        note = NOTES.get(row.id, "")
-        why = decided + (f"; {note}" if note else "" if ok else "; not yet explained")
+        note = NOTES.get(row.id, "") if supplements is not None else ""
+        why = decided + (f"; {note}" if note else "" if ok or supplements is None else "; not yet explained")
         lines.append(f"| {i} | [{cell(row.design)}]({row.id}/report.md) | {cell(row.outcome)} ({cell(row.source)}) | "
                      f"{implies} | **{SHORT[card['status']]}** | {'yes' if ok else '**no**'} | {cell(why)} |")
     lines += ["", "## Each criterion on each row", "",
@@ -271,5 +344,7 @@ def readme(rows: list[Row], cards: list[dict[str, Any]], thresholds: dict[str, A
                                                      "it.")]
     if DEFAULT_THRESHOLDS != load_thresholds(None):
         lines.append("(The module's defaults differ from its YAML: this should not happen.)")
+    if supplements is not None:
+        lines += supplement_lines(supplements, data_text)
     lines.append("")
     return "\n".join(lines)

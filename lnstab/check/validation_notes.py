@@ -46,3 +46,21 @@ THRESHOLD_CHANGES: list[str] = [
     "by divergence anyway, and DyT in Pre-LN position, which trains like LayerNorm (Zhu et al. 2025); growth's harm "
     "is its size, which `overflow` judges against the number formats' limits",
 ]
+SUPPLEMENT_NOTES: dict[str, str] = {
+    "depth16": "The prediction's second branch came out: at 16 layers both still train like the references in 30 "
+               "steps (final loss 7.06 and 7.03 nats against 6.97 and 7.01, no run diverges), and both spread their "
+               "gradients over 16–20 decades at lr 0.1 (Post-LN ×1.3e20, DeepNorm ×2.8e16; the references ×4.5 and "
+               "×3.0). DeepNorm narrows the spread by four decades and still fails by fourteen. The criterion, not "
+               "the depth, misjudges DeepNorm: gradient spread at the top rung sees Post-LN's mechanism in both and, "
+               "at 4 and at 16 layers, foretells no loss failure in either; the Post-LN row agrees on that mechanism "
+               "only.",
+    "seeds-rungs": "One row fewer than the default run, and a prediction that failed: DyT in Pre-LN position fails "
+                   "on `log_z` (35.7 at lr 0.3, beyond the fixed 30, where the references reach 19.3 and 18.2; two "
+                   "logit_drift events) and learns worst at its best rate (7.25 nats against 6.86 and 6.99). "
+                   "`log_z` fails above an absolute 30 that the references themselves approach on a wider ladder, "
+                   "as `attention`'s absolute threshold did before its change; it is reported here, not changed. "
+                   "ReZero (divergence, lr 0.3) and DeepNorm (gradient spread) fail as predicted; no LN diverges "
+                   "from lr 0.03 (4 of 8 runs). The other nine keep their verdicts; at lr 0.3 Pre-LN's largest |x| "
+                   "reaches 2.65e5, four times fp16's maximum (Peri-LN's: 112), so its warning now includes the "
+                   "fp16 overflow the literature reports, which the default ladder does not reach.",
+}
