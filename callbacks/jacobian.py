@@ -42,7 +42,10 @@ def spectral_norm(
     return estimate
 
 
-def _block_call(block: nn.Module, args: tuple, kwargs: dict) -> Callable[[torch.Tensor], torch.Tensor]:
+def block_call(block: nn.Module, args: tuple, kwargs: dict) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x ↦ block(x, *args[1:], **kwargs)``'s first tensor: the block as a map of its hidden-state input alone, its
+    other arguments (attention masks, positions) held at what one forward pass gave it, without key/value caches.
+    Used by :class:`JacobianSensitivity` and by ``lnstab check``'s probes."""
     kwargs = {k: v for k, v in kwargs.items() if "cache" not in k and "past" not in k}
     if "use_cache" in kwargs:
         kwargs["use_cache"] = False
@@ -167,7 +170,7 @@ class JacobianSensitivity(Callback):
                 for i, site in enumerate(self.blocks):
                     args, kwargs = inputs[i]
                     x = first_tensor(args).detach()
-                    fn = _block_call(site.module, args, kwargs)
+                    fn = block_call(site.module, args, kwargs)
                     full = spectral_norm(fn, x, self.n_iter, self.seed)
                     branch = spectral_norm(lambda z, fn=fn: fn(z) - z, x, self.n_iter, self.seed)
                     values += [full.detach(), branch.detach(), x.abs().mean().to(full.dtype)]

@@ -30,7 +30,7 @@ from lnstab import validation as check
 from lnstab.callbacks import spectral_norm
 from lnstab.callbacks._sites import find_sites, first_tensor, log_metrics, probe_input
 from lnstab.callbacks._tap import paused_taps
-from lnstab.callbacks.jacobian import _block_call as block_call
+from lnstab.callbacks.jacobian import block_call
 
 
 def branch_norm(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, n_iter: int, seed: int = 0
