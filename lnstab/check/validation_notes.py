@@ -54,7 +54,9 @@ SUPPLEMENT_NOTES: dict[str, str] = {
                "the depth, misjudges DeepNorm: gradient spread at the top rung sees Post-LN's mechanism in both and, "
                "at 4 and at 16 layers, foretells no loss failure in either; the Post-LN row agrees on that mechanism "
                "only.",
-    "seeds-rungs": "One row fewer than the default run, and a prediction that failed: DyT in Pre-LN position fails "
+    "seeds-rungs": "Its ladder, chosen for being off every default rung, is also the range over which Wortsman et "
+                   "al. 2023 take their LR sensitivity (3e-4 to 3e-1). One row fewer than the default run, and a "
+                   "prediction that failed: DyT in Pre-LN position fails "
                    "on `log_z` (35.7 at lr 0.3, beyond the fixed 30, where the references reach 19.3 and 18.2; two "
                    "logit_drift events) and learns worst at its best rate (7.25 nats against 6.86 and 6.99). "
                    "`log_z` fails above an absolute 30 that the references themselves approach on a wider ladder, "
