@@ -55,8 +55,10 @@ def test_protocol_args_keep_only_the_protocol() -> None:
 def test_validate_writes_a_card_per_row_and_the_readme(tmp_path, capsys) -> None:
     out = tmp_path / "validation"
     code = 0
+    (tmp_path / "same.yaml").write_text("{}\n")  # the default thresholds, named by an absolute path
     try:  # at this size a row may disagree: exit 1 then, never a crash
         main(["check", "--validate", *SHAPE, *TINY, "--lrs", "1e-2,1e-1", "--rows", "pre-ln,peri-ln,olmo2,gemma2-hf",
+              "--thresholds", str(tmp_path / "same.yaml"),
               "--out", str(out)])
     except SystemExit as exc:
         code = exc.code
@@ -78,6 +80,7 @@ def test_validate_writes_a_card_per_row_and_the_readme(tmp_path, capsys) -> None
     assert summary["agree"] == agree and summary["args"][:2] == ["--model.preset", "tiny"]
     assert summary["rows"]["olmo2"]["expected"] == ["pass", "warn"] and "--rows" in summary["args"]
     assert {v["card"] for v in summary["rows"].values()} <= STATUSES and "## Supplements" not in text
+    assert str(tmp_path) not in (out / "summary.json").read_text()
     assert "the check's default shape but `--model.preset tiny`" in text  # not "the default shape"
     with pytest.raises(SystemExit) as info:  # an earlier validation is replaced only when asked
         main(["check", "--validate", *SHAPE, *TINY, "--rows", "pre-ln", "--out", str(out)])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -118,8 +119,9 @@ def main(args: argparse.Namespace, model_args: dict[str, Any], argv: list[str]) 
     wall = time.perf_counter() - started
     n_runs = sum(len(v) for k, v in runs.items() if k in registry)
     agree = sum(c["status"] in r.expected for r, c in zip(rows, cards, strict=True))
-    summary = {"args": [*(a for k, v in model_args.items() for a in (f"--model.{k}", str(v))),
-                        *(["--rows", ",".join(wanted)] if wanted else []), *protocol_args(argv)],
+    shown = [*(a for k, v in model_args.items() for a in (f"--model.{k}", str(v))),
+             *(["--rows", ",".join(wanted)] if wanted else []), *protocol_args(argv)]
+    summary = {"args": shlex.split(public_command(shown).removeprefix("lnstab check ")),  # no path of this machine
                "agree": agree, "rows": {r.id: {"card": c["status"], "expected": list(r.expected)}
                                         for r, c in zip(rows, cards, strict=True)}, "wall_s": round(wall, 1)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
