@@ -23,7 +23,7 @@ from typing import Any
 
 from lnstab.check.criteria import CRITERIA, DEFAULT_THRESHOLDS, load_thresholds
 from lnstab.check.protocol import plan, run_ladder
-from lnstab.check.runner import check_logits, grade, lnstab_version, load_data, machine, public_command
+from lnstab.check.runner import check_logits, grade, lnstab_version, load_data, machine, public_command, public_path
 from lnstab.check.subjects import Subject, context_length, hf_subject, lnstab_subject, parse_value, references
 from lnstab.check.validation import DEFAULT_SHAPE, ROWS, SUPPLEMENTS, Row, gemma2_config
 from lnstab.check.validation_notes import NOTES, SUPPLEMENT_NOTES, THRESHOLD_CHANGES
@@ -53,8 +53,13 @@ def row_subject(row: Row, shape: dict[str, Any], workdir: Path) -> tuple[Subject
         return hf_subject(str(directory), True), ["--hf", "<a Gemma 2 directory of this shape>", "--hf-init"]
     model = {**shape, **pairs(row.model)}
     subject, _ = lnstab_subject(model)
-    return subject, [arg for k, v in model.items() for arg in (f"--model.{k}", str(v).lower()
-                                                              if isinstance(v, bool) else str(v))]
+    return subject, model_flags(model)
+
+
+def model_flags(model: dict[str, Any]) -> list[str]:
+    """``{"a": 1, "b": True}`` as ``["--model.a", "1", "--model.b", "true"]``."""
+    return [arg for k, v in model.items()
+            for arg in (f"--model.{k}", str(v).lower() if isinstance(v, bool) else str(v))]
 
 
 def prepare_out(out: Path, overwrite: bool) -> None:
@@ -119,7 +124,7 @@ def main(args: argparse.Namespace, model_args: dict[str, Any], argv: list[str]) 
     wall = time.perf_counter() - started
     n_runs = sum(len(v) for k, v in runs.items() if k in registry)
     agree = sum(c["status"] in r.expected for r, c in zip(rows, cards, strict=True))
-    shown = [*(a for k, v in model_args.items() for a in (f"--model.{k}", str(v))),
+    shown = [*model_flags(model_args),
              *(["--rows", ",".join(wanted)] if wanted else []), *protocol_args(argv)]
     summary = {"args": shlex.split(public_command(shown).removeprefix("lnstab check ")),  # no path of this machine
                "agree": agree, "rows": {r.id: {"card": c["status"], "expected": list(r.expected)}
@@ -129,7 +134,7 @@ def main(args: argparse.Namespace, model_args: dict[str, Any], argv: list[str]) 
     text = readme(rows, cards, thresholds, public_command(["--validate", *argv_without(argv, "--validate")]),
                   wall, n_runs, len(registry), provenance, shape=model_args,
                   supplements=supplement_results(out) if full else None,
-                  data_text=public_command(data_flags(argv)).removeprefix("lnstab check "))
+                  data_text=data_text(protocol))
     (out / "README.md").write_text(text, encoding="utf-8")
     sys.stdout.write(f"lnstab check --validate: {agree} of {len(rows)} rows agree with the published outcome "
                      f"({wall:.0f} s); {out / 'README.md'}\n")
@@ -168,17 +173,12 @@ def default_protocol(protocol: Any) -> bool:
     return dataclasses.replace(protocol, **loose) == dataclasses.replace(default, **loose)
 
 
-def data_flags(argv: list[str]) -> list[str]:
-    """The ``--data.*`` flags (and their values) of a command line."""
-    out, take = [], False
-    for arg in argv:
-        if take:
-            out.append(arg)
-            take = False
-        elif arg.startswith("--data."):
-            out.append(arg)
-            take = "=" not in arg
-    return out
+def data_text(protocol: Any) -> str:
+    """The data flags of ``protocol`` as a README shows them (a path by :func:`public_path`)."""
+    flags = [] if protocol.data_source == "auto" else [f"--data.source {protocol.data_source}"]
+    if protocol.data_path:
+        flags.append(f"--data.path {shlex.quote(public_path(protocol.data_path))}")
+    return " ".join(flags)
 
 
 def with_protocol_vocab(subject: Subject, data: Any, seq_len: int) -> Subject:
