@@ -158,4 +158,19 @@ SUPPLEMENTS: tuple[Supplement, ...] = (
         "The 10 agreeing rows agree again; ReZero still fails (it diverges at 0.1, so at 0.3 too) and DeepNorm "
         "still fails on gradient spread; verdicts near a band's edge (LayerScale's overflow warning, the "
         "LR-sensitivity warnings) may move between PASS and WARN."),
+    Supplement(
+        "deep-regime", ("--rows", "post-ln,deepnorm,rezero", "--model.n_layer", "18", "--warmup-steps", "0",
+                        "--lrs", "5e-4,1e-3", "--steps", "120"),
+        "Do DeepNorm's and ReZero's disagreements come from the regime? Their sources report them for deep models "
+        "at ordinary Adam rates, not for 4 layers at a ladder topped by 0.1. At 18 layers (the depth at which "
+        "Liu et al.'s Post-LN fails and DeepNet compares; α = 2.45, β = 0.29), without warmup (Xiong et al.'s "
+        "failing condition for Post-LN), at 5e-4 and 1e-3 (rates of Xiong et al.'s Post-LN comparison) and for 120 "
+        "steps instead of 30, references at 18 layers too: does the card fail Post-LN and pass or warn DeepNorm "
+        "and ReZero?",
+        "Post-LN FAIL (gradient spread; without warmup its loss may also lag the references', as Xiong et al. "
+        "report); ReZero PASS or WARN (no divergence at these rates; its gates start at 0, so LR sensitivity or "
+        "loss may warn); DeepNorm uncertain: FAIL on gradient spread if that criterion sees Post-LN's mechanism "
+        "whatever the outcome, as at 16 layers, PASS or WARN if its spread at ordinary rates stays within a decade "
+        "of the references'. If DeepNorm fails on gradient spread here while its loss matches the references', "
+        "gradient spread cannot decide a design's verdict on its own."),
 )
