@@ -48,7 +48,8 @@ class Row:
 
 
 ROWS: tuple[Row, ...] = (
-    Row("post-ln", "Post-LN, warmup 3 of 30 steps (no long warmup)", ("--model.norm_placement", "post"),
+    Row("post-ln", "Post-LN, the protocol's short warmup (3 of 30 steps by default; no long warmup)",
+        ("--model.norm_placement", "post"),
         "diverges or trains badly without a long learning-rate warmup; gradients near the output are large at "
         "initialisation",
         "Xiong et al. 2020, On Layer Normalization in the Transformer Architecture, §3 and Fig. 2 (Post-LN without "
