@@ -18,6 +18,27 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
     tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{torch.backends.cpu.get_cpu_capability().lower()}"))
 
 
+# Under pytest-xdist (pyproject.toml's addopts) the workers share the machine's cores: each gets its share of torch
+# threads, and so do the lnstab processes a test starts (OMP_NUM_THREADS is inherited), instead of every worker
+# running as many threads as there are cores.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    _threads = max(1, _cpus // _WORKERS)
+    torch.set_num_threads(_threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """The real-SLURM module first (the longest: 7 min on 2 cores, mostly waiting on slurmctld), then the other
+    modules with a ``slow`` test, then the rest, each module's tests in their order. With ``--dist loadfile`` a worker
+    takes a whole module at a time, and a long module taken last runs alone at the end while the other worker idles
+    (it did: 14.3 min with the SLURM module last)."""
+    slurm = {item.path for item in items if "cluster" in getattr(item, "fixturenames", ())}
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: (item.path not in slurm, item.path not in slow))  # stable within each class
+
+
 def pytest_unconfigure(config) -> None:
     """Child processes a test left running (DataLoader workers of an iterator still referenced, say) would make the
     interpreter's exit wait for them; name them and end them so that the suite always exits."""
