@@ -4,11 +4,14 @@ validation set's well-formedness, and its refusals."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 from test_check import TINY
 
 from lnstab.check.cli import build_parser, make_protocol, split_model_args
+from lnstab.check.report import cell
 from lnstab.check.subjects import lnstab_subject
 from lnstab.check.validate import (
     default_protocol,
@@ -19,10 +22,13 @@ from lnstab.check.validate import (
     unique_runs,
 )
 from lnstab.check.validation import DEFAULT_SHAPE, ROWS, SUPPLEMENTS
+from lnstab.check.validation_notes import NOTES, SUPPLEMENT_NOTES, NoteError, render
 from lnstab.cli import main
+from lnstab.rundir import read_json
 
 SHAPE = ["--model.preset", "tiny", "--model.vocab_size", "128", "--model.block_size", "32"]
 STATUSES = {"pass", "warn", "fail"}
+VALIDATION = Path(__file__).resolve().parents[1] / "docs" / "check" / "validation"
 
 
 def test_the_validation_set_is_well_formed() -> None:
@@ -133,3 +139,46 @@ def test_the_main_readme_reports_each_supplement_from_its_summary(tmp_path) -> N
     assert "post-ln FAIL, deepnorm FAIL (disagrees)" in text and first.prediction in text
     assert f"`lnstab check --validate --data.path owt.jsonl.gz {' '.join(first.args)}" in text
     assert f"**{second.id}**" in text and "Result: not run yet." in text
+
+
+def card(measured: dict[str, float], refs: dict[str, float], **summary) -> dict:
+    """A card as report.json holds it, with only what a note can quote."""
+    return {"criteria": [{"id": cid, "measured": value, "references": {"pre-ln": refs[cid]}, "warn": 0.5,
+                          "fail": None} for cid, value in measured.items()],
+            "summaries": {"checked": summary}}
+
+
+def test_note_placeholders_quote_the_cards_as_the_card_reads_them() -> None:
+    cards = {"a": card({"grad_spread": 6.3177, "growth_trained": 2.0123, "loss": 7.0284, "attention": 8164.5,
+                        "sensitivity": -0.2424, "log_z": 122.23},
+                       {"grad_spread": 0.3549, "growth_trained": 1.0, "loss": 7.0424, "attention": 11.34,
+                        "sensitivity": 0.0, "log_z": 12.079},
+                       first_bad=[{"lr": 0.1, "step": 3}], points={0.01: 7.7441})}  # in memory, by float
+    note = ("{a.grad_spread} against {a.grad_spread@pre-ln} (warn {a.grad_spread#warn}), {a.growth_trained}, "
+            "{a.loss} against {a.loss@pre-ln}, {a.attention} against {a.attention@pre-ln}, {a.sensitivity}, "
+            "{a.log_z} against {a.log_z@pre-ln}, step {a:summaries/checked/first_bad/0/step} at "
+            "{a:summaries/checked/points/0.01|.2f}")
+    assert render(note, cards) == ("×2.1e6 against ×2.3 (warn ×3.2), ×4, 7.03 against 7.04, 8.2e3 against 11, "
+                                   "−0.24, 122 against 12.1, step 3 at 7.74")
+    for bad, said in (("{b.loss}", "no card for row 'b'"), ("{a.overflow}", "no criterion 'overflow'"),
+                      ("{a.loss@peri-ln}", "no reference 'peri-ln'"),
+                      ("{a:summaries/checked/first_bad/1/step}", "no 'summaries/checked/first_bad/1/step'"),
+                      ("{a loss}", "neither row.criterion")):
+        with pytest.raises(NoteError, match=f"note placeholder {re.escape(bad)}: .*{re.escape(said)}"):
+            render(f"x {bad} y", cards)
+
+
+def test_the_committed_notes_quote_the_committed_cards_and_the_readme_shows_them() -> None:
+    """The README's row and supplement notes are the notes rendered from the cards beside it: a number a note
+    quotes is the number its run measured (typed by hand, they went stale when the set was re-run)."""
+    readme = (VALIDATION / "README.md").read_text(encoding="utf-8")
+    cards = {row.id: read_json(VALIDATION / row.id / "report.json") for row in ROWS}
+    assert set(NOTES) <= set(cards)
+    for row, note in NOTES.items():
+        text = render(note, cards)
+        assert "{" not in text and cell(text) in readme, row
+    found = supplement_results(VALIDATION)
+    for sup in SUPPLEMENTS:
+        assert found[sup.id] is not None and found[sup.id]["cards"], sup.id  # every supplement is committed
+        text = render(SUPPLEMENT_NOTES[sup.id], found[sup.id]["cards"])
+        assert "{" not in text and text in readme, sup.id

@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
         if os.environ.get("LNSTAB_DEBUG"):
             raise
         message = str(exc) if isinstance(exc, CheckFailed | RunFailed) else (
-            f"the check failed before its runs: {type(exc).__name__}: {_first_line(exc)}")
+            f"the check failed: {type(exc).__name__}: {_first_line(exc)}")
         sys.stderr.write(f"lnstab: error: lnstab check: {message}\n")
         raise SystemExit(EXIT_FAILED) from None
     finally:

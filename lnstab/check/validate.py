@@ -26,9 +26,10 @@ from lnstab.check.protocol import plan, run_ladder
 from lnstab.check.runner import check_logits, grade, lnstab_version, load_data, machine, public_command, public_path
 from lnstab.check.subjects import Subject, context_length, hf_subject, lnstab_subject, parse_value, references
 from lnstab.check.validation import DEFAULT_SHAPE, ROWS, SUPPLEMENTS, Row, gemma2_config
-from lnstab.check.validation_notes import NOTES, SUPPLEMENT_NOTES, THRESHOLD_CHANGES
+from lnstab.check.validation_notes import NOTES, SUPPLEMENT_NOTES, THRESHOLD_CHANGES, render
 from lnstab.check.workers import RunPool
 from lnstab.errors import LNStabError
+from lnstab.rundir import read_json
 
 DEFAULT_OUT = Path("docs/check/validation")
 SHAPE_KEYS = ("preset", "n_layer", "n_head", "n_embd", "block_size", "vocab_size")
@@ -247,13 +248,18 @@ def history() -> list[str]:
 
 def supplement_results(out: Path) -> dict[str, dict[str, Any] | None]:
     """Each supplement's ``summary.json`` under ``<out>/supplements/<id>/`` (``None`` where it has not been run or
-    its summary does not read back)."""
+    its summary does not read back), with its rows' cards under ``"cards"`` (row id → ``report.json``; ``None``
+    unless every row's reads back), which its note quotes."""
     found: dict[str, dict[str, Any] | None] = {}
     for sup in SUPPLEMENTS:
+        where = out / "supplements" / sup.id
         try:
-            found[sup.id] = json.loads((out / "supplements" / sup.id / "summary.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            found[sup.id] = json.loads((where / "summary.json").read_text(encoding="utf-8"))
+            cards = {row: read_json(where / row / "report.json") for row in found[sup.id]["rows"]}
+        except (OSError, ValueError, KeyError, TypeError):  # a damaged file (lnstab's file errors are ValueErrors)
             found[sup.id] = None
+            continue
+        found[sup.id]["cards"] = cards if all(isinstance(c, dict) for c in cards.values()) else None
     return found
 
 
@@ -275,8 +281,8 @@ def supplement_lines(results: dict[str, dict[str, Any] | None], data_arg: str) -
                        f"(supplements/{sup.id}/README.md) ({got['wall_s'] / 60:.1f} min): {verdicts}")
         lines += [f"- **{sup.id}** (`{command}`). {sup.question} Predicted: {sup.prediction} Result: {outcome}."]
         note = SUPPLEMENT_NOTES.get(sup.id)
-        if note and got is not None:
-            lines[-1] += f" {note}"
+        if note and got is not None and got.get("cards"):
+            lines[-1] += " " + render(note, got["cards"])
     return lines
 
 
@@ -291,6 +297,7 @@ def readme(rows: list[Row], cards: list[dict[str, Any]], thresholds: dict[str, A
     from lnstab.check.report import provenance as made_by
 
     agree = [c["status"] in r.expected for r, c in zip(rows, cards, strict=True)]
+    by_row = {r.id: c for r, c in zip(rows, cards, strict=True)}  # what the row notes quote
     strict = sum(a for a, r in zip(agree, rows, strict=True) if len(r.expected) == 1)
     single = sum(len(r.expected) == 1 for r in rows)
     custom = thresholds != load_thresholds(None)
@@ -321,7 +328,7 @@ def readme(rows: list[Row], cards: list[dict[str, Any]], thresholds: dict[str, A
     for i, (row, card, ok) in enumerate(zip(rows, cards, agree, strict=True), 1):
         implies = " or ".join(SHORT[e] for e in row.expected)
         decided = ", ".join(f"`{c}`" for c in deciding(card)) or "every criterion passes"
-        note = NOTES.get(row.id, "") if supplements is not None else ""
+        note = render(NOTES.get(row.id, ""), by_row) if supplements is not None else ""
         why = decided + (f"; {note}" if note else "" if ok or supplements is None else "; not yet explained")
         lines.append(f"| {i} | [{cell(row.design)}]({row.id}/report.md) | {cell(row.outcome)} ({cell(row.source)}) | "
                      f"{implies} | **{SHORT[card['status']]}** | {'yes' if ok else '**no**'} | {cell(why)} |")

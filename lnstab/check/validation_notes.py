@@ -1,45 +1,78 @@
 """What the validation README says beyond the numbers, written after a run: why a row disagrees (:data:`NOTES`, by
-row id) and any threshold changed after the set was first run (:data:`THRESHOLD_CHANGES`, each with its reason; every
-verdict is then re-run). Kept apart from :mod:`lnstab.check.validation`, whose history shows the expected verdicts
-fixed before the run.
+row id), what each supplement found (:data:`SUPPLEMENT_NOTES`) and any threshold changed after the set was first run
+(:data:`THRESHOLD_CHANGES`, each with its reason; every verdict is then re-run). Kept apart from
+:mod:`lnstab.check.validation`, whose history shows the expected verdicts fixed before the run.
+
+A note quotes the run's numbers through placeholders that :func:`render` fills from the cards of that run, so a note
+never quotes a number its run did not measure (typed by hand, they went stale when the set was re-run on another CPU
+kind): ``{row.criterion}`` is a criterion's value on that row's card, ``{row.criterion@pre-ln}`` a reference's value
+on it, ``{row.criterion#warn}`` (``#fail``) its threshold, each as the card reads it (``×2.1e6`` for a gradient
+spread); ``{row:summaries/checked/lr_sensitivity/points/0.01|.2f}`` is any value of the row's ``report.json``, by
+its keys (list indices as numbers), with an optional format. What a note says about the numbers is still prose.
 """
 
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
 NOTES: dict[str, str] = {
-    "post-ln": "agrees on the mechanism, not on the loss: its per-layer gradient norms span ×2.1e6 at lr 0.1 "
-               "(Xiong et al.'s and Liu et al.'s gradient pathology), but at 4 layers and 30 steps it learns as well "
-               "as Pre-LN (7.03 against 7.04 nats)",
-    "no-ln": "3 of 6 runs diverge (lr 1e-2 seed 1, lr 0.1 both seeds), and |mean log Z| reaches 122 (two "
-             "logit_drift events)",
-    "pre-ln": "warns on growth after training (×4.0 over the deeper half, exponential fit) and the Jacobian slope "
-              "(−0.24: sensitivity that does not fall with scale); its largest |x| 3.1e4 is just under half of fp16's "
-              "maximum, so the overflow the literature reports passes at this scale",
-    "pre-ln-qknorm": "QK-norm removes the attention-logit growth (largest |q·k|/√d 11 against Pre-LN's 8.2e3, where "
-                     "99 % of rows collapse), as Wortsman et al. and Dehghani et al. report; its lower LR sensitivity "
-                     "is not reproduced: every rung ends within 0.07 nats of the best at this scale (0.027 against "
-                     "0.009)",
-    "olmo2": "passes everything but growth at initialisation (warn only) and gradient spread (×4.6 against ×2.3 "
-             "and ×1.5: warns, a margin of 2 sd over seeds, ×3.2 in this run); attention logits 10 against 8e3; the "
-             "z-loss (1e-4) does not move log Z in 30 steps (12.1 against 11.3–11.9)",
+    "post-ln": "agrees on the mechanism, not on the loss: its per-layer gradient norms span {post-ln.grad_spread} "
+               "at lr {post-ln:summaries/checked/grad_spread/lr} (Xiong et al.'s and Liu et al.'s gradient "
+               "pathology), but at 4 layers and 30 steps it learns as well as Pre-LN ({post-ln.loss} against "
+               "{pre-ln.loss} nats)",
+    "no-ln": "{no-ln:summaries/checked/diverged} of {no-ln:summaries/checked/runs} runs diverge, and |mean log Z| "
+             "reaches {no-ln.log_z} ({no-ln:summaries/checked/log_z/events} logit_drift events)",
+    "pre-ln": "warns on growth after training ({pre-ln.growth_trained} over the deeper half, "
+              "{pre-ln:summaries/checked/growth_trained/law} fit) and the Jacobian slope ({pre-ln.sensitivity}: "
+              "sensitivity that does not fall with scale); its largest |x| {pre-ln.overflow} is just under half of "
+              "fp16's maximum, so the overflow the literature reports passes at this scale",
+    "pre-ln-qknorm": "QK-norm removes the attention-logit growth (largest |q·k|/√d {pre-ln-qknorm.attention} against "
+                     "Pre-LN's {pre-ln.attention}, where {pre-ln:summaries/checked/attention/collapsed|.0%} of rows "
+                     "collapse), as Wortsman et al. and Dehghani et al. report; its lower LR sensitivity is not "
+                     "reproduced: every rung ends near the best at this scale (lr 1e-3, 1e-2, 0.1: "
+                     "{pre-ln-qknorm:summaries/checked/lr_sensitivity/points/0.001|.2f}, "
+                     "{pre-ln-qknorm:summaries/checked/lr_sensitivity/points/0.01|.2f}, "
+                     "{pre-ln-qknorm:summaries/checked/lr_sensitivity/points/0.1|.2f} nats), and it is more "
+                     "sensitive than Pre-LN ({pre-ln-qknorm.lr_sensitivity} against {pre-ln.lr_sensitivity})",
+    "olmo2": "passes everything but growth at initialisation (warn only) and gradient spread ({olmo2.grad_spread} "
+             "against {pre-ln.grad_spread} and {peri-ln.grad_spread}: warns, a margin of 2 sd over seeds, "
+             "{olmo2.grad_spread#warn} in this run); attention logits {olmo2.attention} against {pre-ln.attention}; "
+             "the z-loss (1e-4) does not move log Z in 30 steps ({olmo2.log_z} against {pre-ln.log_z} and "
+             "{peri-ln.log_z})",
     "deepnorm": "disagrees: at 4 layers DeepNorm's α = (2N)^¼ = 1.68 and β initialisation barely change Post-LN, and "
-                "its gradient spread at lr 0.1 (×4.6e6) is Post-LN's (×2.1e6); DeepNet's evidence is at 18–1,000 "
-                "layers with a long warmup, where the up-weighting matters; the check cannot tell the two apart at "
-                "its default depth, nor at 16 or 18 layers (supplements depth16 and deep-regime), where DeepNorm "
-                "also trains as Post-LN does",
-    "rezero": "disagrees: both runs at lr 0.1 diverge (non-finite gradients at steps 3 and 6), where both "
-              "normalised references train; Bachlechner et al. report deep ReZero Transformers at ordinary learning "
-              "rates, not at 0.1 after a 3-step warmup, so the check's verdict is about the ladder's top rung; at "
-              "lr 1e-3 its gates, 0 at initialisation, barely move in 30 steps (8.24 from 8.27 nats), hence also its "
-              "LR-sensitivity warning; at 18 layers and 5e-4 and 1e-3 without warmup (supplement deep-regime) it "
-              "trains and the card warns, which agrees",
-    "layerscale": "largest |x| 3.9e4, beyond half of fp16's maximum (higher than Pre-LN's 3.1e4)",
-    "dyt-pre": "grows faster than Pre-LN after training (×7.3 against ×4.0: it failed on that before the change "
-               "to growth_trained, see Thresholds) and learns worse at lr 1e-2 (7.74 against 7.07 nats), hence its "
-               "LR-sensitivity warning; it also warns on gradient spread (×4.3 against ×2.3 and ×1.5) and on its best "
-               "loss (7.08 against 7.04 and 7.05); it never diverges",
-    "gemma2-hf": "Theorem 4's bound holds with Gemma's 1 + weight gains (0 violations); its attention logits grow "
-                 "less than the references' (largest uncapped |q·k|·scale 3.7e3 at lr 0.1 against 8.2e3 and 8.1e3) "
-                 "and its soft-cap (50) bounds what the softmax sees, yet up to 33 % of rows collapse; warns on LR "
-                 "sensitivity only (0.12: lr 1e-3 lags by 0.32 nats)",
+                "its gradient spread at lr {deepnorm:summaries/checked/grad_spread/lr} ({deepnorm.grad_spread}) is "
+                "Post-LN's ({post-ln.grad_spread}); DeepNet's evidence is at 18–1,000 layers with a long warmup, "
+                "where the up-weighting matters; the check cannot tell the two apart at its default depth, nor at 16 "
+                "or 18 layers (supplements depth16 and deep-regime), where DeepNorm also trains as Post-LN does",
+    "rezero": "disagrees: {rezero:summaries/checked/diverged} runs diverge, both at lr "
+              "{rezero:summaries/checked/first_bad/0/lr} (non-finite gradients at steps "
+              "{rezero:summaries/checked/first_bad/0/step} and {rezero:summaries/checked/first_bad/1/step}), where "
+              "both normalised references train; Bachlechner et al. report deep ReZero Transformers at ordinary "
+              "learning rates, not at 0.1 after a 3-step warmup, so the check's verdict is about the ladder's top "
+              "rung; at lr 1e-3 its gates, 0 at initialisation, barely move in 30 steps "
+              "({rezero:summaries/checked/lr_sensitivity/points/0.001|.2f} from "
+              "{rezero:summaries/checked/lr_sensitivity/initial|.2f} nats), hence also its LR-sensitivity warning; "
+              "at 18 layers and 5e-4 and 1e-3 without warmup (supplement deep-regime) it trains and the card warns, "
+              "which agrees",
+    "layerscale": "largest |x| {layerscale.overflow}, beyond half of fp16's maximum (higher than Pre-LN's "
+                  "{pre-ln.overflow})",
+    "dyt-pre": "grows faster than Pre-LN after training ({dyt-pre.growth_trained} against {pre-ln.growth_trained}: it "
+               "failed on that before the change to growth_trained, see Thresholds) and learns worse at lr 1e-2 "
+               "({dyt-pre:summaries/checked/lr_sensitivity/points/0.01|.2f} against "
+               "{pre-ln:summaries/checked/lr_sensitivity/points/0.01|.2f} nats), hence its LR-sensitivity warning; it "
+               "also warns on gradient spread ({dyt-pre.grad_spread} against {pre-ln.grad_spread} and "
+               "{peri-ln.grad_spread}) and on its best loss ({dyt-pre.loss} against {pre-ln.loss} and "
+               "{peri-ln.loss}); it never diverges",
+    "gemma2-hf": "Theorem 4's bound holds with Gemma's 1 + weight gains ({gemma2-hf.bound} violations); its attention "
+                 "logits grow less than the references' (largest uncapped |q·k|·scale {gemma2-hf.attention} at lr "
+                 "{gemma2-hf:summaries/checked/attention/lr} against {pre-ln.attention} and {peri-ln.attention}) and "
+                 "its soft-cap (50) bounds what the softmax sees, yet up to "
+                 "{gemma2-hf:summaries/checked/attention/collapsed|.0%} of rows collapse; warns on LR sensitivity only "
+                 "({gemma2-hf.lr_sensitivity}: lr 1e-3 ends at "
+                 "{gemma2-hf:summaries/checked/lr_sensitivity/points/0.001|.2f} nats, its best rate at "
+                 "{gemma2-hf.loss})",
 }
 THRESHOLD_CHANGES: list[str] = [
     "after the first run (commit cc7836f, 5 of 12 rows agreeing), two thresholds changed, every verdict re-run: "
@@ -52,36 +85,133 @@ THRESHOLD_CHANGES: list[str] = [
 ]
 SUPPLEMENT_NOTES: dict[str, str] = {
     "depth16": "The prediction's second branch came out: at 16 layers both still train like the references in 30 "
-               "steps (final loss 7.06 and 7.03 nats against 6.97 and 7.01, no run diverges), and both spread their "
-               "gradients over 16–20 decades at lr 0.1 (Post-LN ×1.3e20, DeepNorm ×2.8e16; the references ×4.5 and "
-               "×3.0). DeepNorm narrows the spread by four decades and still fails by fourteen. The criterion, not "
-               "the depth, misjudges DeepNorm: gradient spread at the top rung sees Post-LN's mechanism in both and, "
-               "at 4 and at 16 layers, foretells no loss failure in either; the Post-LN row agrees on that mechanism "
-               "only.",
+               "steps (final loss {post-ln.loss} and {deepnorm.loss} nats against {post-ln.loss@pre-ln} and "
+               "{post-ln.loss@peri-ln}, no run diverges), and both spread their gradients over 16–20 "
+               "decades at lr {post-ln:summaries/checked/grad_spread/lr} (Post-LN {post-ln.grad_spread}, DeepNorm "
+               "{deepnorm.grad_spread}; the references {post-ln.grad_spread@pre-ln} and "
+               "{post-ln.grad_spread@peri-ln}). DeepNorm narrows the spread by four decades and still fails by "
+               "fourteen. The criterion, not the depth, misjudges DeepNorm: gradient spread at the top rung sees "
+               "Post-LN's mechanism in both and, at 4 and at 16 layers, foretells no loss failure in either; the "
+               "Post-LN row agrees on that mechanism only.",
     "seeds-rungs": "Its ladder, chosen for being off every default rung, is also the range over which Wortsman et "
                    "al. 2023 take their LR sensitivity (3e-4 to 3e-1). One row fewer than the default run, and a "
-                   "prediction that failed: DyT in Pre-LN position fails "
-                   "on `log_z` (35.7 at lr 0.3, beyond the fixed 30, where the references reach 19.3 and 18.2; two "
-                   "logit_drift events) and learns worst at its best rate (7.25 nats against 6.86 and 6.99). "
-                   "`log_z` fails above an absolute 30 that the references themselves approach on a wider ladder, "
-                   "as `attention`'s absolute threshold did before its change; it is reported here, not changed. "
-                   "ReZero (divergence, lr 0.3) and DeepNorm (gradient spread) fail as predicted; no LN diverges "
-                   "from lr 0.03 (4 of 8 runs). The other nine keep their verdicts; at lr 0.3 Pre-LN's largest |x| "
-                   "reaches 2.65e5, four times fp16's maximum (Peri-LN's: 112), so its warning now includes the "
-                   "fp16 overflow the literature reports, which the default ladder does not reach.",
+                   "prediction that failed: DyT in Pre-LN position fails on `log_z` ({dyt-pre.log_z} at lr "
+                   "{dyt-pre:summaries/checked/log_z/lr}, beyond the fixed {dyt-pre.log_z#fail}, where the "
+                   "references reach {dyt-pre.log_z@pre-ln} and {dyt-pre.log_z@peri-ln}; "
+                   "{dyt-pre:summaries/checked/log_z/events} logit_drift events) and learns worst at its best rate "
+                   "({dyt-pre.loss} nats against {dyt-pre.loss@pre-ln} and {dyt-pre.loss@peri-ln}). `log_z` fails "
+                   "above an absolute {dyt-pre.log_z#fail} that the references themselves approach on a wider "
+                   "ladder, as `attention`'s absolute threshold did before its change; it is reported here, not "
+                   "changed. ReZero (divergence, lr {rezero:summaries/checked/first_bad/0/lr}) and DeepNorm "
+                   "(gradient spread) fail as predicted; no LN diverges from lr "
+                   "{no-ln:summaries/checked/first_bad/0/lr} ({no-ln:summaries/checked/diverged} of "
+                   "{no-ln:summaries/checked/runs} runs). The other nine keep their verdicts; at lr 0.3 Pre-LN's "
+                   "largest |x| reaches {pre-ln.overflow}, four times fp16's maximum (Peri-LN's: {peri-ln.overflow}), "
+                   "so its warning now includes the fp16 overflow the literature reports, which the default ladder "
+                   "does not reach.",
     "deep-regime": "Two of three rows agree, and the predictions held. ReZero agrees: no run diverges at these "
                    "rates, and the card warns (LR sensitivity, growth after training, Jacobian slope, loss: its "
-                   "gates start at 0 and it ends 0.10–0.25 nats behind the references, 7.41 against 7.16 and "
-                   "7.31), so its failure in the default run is the ladder's top rung (0.1), a rate its source does "
-                   "not use. Post-LN fails on gradient spread (×1.7e7 at lr 1e-3, against the references' ×15 and "
-                   "×3.9) and, without warmup, trains 0.2 nats behind Pre-LN (7.36 against 7.16; Peri-LN 7.31), so "
-                   "the loss criterion warns too; no run diverges (gradient clipping at 1 is kept). DeepNorm took "
-                   "the prediction's first branch: it fails on gradient spread (×8.1e4, 2.3 decades narrower than "
-                   "Post-LN's) and its loss is Post-LN's (7.37 against 7.36), not the references'. So the "
-                   "prediction's last clause (DeepNorm failing while training like the references) did not arise, "
-                   "and gradient spread is not refuted by this run: at 18 layers × 128 wide and 120 steps, "
-                   "DeepNet's α = 2.45 and β = 0.29 do not change how Post-LN trains. In all three regimes tried "
-                   "(4, 16 and 18 layers; warmup 3 and 0) DeepNorm trains as Post-LN does, in loss and in "
-                   "mechanism; the sources' difference (Post-LN failing where DeepNorm trains) does not show at "
-                   "this width and length.",
+                   "gates start at 0 and it ends behind the references, {rezero.loss} against "
+                   "{rezero.loss@pre-ln} and {rezero.loss@peri-ln}), so its failure in the default run is the "
+                   "ladder's top rung (0.1), a rate its source does not use. Post-LN fails on gradient spread "
+                   "({post-ln.grad_spread} at lr {post-ln:summaries/checked/grad_spread/lr}, against the references' "
+                   "{post-ln.grad_spread@pre-ln} and {post-ln.grad_spread@peri-ln}) and, without warmup, trains "
+                   "behind Pre-LN ({post-ln.loss} against {post-ln.loss@pre-ln}; Peri-LN {post-ln.loss@peri-ln}), "
+                   "so the loss criterion warns too; no run diverges (gradient clipping at 1 is kept). DeepNorm took "
+                   "the prediction's first branch: it fails on gradient spread ({deepnorm.grad_spread}, narrower "
+                   "than Post-LN's) and its loss is Post-LN's ({deepnorm.loss} against {post-ln.loss}), not the "
+                   "references'. So the prediction's last clause (DeepNorm failing while training like the "
+                   "references) did not arise, and gradient spread is not refuted by this run: at 18 layers × 128 "
+                   "wide and 120 steps, DeepNet's α = 2.45 and β = 0.29 do not change how Post-LN trains. In all "
+                   "three regimes tried (4, 16 and 18 layers; warmup 3 and 0) DeepNorm trains as Post-LN does, in "
+                   "loss and in mechanism; the sources' difference (Post-LN failing where DeepNorm trains) does not "
+                   "show at this width and length.",
 }
+
+PLACEHOLDER = re.compile(r"\{([^{}]+)\}")
+_CRITERION = re.compile(r"(?P<row>[\w.-]+?)\.(?P<cid>[a-z_]+)(?:@(?P<ref>[\w-]+)|#(?P<level>warn|fail))?")
+_PATH = re.compile(r"(?P<row>[\w.-]+):(?P<path>[^|]+)(?:\|(?P<fmt>.+))?")
+
+
+class NoteError(ValueError):
+    """A placeholder of a note that the run's cards cannot fill."""
+
+
+def number(value: float, digits: int = 2) -> str:
+    """A quoted number: ``8.2e3`` from 1000 up, a whole number from 100, else ``digits`` significant digits."""
+    if not math.isfinite(value):
+        return "n/a"
+    if abs(value) >= 1000:
+        mantissa, exponent = f"{value:.{digits - 1}e}".split("e")
+        return f"{mantissa}e{int(exponent)}"
+    if abs(value) >= 100:
+        return f"{value:.0f}"
+    return f"{value:.{digits}g}"
+
+
+def display(cid: str, value: float | None) -> str:
+    """A criterion's value as the card reads it: spreads and growth as factors, losses in nats to 0.01."""
+    if value is None or not math.isfinite(value):
+        return "n/a"
+    if cid == "grad_spread":
+        return "×" + number(10 ** value)
+    if cid in ("growth_init", "growth_trained"):
+        return "×" + number(2 ** value)
+    if cid == "loss":
+        return f"{value:.2f}"
+    if cid == "sensitivity":
+        return f"{value:+.2f}".replace("-", "−")
+    if cid == "bound":
+        return f"{value:.0f}"
+    if cid == "divergence":
+        return f"{value:.0%}"
+    return number(value, 3 if cid == "log_z" else 2)
+
+
+def _fill(text: str, cards: dict[str, dict[str, Any]]) -> str:
+    match = _CRITERION.fullmatch(text) if ":" not in text else None
+    if match:
+        card = cards.get(match["row"])
+        if card is None:
+            raise NoteError(f"no card for row {match['row']!r} (have: {', '.join(cards)})")
+        found = [c for c in card["criteria"] if c["id"] == match["cid"]]
+        if not found:
+            raise NoteError(f"no criterion {match['cid']!r} on the card of {match['row']}")
+        item = found[0]
+        if match["ref"]:
+            if match["ref"] not in item["references"]:
+                raise NoteError(f"no reference {match['ref']!r} (have: {', '.join(item['references'])})")
+            return display(match["cid"], item["references"][match["ref"]])
+        return display(match["cid"], item[match["level"]] if match["level"] else item["measured"])
+    match = _PATH.fullmatch(text)
+    if not match:
+        raise NoteError("neither row.criterion[@reference|#warn|#fail] nor row:path[|format]")
+    value: Any = cards.get(match["row"])
+    if value is None:
+        raise NoteError(f"no card for row {match['row']!r} (have: {', '.join(cards)})")
+    for key in match["path"].split("/"):
+        try:
+            # a card in memory keys its ladder by float (0.001), its report.json by string: match by the string
+            value = value[int(key)] if isinstance(value, list) else next(v for k, v in value.items() if str(k) == key)
+        except (StopIteration, IndexError, ValueError, TypeError, AttributeError):
+            raise NoteError(f"the card of {match['row']} has no {match['path']!r} (at {key!r})") from None
+    if match["fmt"]:
+        return format(value, match["fmt"])
+    return number(value) if isinstance(value, float) else str(value)
+
+
+def render(note: str, cards: dict[str, dict[str, Any]]) -> str:
+    """``note`` with every placeholder filled from ``cards`` (row id → card, as ``report.json`` holds it).
+
+    Raises:
+        NoteError: A placeholder names a row, criterion, reference or key the cards do not have; the message quotes
+            the placeholder.
+    """
+
+    def fill(match: re.Match[str]) -> str:
+        try:
+            return _fill(match[1], cards)
+        except NoteError as exc:
+            raise NoteError(f"note placeholder {match[0]}: {exc}") from None
+
+    return PLACEHOLDER.sub(fill, note)
