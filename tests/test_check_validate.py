@@ -15,6 +15,7 @@ from lnstab.check.report import cell
 from lnstab.check.subjects import lnstab_subject
 from lnstab.check.validate import (
     default_protocol,
+    note_text,
     pairs,
     protocol_args,
     supplement_lines,
@@ -166,6 +167,7 @@ def test_note_placeholders_quote_the_cards_as_the_card_reads_them() -> None:
                       ("{a loss}", "neither row.criterion")):
         with pytest.raises(NoteError, match=f"note placeholder {re.escape(bad)}: .*{re.escape(said)}"):
             render(f"x {bad} y", cards)
+    assert note_text("x {a.overflow} y", cards).startswith("(note not rendered: note placeholder {a.overflow}")
 
 
 def test_the_committed_notes_quote_the_committed_cards_and_the_readme_shows_them() -> None:

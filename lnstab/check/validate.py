@@ -26,7 +26,7 @@ from lnstab.check.protocol import plan, run_ladder
 from lnstab.check.runner import check_logits, grade, lnstab_version, load_data, machine, public_command, public_path
 from lnstab.check.subjects import Subject, context_length, hf_subject, lnstab_subject, parse_value, references
 from lnstab.check.validation import DEFAULT_SHAPE, ROWS, SUPPLEMENTS, Row, gemma2_config
-from lnstab.check.validation_notes import NOTES, SUPPLEMENT_NOTES, THRESHOLD_CHANGES, render
+from lnstab.check.validation_notes import NOTES, SUPPLEMENT_NOTES, THRESHOLD_CHANGES, NoteError, render
 from lnstab.check.workers import RunPool
 from lnstab.errors import LNStabError
 from lnstab.rundir import read_json
@@ -246,6 +246,15 @@ def history() -> list[str]:
     return [line[:160] for line in done.stdout.splitlines()] if done.returncode == 0 else []
 
 
+def note_text(note: str, cards: dict[str, dict[str, Any]]) -> str:
+    """A note rendered from the run's cards; a placeholder they cannot fill is said in its place, so the README of
+    a run of minutes is still written (the committed notes are tested against the committed cards)."""
+    try:
+        return render(note, cards)
+    except NoteError as exc:
+        return f"(note not rendered: {exc})"
+
+
 def supplement_results(out: Path) -> dict[str, dict[str, Any] | None]:
     """Each supplement's ``summary.json`` under ``<out>/supplements/<id>/`` (``None`` where it has not been run or
     its summary does not read back), with its rows' cards under ``"cards"`` (row id → ``report.json``; ``None``
@@ -282,7 +291,7 @@ def supplement_lines(results: dict[str, dict[str, Any] | None], data_arg: str) -
         lines += [f"- **{sup.id}** (`{command}`). {sup.question} Predicted: {sup.prediction} Result: {outcome}."]
         note = SUPPLEMENT_NOTES.get(sup.id)
         if note and got is not None and got.get("cards"):
-            lines[-1] += " " + render(note, got["cards"])
+            lines[-1] += " " + note_text(note, got["cards"])
     return lines
 
 
@@ -328,7 +337,7 @@ def readme(rows: list[Row], cards: list[dict[str, Any]], thresholds: dict[str, A
     for i, (row, card, ok) in enumerate(zip(rows, cards, agree, strict=True), 1):
         implies = " or ".join(SHORT[e] for e in row.expected)
         decided = ", ".join(f"`{c}`" for c in deciding(card)) or "every criterion passes"
-        note = render(NOTES.get(row.id, ""), by_row) if supplements is not None else ""
+        note = note_text(NOTES.get(row.id, ""), by_row) if supplements is not None else ""
         why = decided + (f"; {note}" if note else "" if ok or supplements is None else "; not yet explained")
         lines.append(f"| {i} | [{cell(row.design)}]({row.id}/report.md) | {cell(row.outcome)} ({cell(row.source)}) | "
                      f"{implies} | **{SHORT[card['status']]}** | {'yes' if ok else '**no**'} | {cell(why)} |")
