@@ -29,6 +29,13 @@ PHRASES: dict[str, tuple[str, str, str]] = {
     "loss": ("learns like {ref}", "learns faster than both references", "learns slower than both references"),
 }
 LABELS = {"pre-ln": "Pre-LN", "peri-ln": "Peri-LN"}
+# Criteria measured on a log scale and read as a factor: gradient spread in decades, growth in doublings.
+FACTOR_BASES = {"grad_spread": 10.0, "growth_init": 2.0, "growth_trained": 2.0}
+
+
+def as_factor(cid: str, value: float) -> float:
+    """A log-scale criterion's value as the factor the card reads (``×2.1e6`` for a spread of 6.32 decades)."""
+    return FACTOR_BASES[cid] ** value
 
 
 def relation(cid: str, value: float, sd: float, refs: dict[str, tuple[float, float]]) -> str:
@@ -82,10 +89,10 @@ def why(cid: str, s: dict[str, Any], refs: dict[str, dict[str, Any]], value: flo
             return ("every run diverged" if cid == "growth_trained" and s["diverged"] == s["runs"]
                     else "fewer than two layer sites to fit a growth law over depth")
         at = f" at lr {g['lr']:g}" if cid == "growth_trained" and g.get("lr") is not None else ""
-        text = (f"mean |x| grows ×{2 ** value:.3g} over the deeper half{at} (linear from 0: ×2); "
+        text = (f"mean |x| grows ×{as_factor(cid, value):.3g} over the deeper half{at} (linear from 0: ×2); "
                 f"{g['law']} law fits better (R² {fmt(g['exp_r2'], 2)} exponential at ×{fmt(math.exp(g['exp_rate']))}"
                 f"/layer, {fmt(g['lin_r2'], 2)} linear)")
-        return text + tail + _refs_text(cid, refs, lambda r: f"×{fmt(2 ** r[cid]['mean'])}")
+        return text + tail + _refs_text(cid, refs, lambda r: f"×{fmt(as_factor(cid, r[cid]['mean']))}")
     if cid == "overflow":
         if not math.isfinite(value):
             return "no run completed, so no finite activations to compare with fp16/bf16"
@@ -142,8 +149,9 @@ def why(cid: str, s: dict[str, Any], refs: dict[str, dict[str, Any]], value: flo
     if cid == "grad_spread":
         if not math.isfinite(value):
             return "no per-layer gradient norms (block names need a numeric index, e.g. layers.3)"
-        text = f"per-layer gradient norms span ×{10 ** value:.3g} (median over steps, worst at lr {s[cid]['lr']:g})"
-        return text + tail + _refs_text(cid, refs, lambda r: f"×{fmt(10 ** r[cid]['mean'])}")
+        text = (f"per-layer gradient norms span ×{as_factor(cid, value):.3g} (median over steps, worst at lr "
+                f"{s[cid]['lr']:g})")
+        return text + tail + _refs_text(cid, refs, lambda r: f"×{fmt(as_factor(cid, r[cid]['mean']))}")
     if cid == "loss":
         if not math.isfinite(value):
             return "every run diverged"

@@ -17,6 +17,8 @@ import math
 import re
 from typing import Any
 
+from lnstab.check.card import FACTOR_BASES, as_factor
+
 NOTES: dict[str, str] = {
     "post-ln": "agrees on the mechanism, not on the loss: its per-layer gradient norms span {post-ln.grad_spread} "
                "at lr {post-ln:summaries/checked/grad_spread/lr} (Xiong et al.'s and Liu et al.'s gradient "
@@ -153,10 +155,8 @@ def display(cid: str, value: float | None) -> str:
     """A criterion's value as the card reads it: spreads and growth as factors, losses in nats to 0.01."""
     if value is None or not math.isfinite(value):
         return "n/a"
-    if cid == "grad_spread":
-        return "×" + number(10 ** value)
-    if cid in ("growth_init", "growth_trained"):
-        return "×" + number(2 ** value)
+    if cid in FACTOR_BASES:
+        return "×" + number(as_factor(cid, value))
     if cid == "loss":
         return f"{value:.2f}"
     if cid == "sensitivity":
@@ -169,11 +169,14 @@ def display(cid: str, value: float | None) -> str:
 
 
 def _fill(text: str, cards: dict[str, dict[str, Any]]) -> str:
-    match = _CRITERION.fullmatch(text) if ":" not in text else None
-    if match:
-        card = cards.get(match["row"])
-        if card is None:
-            raise NoteError(f"no card for row {match['row']!r} (have: {', '.join(cards)})")
+    criterion = _CRITERION.fullmatch(text) if ":" not in text else None
+    match = criterion or _PATH.fullmatch(text)
+    if not match:
+        raise NoteError("neither row.criterion[@reference|#warn|#fail] nor row:path[|format]")
+    card = cards.get(match["row"])
+    if card is None:
+        raise NoteError(f"no card for row {match['row']!r} (have: {', '.join(cards)})")
+    if criterion:
         found = [c for c in card["criteria"] if c["id"] == match["cid"]]
         if not found:
             raise NoteError(f"no criterion {match['cid']!r} on the card of {match['row']}")
@@ -183,12 +186,7 @@ def _fill(text: str, cards: dict[str, dict[str, Any]]) -> str:
                 raise NoteError(f"no reference {match['ref']!r} (have: {', '.join(item['references'])})")
             return display(match["cid"], item["references"][match["ref"]])
         return display(match["cid"], item[match["level"]] if match["level"] else item["measured"])
-    match = _PATH.fullmatch(text)
-    if not match:
-        raise NoteError("neither row.criterion[@reference|#warn|#fail] nor row:path[|format]")
-    value: Any = cards.get(match["row"])
-    if value is None:
-        raise NoteError(f"no card for row {match['row']!r} (have: {', '.join(cards)})")
+    value: Any = card
     for key in match["path"].split("/"):
         try:
             # a card in memory keys its ladder by float (0.001), its report.json by string: match by the string
