@@ -2,13 +2,14 @@
 (Wang et al. 2022, §3, Fig. 3), F the last block's output on a fixed batch, in the deep-regime supplement's protocol
 (18 layers × 128, no warmup, AdamW 0.9/0.95, weight decay 0.1, clip 1, cosine to 0.1× over the steps, batches of
 8 × 64 tokens of the OpenWebText sample on the protocol vocabulary). A plain PyTorch loop with the check's optimiser
-settings; not part of ``lnstab check``.
+settings, schedule and batches (its StressModule and batches()); not part of ``lnstab check``.
 
 Usage: python model_update.py DATA PLACEMENTS LRS STEPS N_LAYER [OUT.json]
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 
@@ -17,14 +18,15 @@ import torch
 from lnstab.check.cli import build_parser, make_protocol
 from lnstab.check.protocol import compact_vocabulary, load_tokens
 from lnstab.check.subjects import lnstab_subject
-from lnstab.module import lr_at
+from lnstab.check.training import Optimisation, StressModule, batches
 
 BATCH, SEQ = 8, 64
 
 
-def run(tokens: torch.Tensor, vocab: int, placement: str, lr: float, seed: int, steps: int,
+def run(tokens: torch.Tensor, vocab: int, placement: str, lr: float, seed: int, optimisation: Optimisation,
         n_layer: int) -> dict[str, list[float]]:
-    """One run's relative model update and training loss after each step."""
+    """One run's relative model update and training loss after each step, with the stress run's optimiser,
+    schedule and batches (:class:`StressModule`, :func:`batches`)."""
     subject, _ = lnstab_subject({"preset": "mini", "block_size": 128, "n_layer": n_layer,
                                  "norm_placement": placement, "vocab_size": vocab})
     torch.manual_seed(seed)
@@ -36,22 +38,17 @@ def run(tokens: torch.Tensor, vocab: int, placement: str, lr: float, seed: int, 
     with torch.no_grad():
         model(held)
     f0 = last["F"].clone()
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                            lr=lr, betas=(0.9, 0.95), eps=1e-8)
-    data = tokens[torch.randperm(tokens.size(0), generator=torch.Generator().manual_seed(seed))]
+    configured = StressModule(model, lr, optimisation).configure_optimizers()
+    opt, schedule = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
     updates, losses = [], []
-    for step in range(steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, max_lr=lr, min_lr=0.1 * lr, warmup_steps=0, decay_steps=steps)
-        batch = data[step * BATCH:(step + 1) * BATCH]
-        logits = model(batch[:, :-1])  # (B, T, V)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+    for x, y in itertools.islice(batches(tokens, seed, BATCH), optimisation.steps):
+        logits = model(x)  # (B, T, V)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), optimisation.grad_clip)
         opt.step()
+        schedule.step()
         losses.append(loss.item())
         with torch.no_grad():
             model(held)
@@ -71,7 +68,7 @@ def main(argv: list[str]) -> None:
         for lr in (float(x) for x in lrs.split(",")):
             for seed in (0, 1):
                 key = f"{placement} lr {lr:g} seed {seed}"
-                r = results[key] = run(tokens, vocab, placement, lr, seed, steps, n_layer)
+                r = results[key] = run(tokens, vocab, placement, lr, seed, protocol.optimisation, n_layer)
                 u = r["update"]
                 print(f"{key}: update after step 1 {u[0]:.3g}, 5 {u[4]:.3g}, 10 {u[9]:.3g}, 30 {u[29]:.3g}, "
                       f"{steps} {u[-1]:.3g}; mean over steps 1-10 {sum(u[:10]) / 10:.3g}; "
