@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from test_check import TINY
 
 from lnstab.check.cli import build_parser, make_protocol, split_model_args
@@ -15,6 +16,8 @@ from lnstab.check.report import cell
 from lnstab.check.subjects import lnstab_subject
 from lnstab.check.validate import (
     default_protocol,
+    heldout_lines,
+    heldout_result,
     note_text,
     pairs,
     protocol_args,
@@ -22,7 +25,7 @@ from lnstab.check.validate import (
     supplement_results,
     unique_runs,
 )
-from lnstab.check.validation import DEFAULT_SHAPE, ROWS, SUPPLEMENTS
+from lnstab.check.validation import DEFAULT_SHAPE, HELDOUT, HELDOUT_PREDICTION, HF_FAMILIES, ROWS, SUPPLEMENTS
 from lnstab.check.validation_notes import NOTES, SUPPLEMENT_NOTES, NoteError, render
 from lnstab.cli import main
 from lnstab.rundir import read_json
@@ -42,6 +45,37 @@ def test_the_validation_set_is_well_formed() -> None:
     implied = {r.id: r.expected for r in ROWS}
     assert implied["post-ln"] == implied["no-ln"] == ("fail",) and implied["peri-ln"] == ("pass",)
     assert implied["pre-ln"] == ("warn",)
+
+
+def test_the_heldout_set_is_well_formed_and_apart_from_the_main_set() -> None:
+    assert len(HELDOUT) >= 8 and len({r.id for r in HELDOUT}) == len(HELDOUT)
+    assert not {r.id for r in HELDOUT} & {r.id for r in ROWS}  # held out: no design graded twice
+    main_designs = {r.model for r in ROWS if r.hf is None}
+    for row in HELDOUT:
+        assert row.outcome and row.source and row.design and set(row.expected) <= STATUSES and row.expected
+        if row.hf is None:
+            assert row.model not in main_designs, row.id
+            subject, _ = lnstab_subject({**pairs(DEFAULT_SHAPE), **pairs(row.model)})
+            assert (subject.config.n_layer, subject.config.n_embd, subject.config.block_size) == (4, 128, 128)
+        else:
+            assert row.hf in HF_FAMILIES and row.hf != "gemma2"  # Gemma 2 is the main set's
+    assert {r.id for r in HELDOUT if r.expected == ("fail",)} and HELDOUT_PREDICTION
+
+
+@pytest.mark.parametrize("family", sorted(HF_FAMILIES))
+def test_each_hf_family_builds_at_a_shape_with_its_norms_located(family, tmp_path) -> None:
+    import transformers
+
+    from lnstab.check.subjects import hf_subject
+
+    make_config, model_class = HF_FAMILIES[family]
+    config = make_config(2, 32, 2, 16, 64)
+    getattr(transformers, model_class)(config).save_pretrained(tmp_path / family)
+    subject = hf_subject(str(tmp_path / family), True)
+    model = subject.build()
+    assert config.model_type == family and model(torch.zeros(1, 8, dtype=torch.long)).shape == (1, 8, 64)
+    assert len(model.output_norms()) == (2 if family in ("gemma2", "olmo2") else 0)  # Theorem 4's updates
+    assert subject.sites.attention  # q and k found for the attention-logit instrument
 
 
 def test_rows_identical_to_a_reference_reuse_its_runs() -> None:
@@ -140,6 +174,36 @@ def test_the_main_readme_reports_each_supplement_from_its_summary(tmp_path) -> N
     assert "post-ln FAIL, deepnorm FAIL (disagrees)" in text and first.prediction in text
     assert f"`lnstab check --validate --data.path owt.jsonl.gz {' '.join(first.args)}" in text
     assert f"**{second.id}**" in text and "Result: not run yet." in text
+
+
+def test_the_heldout_set_runs_apart_and_the_main_readme_reports_it(tmp_path, capsys) -> None:
+    out = tmp_path / "heldout"
+    code = 0
+    try:  # at this size a row may disagree: exit 1 then, never a crash
+        main(["check", "--validate", "--set", "heldout", *SHAPE, *TINY, "--lrs", "1e-2,1e-1",
+              "--rows", "olmo2-hf,post-rmsnorm", "--out", str(out)])
+    except SystemExit as exc:
+        code = exc.code
+    printed = capsys.readouterr().out
+    agree = int(printed.split(": ")[1].split(" of ")[0])
+    assert code == (0 if agree == 2 else 1) and "--set heldout: " in printed and "of 2 rows agree" in printed
+    text = (out / "README.md").read_text()
+    assert text.startswith("# `lnstab check` against the published record: the held-out set")
+    assert HELDOUT_PREDICTION in text and "out of sample" in text and "## Held-out set" not in text
+    olmo = json.loads((out / "olmo2-hf" / "report.json").read_text())
+    assert {r["id"]: r for r in olmo["criteria"]}["bound"]["status"] != "n/a"  # Theorem 4 on OLMo 2's output norms
+    summary = heldout_result(out)
+    assert summary["set"] == "heldout" and summary["agree"] == agree and "--set" in summary["args"]
+    assert set(summary["rows"]) == {"olmo2-hf", "post-rmsnorm"}
+    section = "\n".join(heldout_lines(summary))
+    assert f"[{agree} of 2 rows agree](heldout/README.md)" in section and HELDOUT_PREDICTION in section
+    assert "Result: not run yet." in heldout_lines(None)
+    (out / "summary.json").write_text(json.dumps({**summary, "set": "main"}))  # a main set's summary: not this one
+    assert heldout_result(out) is None and heldout_result(tmp_path / "nowhere") is None
+    with pytest.raises(SystemExit) as info:
+        main(["check", "--validate", "--set", "heldout", *TINY, "--rows", "pre-ln", "--out", str(tmp_path / "v")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "--rows pre-ln is not allowed; rows of --set heldout: pre-rmsnorm" in err
 
 
 def card(measured: dict[str, float], refs: dict[str, float], **summary) -> dict:

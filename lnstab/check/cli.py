@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "the default shape and write its README (--out, default docs/check/validation).")
     out.add_argument("--overwrite", action="store_true", help="With --validate: replace an earlier validation.")
     out.add_argument("--rows", help="With --validate: comma-separated row ids (default: every row).")
+    out.add_argument("--set", choices=("main", "heldout"), default="main",
+                     help="With --validate: main (default; docs/check/validation) or heldout, the designs that played "
+                          "no part in fixing the thresholds (docs/check/validation/heldout).")
     return p
 
 
@@ -249,6 +252,8 @@ def main(argv: list[str] | None = None) -> None:
         raise LNStabError("--overwrite is for --validate; a check never overwrites a run directory")
     if args.rows and not args.validate:
         raise LNStabError("--rows is for --validate")
+    if args.set != "main" and not args.validate:
+        raise LNStabError("--set is for --validate")
     threads = torch.get_num_threads()
     if args.threads is not None:
         torch.set_num_threads(validation.positive_int("--threads", args.threads))

@@ -1,4 +1,5 @@
-"""``lnstab check --validate``: every row of :data:`lnstab.check.validation.ROWS` as a card at the default shape,
+"""``lnstab check --validate``: every row of :data:`lnstab.check.validation.ROWS` (``--set heldout``: of
+:data:`~lnstab.check.validation.HELDOUT`) as a card at the default shape,
 graded against the verdict its published outcome implies, and ``docs/check/validation/README.md``.
 
 All rows share one set of stress runs: the Pre-LN and Peri-LN references (identical for every row of one shape) run
@@ -25,13 +26,15 @@ from lnstab.check.criteria import CRITERIA, DEFAULT_THRESHOLDS, load_thresholds
 from lnstab.check.protocol import plan, run_ladder
 from lnstab.check.runner import check_logits, grade, lnstab_version, load_data, machine, public_command, public_path
 from lnstab.check.subjects import Subject, context_length, hf_subject, lnstab_subject, parse_value, references
-from lnstab.check.validation import DEFAULT_SHAPE, ROWS, SUPPLEMENTS, Row, gemma2_config
-from lnstab.check.validation_notes import NOTES, SUPPLEMENT_NOTES, THRESHOLD_CHANGES, NoteError, render
+from lnstab.check.validation import DEFAULT_SHAPE, HELDOUT, HELDOUT_PREDICTION, HF_FAMILIES, ROWS, SUPPLEMENTS, Row
+from lnstab.check.validation_notes import HELDOUT_NOTES, NOTES, SUPPLEMENT_NOTES, THRESHOLD_CHANGES, NoteError, render
 from lnstab.check.workers import RunPool
 from lnstab.errors import LNStabError
 from lnstab.rundir import read_json
 
 DEFAULT_OUT = Path("docs/check/validation")
+SETS = {"main": ROWS, "heldout": HELDOUT}  # --set: the validation set, the held-out set (its own README)
+HELDOUT_DIR = "heldout"  # the held-out set's directory under the main set's
 SHAPE_KEYS = ("preset", "n_layer", "n_head", "n_embd", "block_size", "vocab_size")
 SHORT = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "n/a": "n/a"}
 
@@ -43,15 +46,16 @@ def pairs(args: tuple[str, ...]) -> dict[str, Any]:
 
 def row_subject(row: Row, shape: dict[str, Any], workdir: Path) -> tuple[Subject, list[str]]:
     """The checked subject of ``row`` at ``shape``, and the ``lnstab check`` arguments that make the same card."""
-    if row.hf == "gemma2":
+    if row.hf:
         probe, _ = lnstab_subject(shape)
         s = probe.shape
-        from transformers import Gemma2ForCausalLM
+        import transformers
 
-        directory = workdir / "gemma2"
-        Gemma2ForCausalLM(gemma2_config(s.n_layer, s.n_embd, s.n_head, s.block_size, s.vocab_size)).save_pretrained(
-            directory)
-        return hf_subject(str(directory), True), ["--hf", "<a Gemma 2 directory of this shape>", "--hf-init"]
+        make_config, model_class = HF_FAMILIES[row.hf]
+        directory = workdir / row.hf
+        config = make_config(s.n_layer, s.n_embd, s.n_head, s.block_size, s.vocab_size)
+        getattr(transformers, model_class)(config).save_pretrained(directory)
+        return hf_subject(str(directory), True), ["--hf", f"<a {row.hf} directory of this shape>", "--hf-init"]
     model = {**shape, **pairs(row.model)}
     subject, _ = lnstab_subject(model)
     return subject, model_flags(model)
@@ -63,7 +67,7 @@ def model_flags(model: dict[str, Any]) -> list[str]:
             for arg in (f"--model.{k}", str(v).lower() if isinstance(v, bool) else str(v))]
 
 
-def prepare_out(out: Path, overwrite: bool) -> None:
+def prepare_out(out: Path, overwrite: bool, rows: tuple[Row, ...] = ROWS) -> None:
     """An empty ``out``, or one whose earlier validation may be replaced (``--overwrite``)."""
     if out.exists() and not out.is_dir():
         raise LNStabError(f"--out {out} is not allowed; it is a file, not a directory")
@@ -72,7 +76,7 @@ def prepare_out(out: Path, overwrite: bool) -> None:
             raise LNStabError(f"--out {out} already holds a validation; give --overwrite to replace it")
         if not (out / "README.md").is_file():
             raise LNStabError(f"--out {out} is not empty and holds no validation README; refusing to replace it")
-        for row in ROWS:
+        for row in rows:
             shutil.rmtree(out / row.id, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -86,22 +90,25 @@ def main(args: argparse.Namespace, model_args: dict[str, Any], argv: list[str]) 
     if bad:
         raise LNStabError(f"--model.{bad[0]} is not allowed with --validate; only the shape may change "
                           f"({', '.join(SHAPE_KEYS)})")
+    every = SETS[args.set]
     wanted = [r.strip() for r in (args.rows or "").split(",") if r.strip()]
-    unknown = [r for r in wanted if r not in {row.id for row in ROWS}]
+    unknown = [r for r in wanted if r not in {row.id for row in every}]
     if unknown:
-        raise LNStabError(f"--rows {unknown[0]} is not allowed; rows: {', '.join(r.id for r in ROWS)}")
-    rows = [r for r in ROWS if not wanted or r.id in wanted]
+        raise LNStabError(f"--rows {unknown[0]} is not allowed; rows of --set {args.set}: "
+                          f"{', '.join(r.id for r in every)}")
+    rows = [r for r in every if not wanted or r.id in wanted]
+    heldout = args.set == "heldout"
     from lnstab.check.cli import make_protocol, worker_counts
 
     protocol = make_protocol(args, {})
     thresholds = load_thresholds(args.thresholds)
-    out = Path(args.out) if args.out else DEFAULT_OUT
+    out = Path(args.out) if args.out else DEFAULT_OUT / HELDOUT_DIR if heldout else DEFAULT_OUT
     shape = {**pairs(DEFAULT_SHAPE), **model_args}
     with tempfile.TemporaryDirectory(prefix="lnstab-validate-") as tmp:
         work = Path(tmp)
         checked = [row_subject(row, shape, work) for row in rows]
         seq_len = context_length(checked[0][0], protocol.seq_len)
-        prepare_out(out, args.overwrite)
+        prepare_out(out, args.overwrite, every)
         estimate = len(plan([checked[0][0], *references(checked[0][0], seq_len)], protocol)) * len(rows)
         workers, per_worker = worker_counts(args, estimate)
         with RunPool(workers, per_worker) as pool:
@@ -125,20 +132,22 @@ def main(args: argparse.Namespace, model_args: dict[str, Any], argv: list[str]) 
     wall = time.perf_counter() - started
     n_runs = sum(len(v) for k, v in runs.items() if k in registry)
     agree = sum(c["status"] in r.expected for r, c in zip(rows, cards, strict=True))
-    shown = [*model_flags(model_args),
+    shown = [*model_flags(model_args), *(["--set", args.set] if heldout else []),
              *(["--rows", ",".join(wanted)] if wanted else []), *protocol_args(argv)]
-    summary = {"args": shlex.split(public_command(shown).removeprefix("lnstab check ")),  # no path of this machine
+    summary = {"set": args.set,  # args: no path of this machine
+               "args": shlex.split(public_command(shown).removeprefix("lnstab check ")),
                "agree": agree, "rows": {r.id: {"card": c["status"], "expected": list(r.expected)}
                                         for r, c in zip(rows, cards, strict=True)}, "wall_s": round(wall, 1)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     full = not wanted and not model_args and default_protocol(protocol)
     text = readme(rows, cards, thresholds, public_command(["--validate", *argv_without(argv, "--validate")]),
                   wall, n_runs, len(registry), provenance, shape=model_args,
-                  supplements=supplement_results(out) if full else None,
-                  data_text=data_text(protocol))
+                  supplements=supplement_results(out) if full and not heldout else None,
+                  data_text=data_text(protocol), heldout=heldout_result(out / HELDOUT_DIR) if full and not heldout
+                  else None, set_name=args.set, notes=full)
     (out / "README.md").write_text(text, encoding="utf-8")
-    sys.stdout.write(f"lnstab check --validate: {agree} of {len(rows)} rows agree with the published outcome "
-                     f"({wall:.0f} s); {out / 'README.md'}\n")
+    sys.stdout.write(f"lnstab check --validate{' --set heldout' if heldout else ''}: {agree} of {len(rows)} rows "
+                     f"agree with the published outcome ({wall:.0f} s); {out / 'README.md'}\n")
     if agree < len(rows):
         raise SystemExit(1)
 
@@ -149,7 +158,7 @@ def argv_without(argv: list[str], flag: str) -> list[str]:
 
 def protocol_args(argv: list[str]) -> list[str]:
     """The protocol flags of a ``--validate`` command line (no ``--validate``, ``--overwrite``, ``--rows``,
-    ``--out``, ``--model.*``): what a single card of a row needs beside the row's own arguments."""
+    ``--set``, ``--out``, ``--model.*``): what a single card of a row needs beside the row's own arguments."""
     out, skip = [], False
     for arg in argv:
         if skip:
@@ -158,7 +167,7 @@ def protocol_args(argv: list[str]) -> list[str]:
         name = arg.split("=", 1)[0]
         if name in ("--validate", "--overwrite"):
             continue
-        if name in ("--rows", "--out") or name.startswith("--model."):
+        if name in ("--rows", "--set", "--out") or name.startswith("--model."):
             skip = "=" not in arg
             continue
         out.append(arg)
@@ -295,13 +304,48 @@ def supplement_lines(results: dict[str, dict[str, Any] | None], data_arg: str) -
     return lines
 
 
+HELDOUT_TEXT = (
+    "These designs played no part in fixing the thresholds: every threshold was fixed, and the two changed, on the "
+    "main set's rows alone ([README](../README.md)). Rows, expected verdicts and the prediction below were committed "
+    "before this set was first run (`lnstab/check/validation.py`, `HELDOUT`), so its agreement is the check's "
+    "out-of-sample record; the main set's is in sample.")
+
+
+def heldout_result(where: Path) -> dict[str, Any] | None:
+    """The held-out set's ``summary.json`` under ``where`` (``None`` where it has not been run or does not read back
+    as one)."""
+    try:
+        found = json.loads((where / "summary.json").read_text(encoding="utf-8"))
+        return found if found.get("set") == "heldout" and isinstance(found.get("rows"), dict) else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def heldout_lines(got: dict[str, Any] | None) -> list[str]:
+    """The main README's section on the held-out set: what it is, what was predicted, what came out."""
+    lines = ["", "## Held-out set", "",
+             f"{len(HELDOUT)} designs that played no part in fixing the thresholds, with their expected verdicts and "
+             f"a prediction committed before the set first ran (`lnstab check --validate --set heldout`; "
+             f"`lnstab/check/validation.py`, `HELDOUT`). Predicted: {HELDOUT_PREDICTION}", ""]
+    if got is None:
+        return [*lines, "Result: not run yet."]
+    verdicts = ", ".join(f"{row} {SHORT[v['card']]}" + ("" if v["card"] in v["expected"] else " (disagrees)")
+                         for row, v in got["rows"].items())
+    return [*lines, f"Result: [{got['agree']} of {len(got['rows'])} rows agree]({HELDOUT_DIR}/README.md) "
+                    f"({got['wall_s'] / 60:.1f} min): {verdicts}."]
+
+
 def readme(rows: list[Row], cards: list[dict[str, Any]], thresholds: dict[str, Any], command: str, wall: float,
            n_runs: int, n_models: int, provenance: dict[str, Any], shape: dict[str, Any] | None = None,
-           supplements: dict[str, dict[str, Any] | None] | None = None, data_text: str = "") -> str:
+           supplements: dict[str, dict[str, Any] | None] | None = None, data_text: str = "",
+           heldout: dict[str, Any] | None = None, set_name: str = "main", notes: bool | None = None) -> str:
     """The validation README: agreement, one row per architecture, which criteria decide which rows, thresholds,
     and (for the whole set at the default shape and protocol: ``supplements`` given) the row notes and the
     supplements found under ``<out>/supplements``; another run's rows carry no notes (those explain the default
-    run's numbers), its disagreements are explained in the main README's supplement notes."""
+    run's numbers), its disagreements are explained in the main README's supplement notes. ``set_name`` ``heldout``
+    writes the held-out set's README (its prediction, its own row notes); ``heldout`` (that set's summary, for the
+    main set's README) adds its section. ``notes``: whether the row notes are shown (default: with
+    ``supplements``)."""
     from lnstab.check.report import cell
     from lnstab.check.report import provenance as made_by
 
@@ -310,9 +354,11 @@ def readme(rows: list[Row], cards: list[dict[str, Any]], thresholds: dict[str, A
     strict = sum(a for a, r in zip(agree, rows, strict=True) if len(r.expected) == 1)
     single = sum(len(r.expected) == 1 for r in rows)
     custom = thresholds != load_thresholds(None)
+    notes = supplements is not None if notes is None else notes
+    row_notes = HELDOUT_NOTES if set_name == "heldout" else NOTES
     proto = cards[0]["protocol_text"] if cards else ""
     lines = [
-        "# `lnstab check` against the published record",
+        "# `lnstab check` against the published record" + (": the held-out set" if set_name == "heldout" else ""),
         "",
         f"Generated by `{command}` in {wall / 60:.1f} min ({n_runs} stress runs of {n_models} distinct models; made by "
         f"{made_by(provenance)}). Every row is a card at "
@@ -323,7 +369,10 @@ def readme(rows: list[Row], cards: list[dict[str, Any]], thresholds: dict[str, A
         "A row identical to a reference (Pre-LN, Peri-LN) is graded against itself, so it passes every criterion "
         "where that reference sets the pass band (for Peri-LN: all of them) by construction.",
         "",
-        f"**Agreement: {sum(agree)} of {len(rows)} rows ({100 * sum(agree) / max(1, len(rows)):.0f} %; goal ≥ 90 %)** "
+        *([HELDOUT_TEXT, "", f"Predicted before the first run: {HELDOUT_PREDICTION}", ""] if set_name == "heldout"
+          else []),
+        f"**Agreement: {sum(agree)} of {len(rows)} rows ({100 * sum(agree) / max(1, len(rows)):.0f} %"
+        + ("; out of sample" if set_name == "heldout" else "; goal ≥ 90 %") + ")** "
         f"— {strict} of the {single} rows whose outcome implies one verdict, {sum(agree) - strict} of the "
         f"{len(rows) - single} reported stable (any verdict but FAIL agrees). Thresholds: "
         + ("**a --thresholds file, not the defaults**." if custom else
@@ -337,8 +386,8 @@ def readme(rows: list[Row], cards: list[dict[str, Any]], thresholds: dict[str, A
     for i, (row, card, ok) in enumerate(zip(rows, cards, agree, strict=True), 1):
         implies = " or ".join(SHORT[e] for e in row.expected)
         decided = ", ".join(f"`{c}`" for c in deciding(card)) or "every criterion passes"
-        note = note_text(NOTES.get(row.id, ""), by_row) if supplements is not None else ""
-        why = decided + (f"; {note}" if note else "" if ok or supplements is None else "; not yet explained")
+        note = note_text(row_notes.get(row.id, ""), by_row) if notes else ""
+        why = decided + (f"; {note}" if note else "" if ok or not notes else "; not yet explained")
         lines.append(f"| {i} | [{cell(row.design)}]({row.id}/report.md) | {cell(row.outcome)} ({cell(row.source)}) | "
                      f"{implies} | **{SHORT[card['status']]}** | {'yes' if ok else '**no**'} | {cell(why)} |")
     lines += ["", "## Each criterion on each row", "",
@@ -362,6 +411,8 @@ def readme(rows: list[Row], cards: list[dict[str, Any]], thresholds: dict[str, A
                                                      "it.")]
     if DEFAULT_THRESHOLDS != load_thresholds(None):
         lines.append("(The module's defaults differ from its YAML: this should not happen.)")
+    if heldout is not None or set_name == "main" and supplements is not None:
+        lines += heldout_lines(heldout)
     if supplements is not None:
         lines += supplement_lines(supplements, data_text)
     lines.append("")

@@ -32,7 +32,8 @@ class Row:
         id: Short name (its card's directory).
         design: The design in words.
         model: ``--model.KEY VALUE`` arguments beyond the default shape (lnstab's family), or ``()`` with ``hf``.
-        hf: ``gemma2``: a Hugging Face model built from a config of the default shape (no download), ``None``.
+        hf: A Hugging Face family (a key of :data:`HF_FAMILIES`: ``gemma2``, ``llama``, ``olmo2``, ``gpt2``) whose
+            model is built from a config of the default shape (no download), or ``None``.
         outcome: The published outcome, one line.
         source: Paper and table / figure / section.
         expected: The verdicts that outcome implies (lower case card statuses).
@@ -111,6 +112,69 @@ ROWS: tuple[Row, ...] = (
 )
 
 
+
+# The held-out set: designs that played no part in fixing the thresholds (every threshold was fixed, and changed, on
+# ROWS alone), with the verdicts their published outcomes imply and, in HELDOUT_PREDICTION, what the card was expected
+# to say; both committed before the set was first run (``lnstab check --validate --set heldout``). Its agreement is
+# the check's out-of-sample record; the main set's is in-sample (two thresholds were changed after its first run).
+HELDOUT: tuple[Row, ...] = (
+    Row("pre-rmsnorm", "Pre-LN with RMSNorm (LLaMA's norm, in lnstab's family)",
+        ("--model.norm_placement", "pre", "--model.norm_type", "rmsnorm"),
+        "trains as LayerNorm does, at lower cost; LLaMA pre-normalises with it for training stability",
+        "Zhang & Sennrich 2019, Root Mean Square Layer Normalization, §5 (comparable to LayerNorm on every task); "
+        "Touvron et al. 2023, LLaMA, §2.2 (pre-normalization)",
+        STABLE),
+    Row("pre-ln-nobias", "Pre-LN without biases (PaLM's choice)",
+        ("--model.norm_placement", "pre", "--model.bias", "false"),
+        "PaLM removes every bias, reporting that this increases training stability for large models",
+        "Chowdhery et al. 2022, PaLM: Scaling Language Modeling with Pathways, §2 (Model Architecture: no biases)",
+        STABLE),
+    Row("pre-ln-zloss", "Pre-LN + z-loss 1e-4 (PaLM's auxiliary loss)",
+        ("--model.norm_placement", "pre", "--model.z_loss", "1e-4"),
+        "the z-loss keeps log Z near 0 and training stable; it prevents the output-logit divergence of small "
+        "models at high learning rates",
+        "Chowdhery et al. 2022, PaLM, §5 (Training Setup: loss function); Wortsman et al. 2023, Small-scale proxies "
+        "for large-scale Transformer training instabilities, §3.2 (output logit divergence)",
+        STABLE),
+    Row("peri-ln-dt0.1", "Peri-LN with residual step Δt = 0.1",
+        ("--model.norm_placement", "peri", "--model.residual_scale", "0.1"),
+        "stable, the best of the paper's four 124M configurations (val loss 3.10, ppl 23.63)",
+        "Kan et al. 2025 (arXiv 2510.09904), 124M results (Pre/Peri × Δt ∈ {1, 0.1})",
+        STABLE),
+    Row("post-rmsnorm", "Post-LN with RMSNorm, the protocol's short warmup",
+        ("--model.norm_placement", "post", "--model.norm_type", "rmsnorm"),
+        "implied, not reported: Xiong et al.'s analysis puts Post-LN's large gradients near the output and its need "
+        "for a long warmup in the norm's place after the residual sum, which RMSNorm (LayerNorm without centring) "
+        "keeps; so it should train badly without a long warmup, as Post-LN does",
+        "Xiong et al. 2020, On Layer Normalization in the Transformer Architecture, §3 (Theorem 1 and Fig. 2), "
+        "applied to RMSNorm",
+        ("fail",)),
+    Row("llama-hf", "Llama through the Hugging Face path (pre-RMSNorm, SwiGLU, rotary positions, untied head)",
+        (), "trains stably from 7B to 65B parameters",
+        "Touvron et al. 2023, LLaMA: Open and Efficient Foundation Language Models, §2.2 and Fig. 1 (training loss)",
+        STABLE, hf="llama"),
+    Row("olmo2-hf", "OLMo 2 through the Hugging Face path (reordered RMSNorm x + RMSNorm(f(x)), QK-norm; its Hugging "
+        "Face loss has no z-loss)",
+        (), "stable at 7B–32B; the reordered norm and QK-norm were adopted for stability (with a z-loss in training)",
+        "Team OLMo 2024, 2 OLMo 2 Furious, §3 (training stability: reordered norm, QK-norm, z-loss)",
+        STABLE, hf="olmo2"),
+    Row("gpt2-hf", "GPT-2 through the Hugging Face path (Pre-LN, Conv1D projections, tied head, its own init)",
+        (), "Pre-LN's: trains, with massive activations that overflow fp16 (not an independent design: it checks "
+        "that the Hugging Face path grades Pre-LN as lnstab's family does)",
+        "Sun et al. 2024, Massive Activations in Large Language Models, §2 (GPT-2 among the models with massive "
+        "activations); Kim et al. 2025, Peri-LN, §3",
+        ("warn",), hf="gpt2"),
+)
+
+HELDOUT_PREDICTION = (
+    "Every row agrees (8 of 8), with one uncertain: pre-rmsnorm, pre-ln-nobias, pre-ln-zloss and gpt2-hf WARN as "
+    "Pre-LN does (growth after training, Jacobian slope; the z-loss does not move log Z in 30 steps, as in OLMo 2's "
+    "row); peri-ln-dt0.1 PASS or WARN (Δt = 0.1 may slow the lowest rung into an LR-sensitivity warning); "
+    "post-rmsnorm FAIL on gradient spread, as Post-LN; llama-hf WARN (as Pre-LN; rotary positions may change its "
+    "attention logits, not a verdict). Uncertain: olmo2-hf, whose lnstab-family row warns on gradient spread by a "
+    "margin of 2 sd over seeds; with RMSNorm, SwiGLU, no biases and no z-loss it may fail on it, and if it does the "
+    "disagreement is gradient spread's, as DeepNorm's is. Expected 7 or 8 of 8.")
+
 def gemma2_config(n_layer: int, n_embd: int, n_head: int, block_size: int, vocab_size: int) -> object:
     """Gemma 2 at a given shape: head width ``n_embd / n_head`` (and ``query_pre_attn_scalar`` that width, as Gemma 2's
     2B/9B models set it), GeGLU four times wide, eager attention (its logit soft-capping needs it)."""
@@ -123,6 +187,43 @@ def gemma2_config(n_layer: int, n_embd: int, n_head: int, block_size: int, vocab
                           pad_token_id=0, eos_token_id=1, bos_token_id=2)
     config._attn_implementation = "eager"
     return config
+
+
+def llama_config(n_layer: int, n_embd: int, n_head: int, block_size: int, vocab_size: int) -> object:
+    """Llama at a given shape: pre-RMSNorm, SwiGLU four times wide (LLaMA's own is 8/3 wide), rotary positions, no
+    biases, an untied head, full multi-head attention."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=n_embd, intermediate_size=4 * n_embd, num_hidden_layers=n_layer,
+                       num_attention_heads=n_head, num_key_value_heads=n_head, vocab_size=vocab_size,
+                       max_position_embeddings=block_size, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+
+
+def olmo2_config(n_layer: int, n_embd: int, n_head: int, block_size: int, vocab_size: int) -> object:
+    """OLMo 2 at a given shape: the reordered norm ``x + RMSNorm(f(x))``, QK-norm over all heads, SwiGLU four times
+    wide, rotary positions, an untied head. Its Hugging Face loss has no z-loss (OLMo 2's training adds one)."""
+    from transformers import Olmo2Config
+
+    return Olmo2Config(hidden_size=n_embd, intermediate_size=4 * n_embd, num_hidden_layers=n_layer,
+                       num_attention_heads=n_head, num_key_value_heads=n_head, vocab_size=vocab_size,
+                       max_position_embeddings=block_size, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+
+
+def gpt2_config(n_layer: int, n_embd: int, n_head: int, block_size: int, vocab_size: int) -> object:
+    """GPT-2 at a given shape (Hugging Face's ``GPT2LMHeadModel``: Pre-LN, tied head, its own initialisation)."""
+    from transformers import GPT2Config
+
+    return GPT2Config(n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_positions=block_size, vocab_size=vocab_size,
+                      bos_token_id=0, eos_token_id=0)
+
+
+# family -> (config at a shape, the model class's name in transformers)
+HF_FAMILIES = {
+    "gemma2": (gemma2_config, "Gemma2ForCausalLM"),
+    "llama": (llama_config, "LlamaForCausalLM"),
+    "olmo2": (olmo2_config, "Olmo2ForCausalLM"),
+    "gpt2": (gpt2_config, "GPT2LMHeadModel"),
+}
 
 
 @dataclass(frozen=True)

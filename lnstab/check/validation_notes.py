@@ -19,6 +19,10 @@ from typing import Any
 
 from lnstab.check.card import FACTOR_BASES, as_factor
 
+# The held-out set's row notes (lnstab.check.validation.HELDOUT): written after its run, to explain its numbers;
+# they change no verdict.
+HELDOUT_NOTES: dict[str, str] = {}
+
 NOTES: dict[str, str] = {
     "post-ln": "agrees on the mechanism, not on the loss: its per-layer gradient norms span {post-ln.grad_spread} "
                "at lr {post-ln:summaries/checked/grad_spread/lr} (Xiong et al.'s and Liu et al.'s gradient "
