@@ -15,6 +15,7 @@ from lnstab.check.cli import build_parser, make_protocol, split_model_args
 from lnstab.check.report import cell
 from lnstab.check.subjects import lnstab_subject
 from lnstab.check.validate import (
+    constant_text,
     default_protocol,
     heldout_lines,
     heldout_result,
@@ -26,7 +27,7 @@ from lnstab.check.validate import (
     unique_runs,
 )
 from lnstab.check.validation import DEFAULT_SHAPE, HELDOUT, HELDOUT_PREDICTION, HF_FAMILIES, ROWS, SUPPLEMENTS
-from lnstab.check.validation_notes import NOTES, SUPPLEMENT_NOTES, NoteError, render
+from lnstab.check.validation_notes import HELDOUT_NOTES, NOTES, SUPPLEMENT_NOTES, NoteError, render
 from lnstab.cli import main
 from lnstab.rundir import read_json
 
@@ -76,6 +77,16 @@ def test_each_hf_family_builds_at_a_shape_with_its_norms_located(family, tmp_pat
     assert config.model_type == family and model(torch.zeros(1, 8, dtype=torch.long)).shape == (1, 8, 64)
     assert len(model.output_norms()) == (2 if family in ("gemma2", "olmo2") else 0)  # Theorem 4's updates
     assert subject.sites.attention  # q and k found for the attention-logit instrument
+
+
+def test_the_constant_verdict_baseline_counts_the_rows_each_verdict_matches() -> None:
+    rows = [r for r in ROWS if r.id in ("post-ln", "pre-ln", "peri-ln", "olmo2", "deepnorm")]
+    # expected: fail; warn; pass; pass or warn; pass or warn -> always WARN 3, always PASS 3, always FAIL 1
+    text = constant_text(rows)
+    assert text.startswith("Baseline: a card that always said WARN, whatever the model, would agree on 3 of 5 rows")
+    assert "(always PASS 3, always FAIL 1)" in text
+    fails = [r for r in ROWS if r.expected == ("fail",)]
+    assert "always said FAIL, whatever the model, would agree on 2 of 2 rows" in constant_text(fails)
 
 
 def test_rows_identical_to_a_reference_reuse_its_runs() -> None:
@@ -190,6 +201,7 @@ def test_the_heldout_set_runs_apart_and_the_main_readme_reports_it(tmp_path, cap
     text = (out / "README.md").read_text()
     assert text.startswith("# `lnstab check` against the published record: the held-out set")
     assert HELDOUT_PREDICTION in text and "out of sample" in text and "## Held-out set" not in text
+    assert "Baseline: a card that always said" in text
     olmo = json.loads((out / "olmo2-hf" / "report.json").read_text())
     assert {r["id"]: r for r in olmo["criteria"]}["bound"]["status"] != "n/a"  # Theorem 4 on OLMo 2's output norms
     summary = heldout_result(out)
@@ -248,3 +260,11 @@ def test_the_committed_notes_quote_the_committed_cards_and_the_readme_shows_them
         assert found[sup.id] is not None and found[sup.id]["cards"], sup.id  # every supplement is committed
         text = render(SUPPLEMENT_NOTES[sup.id], found[sup.id]["cards"])
         assert "{" not in text and text in readme, sup.id
+    heldout = (VALIDATION / "heldout" / "README.md").read_text(encoding="utf-8")
+    cards = {row.id: read_json(VALIDATION / "heldout" / row.id / "report.json") for row in HELDOUT}
+    assert set(HELDOUT_NOTES) <= set(cards)
+    for row, note in HELDOUT_NOTES.items():
+        text = render(note, cards)
+        assert "{" not in text and cell(text) in heldout, row
+    summary = heldout_result(VALIDATION / "heldout")  # the main README reports the committed held-out run
+    assert summary is not None and f"[{summary['agree']} of {len(HELDOUT)} rows agree](heldout/README.md)" in readme

@@ -335,6 +335,16 @@ def heldout_lines(got: dict[str, Any] | None) -> list[str]:
                     f"({got['wall_s'] / 60:.1f} min): {verdicts}."]
 
 
+def constant_text(rows: list[Row]) -> str:
+    """What a card that always gives one verdict would score on ``rows``: the baseline the check's agreement is to be
+    read against (most published outcomes are "stable", which any verdict but FAIL matches)."""
+    counts = {v: sum(v in r.expected for r in rows) for v in ("warn", "pass", "fail")}
+    best = max(counts, key=counts.get)
+    others = ", ".join(f"always {SHORT[v]} {n}" for v, n in counts.items() if v != best)
+    return (f"Baseline: a card that always said {SHORT[best]}, whatever the model, would agree on {counts[best]} of "
+            f"{len(rows)} rows ({others}); the check's worth is in the rows a constant verdict gets wrong.")
+
+
 def readme(rows: list[Row], cards: list[dict[str, Any]], thresholds: dict[str, Any], command: str, wall: float,
            n_runs: int, n_models: int, provenance: dict[str, Any], shape: dict[str, Any] | None = None,
            supplements: dict[str, dict[str, Any] | None] | None = None, data_text: str = "",
@@ -379,6 +389,8 @@ def readme(rows: list[Row], cards: list[dict[str, Any]], thresholds: dict[str, A
            "the defaults of `lnstab/check/criteria.py`, fixed before the set was first run"
            + (f"; {len(THRESHOLD_CHANGES)} changed after that run and every verdict re-run (see Thresholds)."
               if THRESHOLD_CHANGES else " (history below).")),
+        "",
+        constant_text(rows),
         "",
         "| # | architecture | published outcome (source) | implies | card | agrees | decided by / why |",
         "|---|---|---|---|---|---|---|",

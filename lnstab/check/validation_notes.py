@@ -21,7 +21,40 @@ from lnstab.check.card import FACTOR_BASES, as_factor
 
 # The held-out set's row notes (lnstab.check.validation.HELDOUT): written after its run, to explain its numbers;
 # they change no verdict.
-HELDOUT_NOTES: dict[str, str] = {}
+HELDOUT_NOTES: dict[str, str] = {
+    "pre-rmsnorm": "graded as Pre-LN is (growth after training {pre-rmsnorm.growth_trained} against Pre-LN's "
+                   "{pre-rmsnorm.growth_trained@pre-ln}, Jacobian slope {pre-rmsnorm.sensitivity}), and it also warns "
+                   "on gradient spread ({pre-rmsnorm.grad_spread} against {pre-rmsnorm.grad_spread@pre-ln} and "
+                   "{pre-rmsnorm.grad_spread@peri-ln}; warn above {pre-rmsnorm.grad_spread#warn})",
+    "pre-ln-nobias": "its references are built without biases too, so its Pre-LN reference is the row itself: it shows "
+                     "that Pre-LN's verdict holds without biases, not that removing them changes it",
+    "pre-ln-zloss": "the z-loss (1e-4) does not move log Z in 30 steps ({pre-ln-zloss.log_z} against "
+                    "{pre-ln-zloss.log_z@pre-ln}), as in the main set's OLMo 2 row, so the card is Pre-LN's",
+    "peri-ln-dt0.1": "warns only on the Jacobian slope ({peri-ln-dt0.1.sensitivity} against Peri-LN's "
+                     "{peri-ln-dt0.1.sensitivity@peri-ln}; warn above {peri-ln-dt0.1.sensitivity#warn}); its best loss "
+                     "is the lowest of the three ({peri-ln-dt0.1.loss} against {peri-ln-dt0.1.loss@peri-ln} and "
+                     "{peri-ln-dt0.1.loss@pre-ln} nats), as Kan et al. report at 124M",
+    "post-rmsnorm": "agrees on the mechanism, not on the loss, as the main set's Post-LN row does: its per-layer "
+                    "gradient norms span {post-rmsnorm.grad_spread} at lr "
+                    "{post-rmsnorm:summaries/checked/grad_spread/lr} (the references {post-rmsnorm.grad_spread@pre-ln} "
+                    "and {post-rmsnorm.grad_spread@peri-ln}), while its best loss is Pre-LN's ({post-rmsnorm.loss} "
+                    "against {post-rmsnorm.loss@pre-ln} nats)",
+    "llama-hf": "its largest |x| {llama-hf.overflow} is beyond fp16's maximum (Pre-LN's {llama-hf.overflow@pre-ln}, "
+                "Peri-LN's {llama-hf.overflow@peri-ln}): the massive activations Sun et al. 2024 report in LLaMA; it "
+                "also grows faster at initialisation ({llama-hf.growth_init} against {llama-hf.growth_init@pre-ln}), "
+                "Hugging Face's Llama drawing every projection at std 0.02 without GPT-2's 1/√(2L) for the "
+                "residual outputs",
+    "olmo2-hf": "the prediction's uncertain branch came out a pass: gradient spread {olmo2-hf.grad_spread} against "
+                "{olmo2-hf.grad_spread@pre-ln} and {olmo2-hf.grad_spread@peri-ln}, where lnstab's OLMo 2 row warns; "
+                "Theorem 4's bound is checked on its located output norms ({olmo2-hf.bound} violations); QK-norm "
+                "keeps its attention logits at {olmo2-hf.attention} against {olmo2-hf.attention@pre-ln}; it warns on "
+                "LR sensitivity ({olmo2-hf.lr_sensitivity}, warn above {olmo2-hf.lr_sensitivity#warn}) and on "
+                "growth at initialisation and after training",
+    "gpt2-hf": "graded as lnstab's Pre-LN is, on the same two criteria (growth after training "
+               "{gpt2-hf.growth_trained} against {gpt2-hf.growth_trained@pre-ln}, Jacobian slope "
+               "{gpt2-hf.sensitivity} against {gpt2-hf.sensitivity@pre-ln}): the Hugging Face path and lnstab's "
+               "family agree on Pre-LN",
+}
 
 NOTES: dict[str, str] = {
     "post-ln": "agrees on the mechanism, not on the loss: its per-layer gradient norms span {post-ln.grad_spread} "
