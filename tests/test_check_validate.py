@@ -60,7 +60,8 @@ def test_the_heldout_set_is_well_formed_and_apart_from_the_main_set() -> None:
             assert (subject.config.n_layer, subject.config.n_embd, subject.config.block_size) == (4, 128, 128)
         else:
             assert row.hf in HF_FAMILIES and row.hf != "gemma2"  # Gemma 2 is the main set's
-    assert {r.id for r in HELDOUT if r.expected == ("fail",)} and HELDOUT_PREDICTION
+    assert [r.id for r in HELDOUT if r.expected == ("fail",)] == ["post-rmsnorm"] and HELDOUT_PREDICTION
+    assert {"pre-ln-nobias", "gpt2-hf"} <= {r.id for r in HELDOUT}  # what HELDOUT_LIMITS says of the set
 
 
 @pytest.mark.parametrize("family", sorted(HF_FAMILIES))
@@ -69,7 +70,7 @@ def test_each_hf_family_builds_at_a_shape_with_its_norms_located(family, tmp_pat
 
     from lnstab.check.subjects import hf_subject
 
-    make_config, model_class = HF_FAMILIES[family]
+    make_config, model_class, _ = HF_FAMILIES[family]
     config = make_config(2, 32, 2, 16, 64)
     getattr(transformers, model_class)(config).save_pretrained(tmp_path / family)
     subject = hf_subject(str(tmp_path / family), True)
@@ -209,6 +210,7 @@ def test_the_heldout_set_runs_apart_and_the_main_readme_reports_it(tmp_path, cap
     assert set(summary["rows"]) == {"olmo2-hf", "post-rmsnorm"}
     section = "\n".join(heldout_lines(summary))
     assert f"[{agree} of 2 rows agree](heldout/README.md)" in section and HELDOUT_PREDICTION in section
+    assert "would agree on 1 of 2 rows" in section  # the baseline of these two rows: one FAIL, one PASS or WARN
     assert "Result: not run yet." in heldout_lines(None)
     (out / "summary.json").write_text(json.dumps({**summary, "set": "main"}))  # a main set's summary: not this one
     assert heldout_result(out) is None and heldout_result(tmp_path / "nowhere") is None

@@ -217,12 +217,12 @@ def gpt2_config(n_layer: int, n_embd: int, n_head: int, block_size: int, vocab_s
                       bos_token_id=0, eos_token_id=0)
 
 
-# family -> (config at a shape, the model class's name in transformers)
+# family -> (config at a shape, the model class's name in transformers, the family's name in words)
 HF_FAMILIES = {
-    "gemma2": (gemma2_config, "Gemma2ForCausalLM"),
-    "llama": (llama_config, "LlamaForCausalLM"),
-    "olmo2": (olmo2_config, "Olmo2ForCausalLM"),
-    "gpt2": (gpt2_config, "GPT2LMHeadModel"),
+    "gemma2": (gemma2_config, "Gemma2ForCausalLM", "Gemma 2"),
+    "llama": (llama_config, "LlamaForCausalLM", "Llama"),
+    "olmo2": (olmo2_config, "Olmo2ForCausalLM", "OLMo 2"),
+    "gpt2": (gpt2_config, "GPT2LMHeadModel", "GPT-2"),
 }
 
 
