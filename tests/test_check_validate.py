@@ -248,6 +248,23 @@ def test_note_placeholders_quote_the_cards_as_the_card_reads_them() -> None:
     assert note_text("x {a.overflow} y", cards).startswith("(note not rendered: note placeholder {a.overflow}")
 
 
+def test_ratio_placeholders_compute_what_a_note_would_otherwise_type() -> None:
+    # spreads as the card reads them: x2.1e6 and x2.3 (decades 6.32 and 0.36); |x| 2.6e5 against fp16's 65504
+    cards = {"a": card({"grad_spread": 6.3177, "overflow": 2.6e5, "loss": 7.0}, {"grad_spread": 0.3549,
+                                                                                "overflow": 3.1e4, "loss": 0.0})}
+    note = ("{a.grad_spread|decades} decades, {a.grad_spread/a.grad_spread@pre-ln|decades} over Pre-LN, "
+            "{a.grad_spread/a.grad_spread#warn|times} times the warning, {a.overflow/65504|times} times fp16's "
+            "maximum, {a.overflow/a.overflow@pre-ln|times} Pre-LN's")
+    assert render(note, cards) == ("6 decades, 6 over Pre-LN, 6.6e5 times the warning, 4 times fp16's maximum, "
+                                   "8.4 Pre-LN's")
+    for bad, said in (("{a.grad_spread/b.loss|times}", "no card for row 'b'"),
+                      ("{a.grad_spread/x|times}", "'x' is neither row.criterion"),
+                      ("{a.loss/a.loss@pre-ln|times}", "divides by 0"),
+                      ("{a.loss/-1|decades}", "has no decades")):
+        with pytest.raises(NoteError, match=f"note placeholder {re.escape(bad)}: .*{re.escape(said)}"):
+            render(f"x {bad} y", cards)
+
+
 def test_the_committed_notes_quote_the_committed_cards_and_the_readme_shows_them() -> None:
     """The README's row and supplement notes are the notes rendered from the cards beside it: a number a note
     quotes is the number its run measured (typed by hand, they went stale when the set was re-run)."""

@@ -8,7 +8,9 @@ never quotes a number its run did not measure (typed by hand, they went stale wh
 kind): ``{row.criterion}`` is a criterion's value on that row's card, ``{row.criterion@pre-ln}`` a reference's value
 on it, ``{row.criterion#warn}`` (``#fail``) its threshold, each as the card reads it (``×2.1e6`` for a gradient
 spread); ``{row:summaries/checked/lr_sensitivity/points/0.01|.2f}`` is any value of the row's ``report.json``, by
-its keys (list indices as numbers), with an optional format. What a note says about the numbers is still prose.
+its keys (list indices as numbers), with an optional format; ``{a/b|times}`` is the ratio of two such values (or
+numbers: ``{row.overflow/65504|times}``) and ``{a/b|decades}``, ``{a|decades}`` its log10, to the decade, each of a
+spread or growth taken as its factor. What a note says about the numbers is still prose.
 """
 
 from __future__ import annotations
@@ -125,11 +127,14 @@ THRESHOLD_CHANGES: list[str] = [
 SUPPLEMENT_NOTES: dict[str, str] = {
     "depth16": "The prediction's second branch came out: at 16 layers both still train like the references in 30 "
                "steps (final loss {post-ln.loss} and {deepnorm.loss} nats against {post-ln.loss@pre-ln} and "
-               "{post-ln.loss@peri-ln}, no run diverges), and both spread their gradients over 16–20 "
-               "decades at lr {post-ln:summaries/checked/grad_spread/lr} (Post-LN {post-ln.grad_spread}, DeepNorm "
+               "{post-ln.loss@peri-ln}, no run diverges), and both spread their gradients over "
+               "{deepnorm.grad_spread|decades}–{post-ln.grad_spread|decades} decades at lr "
+               "{post-ln:summaries/checked/grad_spread/lr} (Post-LN {post-ln.grad_spread}, DeepNorm "
                "{deepnorm.grad_spread}; the references {post-ln.grad_spread@pre-ln} and "
-               "{post-ln.grad_spread@peri-ln}). DeepNorm narrows the spread by four decades and still fails by "
-               "fourteen. The criterion, not the depth, misjudges DeepNorm: gradient spread at the top rung sees "
+               "{post-ln.grad_spread@peri-ln}). DeepNorm narrows the spread by "
+               "{post-ln.grad_spread/deepnorm.grad_spread|decades} decades and still fails by "
+               "{deepnorm.grad_spread/deepnorm.grad_spread#fail|decades}. The criterion, not the depth, misjudges "
+               "DeepNorm: gradient spread at the top rung sees "
                "Post-LN's mechanism in both and, at 4 and at 16 layers, foretells no loss failure in either; the "
                "Post-LN row agrees on that mechanism only.",
     "seeds-rungs": "Its ladder, chosen for being off every default rung, is also the range over which Wortsman et "
@@ -145,7 +150,8 @@ SUPPLEMENT_NOTES: dict[str, str] = {
                    "(gradient spread) fail as predicted; no LN diverges from lr "
                    "{no-ln:summaries/checked/first_bad/0/lr} ({no-ln:summaries/checked/diverged} of "
                    "{no-ln:summaries/checked/runs} runs). The other nine keep their verdicts; at lr 0.3 Pre-LN's "
-                   "largest |x| reaches {pre-ln.overflow}, four times fp16's maximum (Peri-LN's: {peri-ln.overflow}), "
+                   "largest |x| reaches {pre-ln.overflow}, {pre-ln.overflow/65504|times} times fp16's maximum "
+                   "(Peri-LN's: {peri-ln.overflow}), "
                    "so its warning now includes the fp16 overflow the literature reports, which the default ladder "
                    "does not reach.",
     "deep-regime": "Two of three rows agree, and the predictions held. ReZero agrees: no run diverges at these "
@@ -170,6 +176,7 @@ SUPPLEMENT_NOTES: dict[str, str] = {
 PLACEHOLDER = re.compile(r"\{([^{}]+)\}")
 _CRITERION = re.compile(r"(?P<row>[\w.-]+?)\.(?P<cid>[a-z_]+)(?:@(?P<ref>[\w-]+)|#(?P<level>warn|fail))?")
 _PATH = re.compile(r"(?P<row>[\w.-]+):(?P<path>[^|]+)(?:\|(?P<fmt>.+))?")
+_RATIO = re.compile(r"(?P<a>[^/|:]+)(?:/(?P<b>[^/|:]+))?\|(?P<fmt>decades|times)")
 
 
 class NoteError(ValueError):
@@ -205,24 +212,67 @@ def display(cid: str, value: float | None) -> str:
     return number(value, 3 if cid == "log_z" else 2)
 
 
+def _criterion(match: re.Match[str], cards: dict[str, dict[str, Any]]) -> float | None:
+    """The value a ``row.criterion[@reference|#level]`` placeholder names, in the card's units."""
+    card = _card(match["row"], cards)
+    found = [c for c in card["criteria"] if c["id"] == match["cid"]]
+    if not found:
+        raise NoteError(f"no criterion {match['cid']!r} on the card of {match['row']}")
+    item = found[0]
+    if match["ref"]:
+        if match["ref"] not in item["references"]:
+            raise NoteError(f"no reference {match['ref']!r} (have: {', '.join(item['references'])})")
+        return item["references"][match["ref"]]
+    return item[match["level"]] if match["level"] else item["measured"]
+
+
+def _card(row: str, cards: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    card = cards.get(row)
+    if card is None:
+        raise NoteError(f"no card for row {row!r} (have: {', '.join(cards)})")
+    return card
+
+
+def _operand(text: str, cards: dict[str, dict[str, Any]]) -> float:
+    """A ratio's operand: a criterion placeholder's value as the card reads it (a factor for spreads and growth),
+    or a number (``65504``)."""
+    match = _CRITERION.fullmatch(text.strip())
+    if match is None:
+        try:
+            return float(text)
+        except ValueError:
+            raise NoteError(f"{text.strip()!r} is neither row.criterion[@reference|#warn|#fail] nor a number") from None
+    value = _criterion(match, cards)
+    if value is None or not math.isfinite(value):
+        raise NoteError(f"{text.strip()} is not a finite number")
+    return as_factor(match["cid"], value) if match["cid"] in FACTOR_BASES else value
+
+
+def _ratio(match: re.Match[str], cards: dict[str, dict[str, Any]]) -> str:
+    """``a/b|times`` (the ratio, as :func:`number` quotes it) or ``a/b|decades``, ``a|decades`` (its log10, to the
+    nearest whole decade)."""
+    below = _operand(match["b"], cards) if match["b"] else 1.0
+    if below == 0:
+        raise NoteError(f"{match[0]} divides by 0")
+    value = _operand(match["a"], cards) / below
+    if match["fmt"] == "times":
+        return number(value)
+    if value <= 0:
+        raise NoteError(f"{match[0]} has no decades: the ratio is {value}")
+    return f"{math.log10(value):.0f}"
+
+
 def _fill(text: str, cards: dict[str, dict[str, Any]]) -> str:
+    ratio = _RATIO.fullmatch(text)
+    if ratio:
+        return _ratio(ratio, cards)
     criterion = _CRITERION.fullmatch(text) if ":" not in text else None
     match = criterion or _PATH.fullmatch(text)
     if not match:
-        raise NoteError("neither row.criterion[@reference|#warn|#fail] nor row:path[|format]")
-    card = cards.get(match["row"])
-    if card is None:
-        raise NoteError(f"no card for row {match['row']!r} (have: {', '.join(cards)})")
+        raise NoteError("neither row.criterion[@reference|#warn|#fail], row:path[|format] nor a[/b]|decades|times")
     if criterion:
-        found = [c for c in card["criteria"] if c["id"] == match["cid"]]
-        if not found:
-            raise NoteError(f"no criterion {match['cid']!r} on the card of {match['row']}")
-        item = found[0]
-        if match["ref"]:
-            if match["ref"] not in item["references"]:
-                raise NoteError(f"no reference {match['ref']!r} (have: {', '.join(item['references'])})")
-            return display(match["cid"], item["references"][match["ref"]])
-        return display(match["cid"], item[match["level"]] if match["level"] else item["measured"])
+        return display(match["cid"], _criterion(criterion, cards))
+    card = _card(match["row"], cards)
     value: Any = card
     for key in match["path"].split("/"):
         try:
