@@ -275,4 +275,16 @@ SUPPLEMENTS: tuple[Supplement, ...] = (
         "whatever the outcome, as at 16 layers, PASS or WARN if its spread at ordinary rates stays within a decade "
         "of the references'. If DeepNorm fails on gradient spread here while its loss matches the references', "
         "gradient spread cannot decide a design's verdict on its own."),
+    Supplement(
+        "no-clip", ("--rows", "post-ln,deepnorm", "--model.n_layer", "18", "--warmup-steps", "0",
+                    "--lrs", "5e-4,1e-3", "--steps", "120", "--grad-clip", "0"),
+        "Did gradient clipping hide the difference? The check clips every subject's gradient norm at 1, a "
+        "mitigation in itself; the fairseq recipes of the Post-LN comparisons (Xiong et al., Liu et al.) train "
+        "without it (--clip-norm 0). deep-regime's protocol with clipping off, references too: does Post-LN now "
+        "diverge or fall further behind, and DeepNorm train like the references?",
+        "Post-LN FAIL (gradient spread; without the clip some runs may diverge, or its loss lag Pre-LN's by more "
+        "than deep-regime's). DeepNorm: FAIL again more likely than not, as in all three regimes so far, where it "
+        "trained exactly as Post-LN did; PASS or WARN only if clipping was what held Post-LN back to DeepNorm's "
+        "behaviour. If both diverge or both train alike again, clipping is not the reason the check cannot tell "
+        "them apart."),
 )
