@@ -287,3 +287,17 @@ def test_the_committed_notes_quote_the_committed_cards_and_the_readme_shows_them
         assert "{" not in text and cell(text) in heldout, row
     summary = heldout_result(VALIDATION / "heldout")  # the main README reports the committed held-out run
     assert summary is not None and f"[{summary['agree']} of {len(HELDOUT)} rows agree](heldout/README.md)" in readme
+
+
+def test_what_the_no_clip_note_says_of_deep_regime_holds_on_the_committed_cards() -> None:
+    """The no-clip note compares two supplements, which its placeholders (one supplement's cards) cannot quote."""
+    found = supplement_results(VALIDATION)
+
+    def loss(sup: str, row: str, ref: str | None = None) -> float:
+        item = next(c for c in found[sup]["cards"][row]["criteria"] if c["id"] == "loss")
+        return item["references"][ref] if ref else item["measured"]
+
+    for row in ("post-ln", "deepnorm"):  # "their final losses are deep-regime's to 0.01 nats"
+        assert abs(loss("no-clip", row) - loss("deep-regime", row)) < 0.01, row
+    for ref in ("pre-ln", "peri-ln"):  # "the references lose without it ... behind their deep-regime losses"
+        assert loss("no-clip", "post-ln", ref) > loss("deep-regime", "post-ln", ref), ref

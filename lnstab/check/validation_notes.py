@@ -171,6 +171,15 @@ SUPPLEMENT_NOTES: dict[str, str] = {
                    "three regimes tried (4, 16 and 18 layers; warmup 3 and 0) DeepNorm trains as Post-LN does, in "
                    "loss and in mechanism; the sources' difference (Post-LN failing where DeepNorm trains) does not "
                    "show at this width and length.",
+    "no-clip": "The prediction's likelier branch: both fail again, on gradient spread alone (Post-LN "
+               "{post-ln.grad_spread}, DeepNorm {deepnorm.grad_spread} at lr "
+               "{deepnorm:summaries/checked/grad_spread/lr}; the references {post-ln.grad_spread@pre-ln} and "
+               "{post-ln.grad_spread@peri-ln}), no run diverges, and the two end alike ({post-ln.loss} and "
+               "{deepnorm.loss} nats). Their final losses are deep-regime's to 0.01 nats, so clipping at 1 barely "
+               "touched them there; it is the references that lose without it (Pre-LN {post-ln.loss@pre-ln}, "
+               "Peri-LN {post-ln.loss@peri-ln}, both behind their deep-regime losses), which is why Post-LN's loss "
+               "no longer trails by enough to warn. Clipping did not hide the difference the sources report: "
+               "without it, as with it, DeepNorm trains as Post-LN does at 18 × 128 and 120 steps.",
 }
 
 PLACEHOLDER = re.compile(r"\{([^{}]+)\}")
