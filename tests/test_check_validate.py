@@ -21,6 +21,7 @@ from lnstab.check.validate import (
     heldout_result,
     note_text,
     pairs,
+    prepare_out,
     protocol_args,
     supplement_lines,
     supplement_results,
@@ -301,3 +302,16 @@ def test_what_the_no_clip_note_says_of_deep_regime_holds_on_the_committed_cards(
         assert abs(loss("no-clip", row) - loss("deep-regime", row)) < 0.01, row
     for ref in ("pre-ln", "peri-ln"):  # "the references lose without it ... behind their deep-regime losses"
         assert loss("no-clip", "post-ln", ref) > loss("deep-regime", "post-ln", ref), ref
+
+
+def test_overwriting_one_set_keeps_the_other_and_the_supplements(tmp_path) -> None:
+    out = tmp_path / "validation"
+    for part in ("README.md", "post-ln/report.json", "heldout/README.md", "heldout/llama-hf/report.json",
+                 "supplements/no-clip/summary.json"):
+        (out / part).parent.mkdir(parents=True, exist_ok=True)
+        (out / part).write_text("{}")
+    prepare_out(out, True, ROWS)  # the main set's --overwrite
+    assert not (out / "post-ln").exists()
+    assert (out / "heldout" / "llama-hf" / "report.json").is_file() and (out / "supplements" / "no-clip").is_dir()
+    prepare_out(out / "heldout", True, HELDOUT)
+    assert not (out / "heldout" / "llama-hf").exists() and (out / "supplements" / "no-clip").is_dir()
