@@ -112,7 +112,6 @@ ROWS: tuple[Row, ...] = (
 )
 
 
-
 # The held-out set: designs that played no part in fixing the thresholds (every threshold was fixed, and changed, on
 # ROWS alone), with the verdicts their published outcomes imply and, in HELDOUT_PREDICTION, what the card was expected
 # to say; both committed before the set was first run (``lnstab check --validate --set heldout``). Its agreement is
