@@ -65,7 +65,8 @@ def row_subject(row: Row, shape: dict[str, Any], workdir: Path) -> tuple[Subject
         config = make_config(s.n_layer, s.n_embd, s.n_head, s.block_size, s.vocab_size)
         transformers.utils.logging.disable_progress_bar()  # its "Writing model shards" bars are not the check's
         getattr(transformers, model_class)(config).save_pretrained(directory)
-        return hf_subject(str(directory), True), ["--hf", f"<a {family} directory of this shape>", "--hf-init"]
+        article = "an" if family[0] in "AEIOU" else "a"
+        return hf_subject(str(directory), True), ["--hf", f"<{article} {family} directory of this shape>", "--hf-init"]
     model = {**shape, **pairs(row.model)}
     subject, _ = lnstab_subject(model)
     return subject, model_flags(model)
