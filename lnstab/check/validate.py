@@ -292,6 +292,12 @@ def supplement_results(out: Path) -> dict[str, dict[str, Any] | None]:
     return found
 
 
+def verdict_list(summary: dict[str, Any]) -> str:
+    """``post-ln FAIL, deepnorm FAIL (disagrees)``: each row of a run's ``summary.json`` with its card's verdict."""
+    return ", ".join(f"{row} {SHORT[v['card']]}" + ("" if v["card"] in v["expected"] else " (disagrees)")
+                     for row, v in summary["rows"].items())
+
+
 def supplement_lines(results: dict[str, dict[str, Any] | None], data_arg: str) -> list[str]:
     """The main README's section on the supplements: question, prediction, command and what came out."""
     lines = ["", "## Supplements", "",
@@ -304,8 +310,7 @@ def supplement_lines(results: dict[str, dict[str, Any] | None], data_arg: str) -
         if got is None:
             outcome = "not run yet"
         else:
-            verdicts = ", ".join(f"{row} {SHORT[v['card']]}" + ("" if v["card"] in v["expected"] else " (disagrees)")
-                                 for row, v in got["rows"].items())
+            verdicts = verdict_list(got)
             outcome = (f"[{got['agree']} of {len(got['rows'])} rows agree]"
                        f"(supplements/{sup.id}/README.md) ({got['wall_s'] / 60:.1f} min): {verdicts}")
         lines += [f"- **{sup.id}** (`{command}`). {sup.question} Predicted: {sup.prediction} Result: {outcome}."]
@@ -347,10 +352,8 @@ def heldout_lines(got: dict[str, Any] | None) -> list[str]:
              f"`lnstab/check/validation.py`, `HELDOUT`). Predicted: {HELDOUT_PREDICTION}", ""]
     if got is None:
         return [*lines, "Result: not run yet."]
-    verdicts = ", ".join(f"{row} {SHORT[v['card']]}" + ("" if v["card"] in v["expected"] else " (disagrees)")
-                         for row, v in got["rows"].items())
     return [*lines, f"Result: [{got['agree']} of {len(got['rows'])} rows agree]({HELDOUT_DIR}/README.md) "
-                    f"({got['wall_s'] / 60:.1f} min): {verdicts}. "
+                    f"({got['wall_s'] / 60:.1f} min): {verdict_list(got)}. "
                     + constant_text([r for r in HELDOUT if r.id in got["rows"]]) + " " + HELDOUT_LIMITS]
 
 
