@@ -3,6 +3,7 @@ validation set's well-formedness, and its refusals."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -14,21 +15,27 @@ from test_check import TINY
 from lnstab.check.cli import build_parser, make_protocol, split_model_args
 from lnstab.check.report import cell
 from lnstab.check.subjects import lnstab_subject
-from lnstab.check.validate import (
+from lnstab.check.validate import default_protocol, pairs, prepare_out, protocol_args, unique_runs
+from lnstab.check.validation import (
+    DEFAULT_SHAPE,
+    HELDOUT,
+    HELDOUT_PREDICTION,
+    HF_FAMILIES,
+    ROWS,
+    SUPPLEMENT_IDS,
+    SUPPLEMENTS,
+    Supplement,
+    supplement_rows,
+)
+from lnstab.check.validation_notes import HELDOUT_NOTES, NOTES, SUPPLEMENT_NOTES, NoteError, render
+from lnstab.check.validation_readme import (
     constant_text,
-    default_protocol,
     heldout_lines,
     heldout_result,
     note_text,
-    pairs,
-    prepare_out,
-    protocol_args,
     supplement_lines,
     supplement_results,
-    unique_runs,
 )
-from lnstab.check.validation import DEFAULT_SHAPE, HELDOUT, HELDOUT_PREDICTION, HF_FAMILIES, ROWS, SUPPLEMENTS
-from lnstab.check.validation_notes import HELDOUT_NOTES, NOTES, SUPPLEMENT_NOTES, NoteError, render
 from lnstab.cli import main
 from lnstab.rundir import read_json
 
@@ -185,8 +192,70 @@ def test_the_main_readme_reports_each_supplement_from_its_summary(tmp_path) -> N
     text = "\n".join(supplement_lines(found, "--data.path owt.jsonl.gz"))
     assert f"[1 of 2 rows agree](supplements/{first.id}/README.md) (1.5 min)" in text
     assert "post-ln FAIL, deepnorm FAIL (disagrees)" in text and first.prediction in text
-    assert f"`lnstab check --validate --data.path owt.jsonl.gz {' '.join(first.args)}" in text
+    assert f"`lnstab check --validate --data.path owt.jsonl.gz --supplement {first.id} --no-progress`" in text
+    assert f"its arguments `{' '.join(first.args)}`" in text
     assert f"**{second.id}**" in text and "Result: not run yet." in text
+    own = next(s for s in SUPPLEMENTS if s.rows)  # a supplement whose protocol implies another outcome says so
+    row = own.rows[0]
+    assert f"Expected here for {row.id} ({row.design}): PASS or WARN: {row.outcome} ({row.source})." in text
+
+
+def test_a_supplements_own_rows_replace_the_sets_for_its_protocol_only() -> None:
+    main_rows = {r.id: r for r in ROWS}
+    for sup in (s for s in SUPPLEMENTS if s.rows):
+        named = (build_parser().parse_args(split_model_args(list(sup.args))[1]).rows or "").split(",")
+        for row in sup.rows:  # the same model, in the supplement's rows, another outcome with its own source
+            base = main_rows[row.id]
+            assert row.model == base.model and row.hf == base.hf and row.id in named
+            assert row.expected != base.expected and set(row.expected) <= STATUSES
+            assert row.outcome != base.outcome and row.source and row.design != base.design
+        replaced = supplement_rows(sup, ROWS)
+        assert [r.id for r in replaced] == [r.id for r in ROWS]
+        assert {r.id for r in replaced if r not in ROWS} == {r.id for r in sup.rows}
+    assert supplement_rows(None, ROWS) == ROWS
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--validate", "--supplement", "nope"], "--supplement nope is not allowed; supplements: depth16,"),
+    (["--supplement", "depth16"], "--supplement is for --validate"),
+    (["--validate", "--set", "heldout", "--supplement", "depth16"], "not with --set heldout"),
+    (["--validate", "--supplement", "depth16", "--rows", "post-ln"], "--rows is not allowed with it"),
+    (["--validate", "--supplement", "depth16", "--model.n_layer=8"], "--model.n_layer is not allowed with it"),
+])
+def test_supplement_refusals_are_one_line(args, said, tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["check", *args, "--out", str(tmp_path / "v")])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and said in err and "\n" not in err, err
+    assert not (tmp_path / "v").exists()
+
+
+def test_validate_supplement_runs_its_rows_with_its_own_expected_verdicts(tmp_path, capsys, monkeypatch) -> None:
+    """``--supplement ID`` adds the supplement's arguments, grades its own rows by the outcome it names for its
+    protocol (the others by their own) and writes under ``docs/check/validation/supplements/ID`` by default."""
+    post = next(r for r in ROWS if r.id == "post-ln")
+    sup = Supplement("tiny-sup", ("--rows", "pre-ln,post-ln", "--lrs", "1e-2"), "Does it plumb?", "It does.",
+                     rows=(dataclasses.replace(post, design="Post-LN here", expected=("pass", "warn", "fail")),))
+    monkeypatch.setitem(SUPPLEMENT_IDS, sup.id, sup)
+    monkeypatch.chdir(tmp_path)
+    code = 0
+    try:  # pre-ln keeps its own expected WARN, which a tiny card may miss: exit 1 then, never a crash
+        main(["check", "--validate", *SHAPE, *TINY, "--supplement", sup.id])
+    except SystemExit as exc:
+        code = exc.code
+    out = tmp_path / "docs" / "check" / "validation" / "supplements" / sup.id
+    summary = json.loads((out / "summary.json").read_text())
+    printed = capsys.readouterr().out
+    assert f"--validate --supplement {sup.id}: " in printed and summary["supplement"] == sup.id
+    assert summary["rows"]["post-ln"]["expected"] == ["pass", "warn", "fail"]  # the supplement's own
+    assert summary["rows"]["pre-ln"]["expected"] == ["warn"]
+    assert list(summary["rows"]) == ["post-ln", "pre-ln"]  # the set's order
+    assert code == (0 if summary["agree"] == 2 else 1) and "--lrs" in summary["args"]
+    text = (out / "README.md").read_text()
+    assert "Supplement **tiny-sup**" in text and "Does it plumb? Predicted before the first run: It does." in text
+    assert "Post-LN here" in text and f"--supplement {sup.id}" in text and "--lrs 1e-2" not in text.split("\n")[2]
+    report = json.loads((out / "post-ln" / "report.json").read_text())
+    assert "--lrs 1e-2" in report["command"]  # a row's own card names the full protocol
 
 
 def test_the_heldout_set_runs_apart_and_the_main_readme_reports_it(tmp_path, capsys) -> None:

@@ -33,6 +33,7 @@ from lnstab.check.report import terminal
 from lnstab.check.runner import VOCAB_MODES, grade, lnstab_version, load_data, machine, public_command
 from lnstab.check.subjects import Subject, context_length, hf_subject, lnstab_subject, parse_value, references
 from lnstab.check.training import Optimisation
+from lnstab.check.validation import supplement_argv
 from lnstab.check.workers import RunPool, auto_workers
 from lnstab.errors import LNStabError
 from lnstab.rundir import atomic_write_text
@@ -119,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--set", choices=("main", "heldout"), default="main",
                      help="With --validate: main (default; docs/check/validation) or heldout, the designs that played "
                           "no part in fixing the thresholds (docs/check/validation/heldout).")
+    out.add_argument("--supplement", help="With --validate: run one supplement of the main set (lnstab.check."
+                                          "validation.SUPPLEMENTS): its rows and arguments, its protocol's expected "
+                                          "verdicts (--out default docs/check/validation/supplements/ID).")
     return p
 
 
@@ -254,6 +258,12 @@ def main(argv: list[str] | None = None) -> None:
         raise LNStabError("--rows is for --validate")
     if args.set != "main" and not args.validate:
         raise LNStabError("--set is for --validate")
+    if args.supplement is not None:
+        if not args.validate or args.set != "main":
+            raise LNStabError("--supplement is for --validate of the main set (not with --set heldout)")
+        argv = supplement_argv(args.supplement, argv)  # its rows, shape and protocol, as if typed
+        model_args, rest = split_model_args(argv)
+        args = build_parser().parse_args(rest)
     threads = torch.get_num_threads()
     if args.threads is not None:
         torch.set_num_threads(validation.positive_int("--threads", args.threads))

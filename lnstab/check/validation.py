@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lnstab.errors import LNStabError
+
 DEFAULT_SHAPE = ("--model.preset", "mini", "--model.block_size", "128")
 STABLE = ("pass", "warn")
 
@@ -228,20 +230,24 @@ HF_FAMILIES = {
 @dataclass(frozen=True)
 class Supplement:
     """A re-run of (some of) the validation set under other arguments, with its question and what was predicted,
-    both fixed (committed) before it was first run. The expected verdicts stay the rows' own: the published
-    outcomes do not change with the check's protocol.
+    both fixed (committed) before it was first run (``lnstab check --validate --supplement ID`` runs it). The
+    expected verdicts are the rows' own, unless the supplement's protocol is one under which the literature reports
+    another outcome for a row (Post-LN with a long warmup trains): then ``rows`` holds that row again, same id and
+    model, with the outcome, source and verdict for this protocol, fixed with the supplement.
 
     Attributes:
         id: Directory under ``<out>/supplements/``.
         args: ``lnstab check --validate`` arguments beyond the data (shape or protocol).
         question: What the re-run asks.
         prediction: What was expected of it before it ran.
+        rows: Rows whose published outcome differs under this protocol (replacing the set's rows of the same id).
     """
 
     id: str
     args: tuple[str, ...]
     question: str
     prediction: str
+    rows: tuple[Row, ...] = ()
 
 
 SUPPLEMENTS: tuple[Supplement, ...] = (
@@ -286,4 +292,57 @@ SUPPLEMENTS: tuple[Supplement, ...] = (
         "trained exactly as Post-LN did; PASS or WARN only if clipping was what held Post-LN back to DeepNorm's "
         "behaviour. If both diverge or both train alike again, clipping is not the reason the check cannot tell "
         "them apart."),
+    Supplement(
+        "no-warmup-6", ("--rows", "post-ln,deepnorm", "--model.n_layer", "6", "--warmup-steps", "0",
+                        "--lrs", "5e-4,1e-3", "--steps", "120"),
+        "The twin of long-warmup-6 without its warmup: 6 layers (the Transformer's and Xiong et al.'s), 120 steps at "
+        "5e-4 and 1e-3, no warmup (Xiong et al.'s failing condition), references at 6 layers too. Its Post-LN card "
+        "is what long-warmup-6's is compared with.",
+        "Post-LN FAIL (gradient spread, as at 4 and 18 layers); DeepNorm FAIL as Post-LN, as in every regime so "
+        "far."),
+    Supplement(
+        "long-warmup-6", ("--rows", "post-ln,deepnorm", "--model.n_layer", "6", "--warmup-steps", "40",
+                          "--lrs", "5e-4,1e-3", "--steps", "120"),
+        "Does the check credit the recipe that makes Post-LN train? Published Post-LN trains with a long warmup "
+        "(the original Transformer; BERT), so under a protocol with one the outcome implies PASS or WARN, not "
+        "FAIL. no-warmup-6's protocol with a warmup of 40 steps, 2/(1 − β₂) for the check's AdamW β₂ = 0.95 (Ma & "
+        "Yarats' rule for an adequate warmup), a third of the run.",
+        "Post-LN uncertain, FAIL more likely than not: gradient spread is read off the trained model, median over "
+        "steps, and is the profile of LN(x + f(x)), which a warmup changes in the early steps only; if it fails, "
+        "the check cannot credit a recipe that makes Post-LN train, and the main set's Post-LN row agrees on the "
+        "mechanism, not the outcome. PASS or WARN if the spread narrows to within a decade of the references' "
+        "(compare no-warmup-6). DeepNorm as Post-LN, as in every regime so far.",
+        rows=(Row("post-ln", "Post-LN with a long warmup (40 of 120 steps: 2/(1 − β₂), β₂ = 0.95), 6 layers",
+                  ("--model.norm_placement", "post"),
+                  "trains: Post-LN is the original Transformer, trained with Adam and a 4,000-step warmup; with a "
+                  "warmup, 6-layer Post-LN converges where it fails without one",
+                  "Vaswani et al. 2017, Attention Is All You Need, §5.3; Xiong et al. 2020, Fig. 2 (Post-LN with "
+                  "warm-up); Liu et al. 2020, Fig. 1 (6-layer Post-LN); warmup length: Ma & Yarats 2021, On the "
+                  "Adequacy of Untuned Warmup for Adaptive Optimization",
+                  STABLE),)),
 )
+SUPPLEMENT_IDS = {s.id: s for s in SUPPLEMENTS}
+
+
+def supplement_argv(sup_id: str, argv: list[str]) -> list[str]:
+    """``argv`` (a ``--validate`` command line) with supplement ``sup_id``'s arguments appended.
+
+    Raises:
+        LNStabError: ``sup_id`` is not a supplement, or ``argv`` gives a flag the supplement sets itself.
+    """
+    sup = SUPPLEMENT_IDS.get(sup_id)
+    if sup is None:
+        raise LNStabError(f"--supplement {sup_id} is not allowed; supplements: {', '.join(SUPPLEMENT_IDS)}")
+    own = [a for a in sup.args if a.startswith("--")]
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    clash = [a for a in own if a in given]
+    if clash:
+        raise LNStabError(f"--supplement {sup_id} sets {', '.join(own)} itself; {clash[0]} is not allowed with it "
+                          "(give only the data, output and machine options)")
+    return [*argv, *sup.args]
+
+
+def supplement_rows(sup: Supplement | None, rows: tuple[Row, ...]) -> tuple[Row, ...]:
+    """``rows`` with supplement ``sup``'s own rows (its protocol's outcomes) in place of theirs."""
+    own = {r.id: r for r in sup.rows} if sup is not None else {}
+    return tuple(own.get(r.id, r) for r in rows)
