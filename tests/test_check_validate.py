@@ -384,3 +384,18 @@ def test_overwriting_one_set_keeps_the_other_and_the_supplements(tmp_path) -> No
     assert (out / "heldout" / "llama-hf" / "report.json").is_file() and (out / "supplements" / "no-clip").is_dir()
     prepare_out(out / "heldout", True, HELDOUT)
     assert not (out / "heldout" / "llama-hf").exists() and (out / "supplements" / "no-clip").is_dir()
+
+
+def test_what_the_long_warmup_note_says_of_no_warmup_holds_on_the_committed_cards() -> None:
+    """long-warmup-6's note compares its Post-LN card with no-warmup-6's, which its placeholders cannot quote."""
+    found = supplement_results(VALIDATION)
+
+    def value(sup: str, cid: str, ref: str | None = None) -> float:
+        item = next(c for c in found[sup]["cards"]["post-ln"]["criteria"] if c["id"] == cid)
+        return item["references"][ref] if ref else item["measured"]
+
+    # "within 0.1 decades of no-warmup-6's"
+    assert abs(value("long-warmup-6", "grad_spread") - value("no-warmup-6", "grad_spread")) < 0.1
+    gaps = {sup: value(sup, "loss") - value(sup, "loss", "pre-ln") for sup in ("long-warmup-6", "no-warmup-6")}
+    assert (round(gaps["long-warmup-6"], 2), round(gaps["no-warmup-6"], 2)) == (0.37, 0.33)  # "0.37 ... 0.33"
+    assert found["long-warmup-6"]["rows"]["post-ln"] == {"card": "fail", "expected": ["pass", "warn"]}

@@ -180,6 +180,24 @@ SUPPLEMENT_NOTES: dict[str, str] = {
                "Peri-LN {post-ln.loss@peri-ln}, both behind their deep-regime losses), which is why Post-LN's loss "
                "no longer trails by enough to warn. Clipping did not hide the difference the sources report: "
                "without it, as with it, DeepNorm trains as Post-LN does at 18 × 128 and 120 steps.",
+    "no-warmup-6": "As predicted: both fail on gradient spread alone (Post-LN {post-ln.grad_spread}, DeepNorm "
+                   "{deepnorm.grad_spread} at lr {post-ln:summaries/checked/grad_spread/lr}; the references "
+                   "{post-ln.grad_spread@pre-ln} and {post-ln.grad_spread@peri-ln}), no run diverges, and without "
+                   "warmup both end behind Pre-LN ({post-ln.loss} and {deepnorm.loss} nats against "
+                   "{post-ln.loss@pre-ln}; Peri-LN {post-ln.loss@peri-ln}), so the loss criterion warns: Xiong et "
+                   "al.'s Post-LN without warmup, trailing in loss as they report, at 6 × 128 and 120 steps.",
+    "long-warmup-6": "The prediction's likelier branch, and a disagreement: with the warmup Post-LN fails on gradient "
+                     "spread as without it ({post-ln.grad_spread} at lr {post-ln:summaries/checked/grad_spread/lr}, "
+                     "within 0.1 decades of no-warmup-6's; the references {post-ln.grad_spread@pre-ln} and "
+                     "{post-ln.grad_spread@peri-ln}), and it still ends behind Pre-LN ({post-ln.loss} nats against "
+                     "{post-ln.loss@pre-ln}; Peri-LN {post-ln.loss@peri-ln}): the gap to Pre-LN is 0.37 nats with "
+                     "the warmup and 0.33 without. At 6 × 128 and 120 steps a warmup of 2/(1 − β₂) neither narrows "
+                     "the spread nor closes the gap, so the card has nothing to credit, and the sources' Post-LN "
+                     "that trains with a warmup does not show at this length either. The check judges Post-LN by a "
+                     "mechanism that the recipe does not remove: a Post-LN design trained with a long warmup is "
+                     "failed too, against its published outcome, and the main set's Post-LN row agrees on the "
+                     "mechanism, not the recipe. DeepNorm again as Post-LN (spread {deepnorm.grad_spread}, loss "
+                     "{deepnorm.loss}).",
 }
 
 PLACEHOLDER = re.compile(r"\{([^{}]+)\}")
