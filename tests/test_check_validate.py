@@ -399,3 +399,13 @@ def test_what_the_long_warmup_note_says_of_no_warmup_holds_on_the_committed_card
     gaps = {sup: value(sup, "loss") - value(sup, "loss", "pre-ln") for sup in ("long-warmup-6", "no-warmup-6")}
     assert (round(gaps["long-warmup-6"], 2), round(gaps["no-warmup-6"], 2)) == (0.37, 0.33)  # "0.37 ... 0.33"
     assert found["long-warmup-6"]["rows"]["post-ln"] == {"card": "fail", "expected": ["pass", "warn"]}
+
+
+def test_the_post_ln_rows_warmup_figures_are_the_protocols_defaults() -> None:
+    """The Post-LN row names the protocol's warmup in words ("3 of 30 steps"); validation.py stays free of torch, so
+    this test is what keeps the words equal to ``Optimisation``'s defaults when those change."""
+    from lnstab.check.training import Optimisation
+
+    post = next(r for r in ROWS if r.id == "post-ln")
+    opt = Optimisation()
+    assert f"({opt.warmup_steps} of {opt.steps} steps by default" in post.design

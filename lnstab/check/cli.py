@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
             check itself fails (``LNSTAB_DEBUG=1`` raises the original error instead).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    typed = list(argv)  # what the user typed, before a supplement's own arguments are added
     model_args, rest = split_model_args(argv)
     args = build_parser().parse_args(rest)
     if args.workers is not None:
@@ -271,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.validate:
             from lnstab.check.validate import main as validate
 
-            validate(args, model_args, argv)
+            validate(args, model_args, argv, typed)
             return
         card = run_check(args, model_args, public_command(argv))
     except LNStabError:
