@@ -88,12 +88,11 @@ def prepare_out(out: Path, overwrite: bool, rows: tuple[Row, ...] = ROWS) -> Non
     out.mkdir(parents=True, exist_ok=True)
 
 
-def main(args: argparse.Namespace, model_args: dict[str, Any], argv: list[str],
-         typed: list[str] | None = None) -> None:
+def main(args: argparse.Namespace, model_args: dict[str, Any], argv: list[str], typed: list[str]) -> None:
     """Run the validation set; exit status 0 when every row agrees, 1 when one does not.
 
-    ``argv`` is what the set runs with (a supplement's arguments included), ``typed`` what the user typed (``argv``
-    when not given): the README names the command that reproduces it.
+    ``argv`` is what the set runs with (a supplement's arguments included), ``typed`` what the user typed: the README
+    names the command that reproduces it.
     """
     started = time.perf_counter()
     if args.hf or args.factory:
@@ -154,7 +153,6 @@ def main(args: argparse.Namespace, model_args: dict[str, Any], argv: list[str],
                                         for r, c in zip(rows, cards, strict=True)}, "wall_s": round(wall, 1)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     full = not wanted and not model_args and default_protocol(protocol)
-    typed = argv if typed is None else typed
     text = readme(rows, cards, thresholds, public_command(["--validate", *argv_without(typed, "--validate")]),
                   wall, n_runs, len(registry), provenance, shape=model_args,
                   supplements=supplement_results(out) if full and not heldout else None,
