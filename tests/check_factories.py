@@ -6,6 +6,10 @@ bad-input tests, something that does not.
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -122,3 +126,21 @@ def deaf_lm(vocab_size: int = VOCAB) -> nn.Module:
 def mode_lm() -> nn.Module:
     """A model that records its training mode."""
     return ModeLM()
+
+
+class WaitingLM(EncoderLM):
+    """Trains for ever: its forward in train mode (the stress runs') leaves this process's pid as a file in
+    ``$LNSTAB_TEST_MARKS`` and then waits without end, so a stress run is in progress until a signal, or the death of
+    the process that started it, ends it. Its forward in eval mode (the check's shape probes) is the encoder's."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            (Path(os.environ["LNSTAB_TEST_MARKS"]) / str(os.getpid())).touch()
+            while True:
+                time.sleep(0.05)
+        return super().forward(idx)
+
+
+def waiting_lm() -> nn.Module:
+    """A model whose stress runs never end by themselves."""
+    return WaitingLM()

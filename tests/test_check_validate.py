@@ -15,7 +15,7 @@ from test_check import TINY
 from lnstab.check.cli import build_parser, make_protocol, split_model_args
 from lnstab.check.report import cell
 from lnstab.check.subjects import lnstab_subject
-from lnstab.check.validate import default_protocol, pairs, prepare_out, protocol_args, unique_runs
+from lnstab.check.validate import default_protocol, pairs, protocol_args, replace_cards, unique_runs
 from lnstab.check.validation import (
     DEFAULT_SHAPE,
     HELDOUT,
@@ -374,16 +374,19 @@ def test_what_the_no_clip_note_says_of_deep_regime_holds_on_the_committed_cards(
 
 
 def test_overwriting_one_set_keeps_the_other_and_the_supplements(tmp_path) -> None:
-    out = tmp_path / "validation"
-    for part in ("README.md", "post-ln/report.json", "heldout/README.md", "heldout/llama-hf/report.json",
-                 "supplements/no-clip/summary.json"):
+    out, stage = tmp_path / "validation", tmp_path / "validation" / ".incoming"
+    for part in ("README.md", "post-ln/report.json", "no-ln/report.json", "heldout/README.md",
+                 "heldout/llama-hf/report.json", "supplements/no-clip/summary.json", ".incoming/post-ln/report.json"):
         (out / part).parent.mkdir(parents=True, exist_ok=True)
-        (out / part).write_text("{}")
-    prepare_out(out, True, ROWS)  # the main set's --overwrite
-    assert not (out / "post-ln").exists()
-    assert (out / "heldout" / "llama-hf" / "report.json").is_file() and (out / "supplements" / "no-clip").is_dir()
-    prepare_out(out / "heldout", True, HELDOUT)
-    assert not (out / "heldout" / "llama-hf").exists() and (out / "supplements" / "no-clip").is_dir()
+        (out / part).write_text("new" if part.startswith(".incoming") else "old")
+    replace_cards(out, stage, [r for r in ROWS if r.id == "post-ln"], ROWS, {"README.md": "new readme"})
+    assert (out / "post-ln" / "report.json").read_text() == "new" and not (out / "no-ln").exists()
+    assert (out / "README.md").read_text() == "new readme" and (out / "supplements" / "no-clip").is_dir()
+    assert (out / "heldout" / "llama-hf" / "report.json").read_text() == "old"
+    (stage / "gpt2-hf").mkdir(parents=True)
+    replace_cards(out / "heldout", stage, [r for r in HELDOUT if r.id == "gpt2-hf"], HELDOUT, {})
+    assert not (out / "heldout" / "llama-hf").exists() and (out / "heldout" / "gpt2-hf").is_dir()
+    assert (out / "post-ln" / "report.json").read_text() == "new"
 
 
 def test_what_the_long_warmup_note_says_of_no_warmup_holds_on_the_committed_cards() -> None:

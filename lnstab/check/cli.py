@@ -10,14 +10,17 @@
 
 Exit status: 0 when no criterion fails, 1 when one does, 2 for a usage error (one line on stderr, nothing
 written), 3 when the checked model or the check itself fails (a stress run raised: one line on stderr naming the
-run, the traceback in ``<out>/error.txt``), so a CI gate never reads a crash as a verdict. With ``--validate``: 0
-when every row of the validation set agrees with the published outcome, 1 when one does not.
+run, the traceback in ``<out>/error.txt``), so a CI gate never reads a crash as a verdict; ``128 + signal`` when
+SIGINT (Ctrl-C), SIGTERM or SIGHUP ended it (one line, no verdict, :mod:`lnstab.check.signals`). With ``--validate``:
+0 when every row of the validation set agrees with the published outcome, 1 when one does not.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
 import time
 import traceback
@@ -31,6 +34,7 @@ from lnstab.check.criteria import load_thresholds
 from lnstab.check.protocol import Protocol, RunFailed, plan, run_ladder
 from lnstab.check.report import terminal
 from lnstab.check.runner import VOCAB_MODES, grade, lnstab_version, load_data, machine, public_command
+from lnstab.check.signals import Interrupted, interruptible
 from lnstab.check.subjects import Subject, context_length, hf_subject, lnstab_subject, parse_value, references
 from lnstab.check.training import Optimisation
 from lnstab.check.validation import supplement_argv
@@ -40,6 +44,7 @@ from lnstab.rundir import atomic_write_text
 
 DEFAULT_ROOT = Path("runs") / "check"
 EXIT_FAILED = 3  # the checked model or the check itself failed: not a verdict
+INTERRUPTED = "interrupted.txt"  # in a run directory a signal ended: no verdict
 
 
 class CheckFailed(Exception):
@@ -71,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                 epilog="--model.KEY VALUE: any lnstab GPTModule argument (preset, norm_placement, norm_type, "
                        "residual_scale, n_layer, ...). Exit status: 0 no criterion fails, 1 one fails, 2 usage error, "
                        f"{EXIT_FAILED} the checked model or the check itself failed (one line; traceback in "
-                       "<out>/error.txt).")
+                       "<out>/error.txt), 128 + signal when SIGINT, SIGTERM or SIGHUP ended it (no verdict).")
     src = p.add_argument_group("model to check (one of --model.*, --hf, --factory)")
     src.add_argument("--hf", help="Hugging Face causal LM: local directory or hub name (never remote code).")
     src.add_argument("--hf-init", action="store_true", help="Freshly initialise --hf from its config.")
@@ -204,7 +209,9 @@ def check_out(out: str | None) -> None:
         return
     path = Path(out)
     if path.is_dir() and any(path.iterdir()):
-        raise LNStabError(f"--out {out} already exists and is not empty; a check never overwrites")
+        what = (" (a check a signal ended: its interrupted.txt says so; remove it to check again there)"
+                if (path / INTERRUPTED).is_file() else "")
+        raise LNStabError(f"--out {out} already exists and is not empty{what}; a check never overwrites")
     probe = path.absolute()
     while not os.path.lexists(probe) and probe != probe.parent:
         probe = probe.parent
@@ -269,12 +276,18 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads is not None:
         torch.set_num_threads(validation.positive_int("--threads", args.threads))
     try:
-        if args.validate:
-            from lnstab.check.validate import main as validate
+        with interruptible():
+            if args.validate:
+                from lnstab.check.validate import main as validate
 
-            validate(args, model_args, argv, typed)
-            return
-        card = run_check(args, model_args, public_command(argv))
+                validate(args, model_args, argv, typed)
+                return
+            card = run_check(args, model_args, public_command(argv))
+    except Interrupted as exc:
+        with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+            sys.stderr.write(f"lnstab: lnstab check{' --validate' if args.validate else ''} stopped by "
+                             f"{signal.Signals(exc.signum).name}; no verdict{exc.where}\n")
+        raise SystemExit(128 + exc.signum) from None
     except LNStabError:
         raise
     except Exception as exc:
@@ -301,22 +314,46 @@ def run_check(args: argparse.Namespace, model_args: dict[str, Any], command: str
     seq_len = context_length(subject, protocol.seq_len)
     n_runs = len(plan([subject] + ([] if args.no_reference else references(subject, seq_len)), protocol))
     workers, per_worker = worker_counts(args, n_runs)
+    out: Path | None = None
     with RunPool(workers, per_worker) as pool:  # the workers import lnstab while the data loads
-        data, subject = load_data(protocol, subject, seq_len, args.vocab)
-        subjects = [subject] + ([] if args.no_reference else references(subject, seq_len))
-        out = run_directory(args, args.name or subject.name)  # only now: a usage error leaves nothing behind
-        provenance = {"lnstab": lnstab_version(), "machine": machine(workers, per_worker)}
         try:
+            data, subject = load_data(protocol, subject, seq_len, args.vocab)
+            subjects = [subject] + ([] if args.no_reference else references(subject, seq_len))
+            out = run_directory(args, args.name or subject.name)  # only now: a usage error leaves nothing behind
+            provenance = {"lnstab": lnstab_version(), "machine": machine(workers, per_worker)}
             runs = run_ladder(subjects, protocol, data.tokens, out / "tb", progress=not args.no_progress, pool=pool)
-            return grade(subject, subjects, runs, protocol, thresholds, data, seq_len, out, command, started,
-                         provenance)
-        except Exception as exc:  # the runs' logs stay; the traceback goes beside them
-            write_error(out, exc)
-            if isinstance(exc, LNStabError):
+        except Interrupted as exc:
+            if out is not None:
+                note_interrupted(out, exc, f"{pool.finished} of {n_runs} stress runs finished")
+            raise
+        except Exception as exc:
+            if out is None:
                 raise
-            what = str(exc) if isinstance(exc, RunFailed) else (
-                f"the check failed: {type(exc).__name__}: {_first_line(exc)}")
-            raise CheckFailed(f"{what}; no verdict (traceback in {out / 'error.txt'})") from exc
+            raise check_failed(out, exc) from exc
+    try:  # the workers are gone or going: the grading has the machine to itself
+        return grade(subject, subjects, runs, protocol, thresholds, data, seq_len, out, command, started, provenance)
+    except Interrupted as exc:
+        note_interrupted(out, exc, f"all {n_runs} stress runs finished, the card not yet written")
+        raise
+    except Exception as exc:
+        raise check_failed(out, exc) from exc
+
+
+def note_interrupted(out: Path, exc: Interrupted, done: str) -> None:
+    """``<out>/interrupted.txt`` and the end of ``lnstab check``'s one line: what a signal left in ``out``."""
+    atomic_write_text(out / INTERRUPTED, f"{signal.Signals(exc.signum).name} ended this check after {done}; no "
+                      "verdict. The finished runs' logs are under tb/.\n")
+    exc.where = f" ({done}; their logs are in {out})"
+
+
+def check_failed(out: Path, exc: Exception) -> Exception:
+    """The error to raise for ``exc`` after the run directory exists: the traceback goes into ``<out>/error.txt``,
+    beside the runs' logs; a usage error stays one."""
+    write_error(out, exc)
+    if isinstance(exc, LNStabError):
+        return exc
+    what = str(exc) if isinstance(exc, RunFailed) else f"the check failed: {type(exc).__name__}: {_first_line(exc)}"
+    return CheckFailed(f"{what}; no verdict (traceback in {out / 'error.txt'})")
 
 
 def worker_counts(args: argparse.Namespace, n_runs: int) -> tuple[int, int]:

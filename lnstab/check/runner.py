@@ -160,8 +160,9 @@ def data_text(data: Data, seq_len: int) -> str:
 
 def grade(subject: Subject, subjects: list[Subject], runs: dict[str, list[Any]], protocol: Protocol,
           thresholds: dict[str, Any], data: Data, seq_len: int, out: Path, command: str, started: float,
-          provenance: dict[str, Any], figures: bool = True) -> dict[str, Any]:
-    """Grade the runs of ``subject`` (key ``checked``) against its references and write the card into ``out``."""
+          provenance: dict[str, Any], figures: bool = True, shown: Path | None = None) -> dict[str, Any]:
+    """Grade the runs of ``subject`` (key ``checked``) against its references and write the card into ``out``
+    (which the card names as ``shown`` when it is written elsewhere first, to be moved there)."""
     steps = protocol.optimisation.steps
     summaries = {s.key: summarise(runs[s.key], steps) for s in subjects}
     rows = build_rows(summaries, thresholds, {"norm_pattern": subject.sites.norm_pattern,
@@ -173,9 +174,10 @@ def grade(subject: Subject, subjects: list[Subject], runs: dict[str, list[Any]],
         drawn = write_figures(out, summaries, runs, {s.key: s.label for s in subjects}, list(protocol.lrs))
     verdict = overall([r["status"] for r in rows])
     opt = protocol.optimisation
-    shown_out = public_path(str(out))
+    place = shown or out
+    shown_out = public_path(str(place))
     card = {
-        "name": out.name,
+        "name": place.name,
         "out": shown_out,
         "command": command,
         "status": verdict,
@@ -200,7 +202,7 @@ def grade(subject: Subject, subjects: list[Subject], runs: dict[str, list[Any]],
         "runs": [run_record(r, out) for s in subjects if s.same_as is None for r in runs[s.key]],
     }
     card["wall_s"] = time.perf_counter() - started
-    card["_out"] = str(out)
+    card["_out"] = str(place)
     write_report(out, card, thresholds)
     return card
 

@@ -25,6 +25,7 @@ from typing import Any
 from lnstab.check.criteria import load_thresholds
 from lnstab.check.protocol import plan, run_ladder
 from lnstab.check.runner import check_logits, grade, lnstab_version, load_data, machine, public_command, public_path
+from lnstab.check.signals import Interrupted, deferred
 from lnstab.check.subjects import Subject, context_length, hf_subject, lnstab_subject, parse_value, references
 from lnstab.check.validation import (
     DEFAULT_SHAPE,
@@ -38,6 +39,7 @@ from lnstab.check.validation import (
 from lnstab.check.validation_readme import HELDOUT_DIR, heldout_result, readme, supplement_results
 from lnstab.check.workers import RunPool
 from lnstab.errors import LNStabError
+from lnstab.rundir import atomic_write_text
 
 DEFAULT_OUT = Path("docs/check/validation")
 SETS = {"main": ROWS, "heldout": HELDOUT}  # --set: the validation set, the held-out set (its own README)
@@ -74,8 +76,9 @@ def model_flags(model: dict[str, Any]) -> list[str]:
             for arg in (f"--model.{k}", str(v).lower() if isinstance(v, bool) else str(v))]
 
 
-def prepare_out(out: Path, overwrite: bool, rows: tuple[Row, ...] = ROWS) -> None:
-    """An empty ``out``, or one whose earlier validation may be replaced (``--overwrite``)."""
+def prepare_out(out: Path, overwrite: bool) -> None:
+    """An empty ``out``, or one whose earlier validation may be replaced (``--overwrite``); nothing in it is removed
+    until the new validation is written (:func:`replace_cards`)."""
     if out.exists() and not out.is_dir():
         raise LNStabError(f"--out {out} is not allowed; it is a file, not a directory")
     if out.is_dir() and any(out.iterdir()):
@@ -83,9 +86,21 @@ def prepare_out(out: Path, overwrite: bool, rows: tuple[Row, ...] = ROWS) -> Non
             raise LNStabError(f"--out {out} already holds a validation; give --overwrite to replace it")
         if not (out / "README.md").is_file():
             raise LNStabError(f"--out {out} is not empty and holds no validation README; refusing to replace it")
-        for row in rows:
-            shutil.rmtree(out / row.id, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
+
+
+def replace_cards(out: Path, stage: Path, rows: list[Row], every: tuple[Row, ...] | list[Row],
+                  files: dict[str, str]) -> None:
+    """Swap the new cards (``stage/<row>``, same filesystem as ``out``) and ``files`` (name → text) into ``out``, in
+    place of every row of the set an earlier validation wrote there; a signal meanwhile waits until it is done, so
+    ``out`` holds one validation or the other, whole."""
+    with deferred():
+        for row in every:
+            shutil.rmtree(out / row.id, ignore_errors=True)
+        for row in rows:
+            (stage / row.id).rename(out / row.id)
+        for name, text in files.items():
+            atomic_write_text(out / name, text)
 
 
 def main(args: argparse.Namespace, model_args: dict[str, Any], argv: list[str], typed: list[str]) -> None:
@@ -110,18 +125,39 @@ def main(args: argparse.Namespace, model_args: dict[str, Any], argv: list[str], 
                           f"{', '.join(r.id for r in every)}")
     rows = [r for r in every if not wanted or r.id in wanted]
     heldout = args.set == "heldout"
-    from lnstab.check.cli import make_protocol, worker_counts
+    from lnstab.check.cli import make_protocol
 
     protocol = make_protocol(args, {})
     thresholds = load_thresholds(args.thresholds)
     out = (Path(args.out) if args.out else DEFAULT_OUT / HELDOUT_DIR if heldout
            else DEFAULT_OUT / "supplements" / sup.id if sup else DEFAULT_OUT)
     shape = {**pairs(DEFAULT_SHAPE), **model_args}
+    try:
+        agree, wall = validate_rows(args, argv, typed, model_args, out, rows, every, sup, shape, protocol, thresholds,
+                                    wanted, started)
+    except Interrupted as exc:
+        exc.where = exc.where or f"; nothing in {out} was replaced"
+        raise
+    which = " --set heldout" if args.set == "heldout" else f" --supplement {sup.id}" if sup else ""
+    sys.stdout.write(f"lnstab check --validate{which}: {agree} of {len(rows)} rows "
+                     f"agree with the published outcome ({wall:.0f} s); {out / 'README.md'}\n")
+    if agree < len(rows):
+        raise SystemExit(1)
+
+
+def validate_rows(args: argparse.Namespace, argv: list[str], typed: list[str], model_args: dict[str, Any], out: Path,
+                  rows: list[Row], every: tuple[Row, ...] | list[Row], sup: Any, shape: dict[str, Any],
+                  protocol: Any, thresholds: dict[str, Any], wanted: list[str], started: float) -> tuple[int, float]:
+    """Train every row's runs, grade the cards and replace ``out``'s validation with them; ``(agreeing rows, wall
+    seconds)``."""
+    from lnstab.check.cli import worker_counts
+
+    heldout = args.set == "heldout"
     with tempfile.TemporaryDirectory(prefix="lnstab-validate-") as tmp:
         work = Path(tmp)
         checked = [row_subject(row, shape, work) for row in rows]
         seq_len = context_length(checked[0][0], protocol.seq_len)
-        prepare_out(out, args.overwrite, every)
+        prepare_out(out, args.overwrite)
         estimate = len(plan([checked[0][0], *references(checked[0][0], seq_len)], protocol)) * len(rows)
         workers, per_worker = worker_counts(args, estimate)
         with RunPool(workers, per_worker) as pool:
@@ -132,38 +168,44 @@ def main(args: argparse.Namespace, model_args: dict[str, Any], argv: list[str], 
                               progress=not args.no_progress, pool=pool)
         provenance = {"lnstab": lnstab_version(), "machine": machine(workers, per_worker)}
         cards = []
-        for row, subject, (_, card_args) in zip(rows, subjects, checked, strict=True):
-            key, ref_keys = keys[row.id]
-            card_subjects = [dataclasses.replace(subject, key="checked", same_as=None)] + [
-                dataclasses.replace(registry[k], key=name, same_as="checked" if k == key else None)
-                for name, k in ref_keys.items()]
-            card_runs = {"checked": runs[key], **{name: runs[k] for name, k in ref_keys.items()}}
-            spent = sum(r.wall_s for k in {key, *ref_keys.values()} for r in runs[k])
-            command = public_command([*card_args, *protocol_args(argv)])
-            cards.append(grade(card_subjects[0], card_subjects, card_runs, protocol, thresholds, data, seq_len,
-                               out / row.id, command, time.perf_counter() - spent, provenance, figures=False))
-    wall = time.perf_counter() - started
-    n_runs = sum(len(v) for k, v in runs.items() if k in registry)
-    agree = sum(c["status"] in r.expected for r, c in zip(rows, cards, strict=True))
-    shown = [*model_flags(model_args), *(["--set", args.set] if heldout else []),
-             *(["--rows", ",".join(wanted)] if wanted else []), *protocol_args(argv)]
-    summary = {"set": args.set, **({"supplement": sup.id} if sup else {}),  # args: no path of this machine
-               "args": shlex.split(public_command(shown).removeprefix("lnstab check ")),
-               "agree": agree, "rows": {r.id: {"card": c["status"], "expected": list(r.expected)}
-                                        for r, c in zip(rows, cards, strict=True)}, "wall_s": round(wall, 1)}
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
-    full = not wanted and not model_args and default_protocol(protocol)
-    text = readme(rows, cards, thresholds, public_command(["--validate", *argv_without(typed, "--validate")]),
-                  wall, n_runs, len(registry), provenance, shape=model_args,
-                  supplements=supplement_results(out) if full and not heldout else None,
-                  data_text=data_text(protocol), heldout=heldout_result(out / HELDOUT_DIR) if full and not heldout
-                  else None, set_name=args.set, notes=full, supplement=sup)
-    (out / "README.md").write_text(text, encoding="utf-8")
-    which = " --set heldout" if heldout else f" --supplement {sup.id}" if sup else ""
-    sys.stdout.write(f"lnstab check --validate{which}: {agree} of {len(rows)} rows "
-                     f"agree with the published outcome ({wall:.0f} s); {out / 'README.md'}\n")
-    if agree < len(rows):
-        raise SystemExit(1)
+        stage = Path(tempfile.mkdtemp(prefix=".incoming-", dir=out))  # beside the cards it replaces: renames
+        try:
+            for row, subject, (_, card_args) in zip(rows, subjects, checked, strict=True):
+                key, ref_keys = keys[row.id]
+                card_subjects = [dataclasses.replace(subject, key="checked", same_as=None)] + [
+                    dataclasses.replace(registry[k], key=name, same_as="checked" if k == key else None)
+                    for name, k in ref_keys.items()]
+                card_runs = {"checked": runs[key], **{name: runs[k] for name, k in ref_keys.items()}}
+                spent = sum(r.wall_s for k in {key, *ref_keys.values()} for r in runs[k])
+                command = public_command([*card_args, *protocol_args(argv)])
+                cards.append(grade(card_subjects[0], card_subjects, card_runs, protocol, thresholds, data, seq_len,
+                                   stage / row.id, command, time.perf_counter() - spent, provenance, figures=False,
+                                   shown=out / row.id))
+            wall = time.perf_counter() - started
+            n_runs = sum(len(v) for k, v in runs.items() if k in registry)
+            agree = sum(c["status"] in r.expected for r, c in zip(rows, cards, strict=True))
+            shown = [*model_flags(model_args), *(["--set", args.set] if heldout else []),
+                     *(["--rows", ",".join(wanted)] if wanted else []), *protocol_args(argv)]
+            summary = {"set": args.set, **({"supplement": sup.id} if sup else {}),  # args: no path of this machine
+                       "args": shlex.split(public_command(shown).removeprefix("lnstab check ")),
+                       "agree": agree, "rows": {r.id: {"card": c["status"], "expected": list(r.expected)}
+                                                for r, c in zip(rows, cards, strict=True)}, "wall_s": round(wall, 1)}
+            full = not wanted and not model_args and default_protocol(protocol)
+            text = readme(rows, cards, thresholds, public_command(["--validate", *argv_without(typed, "--validate")]),
+                          wall, n_runs, len(registry), provenance, shape=model_args,
+                          supplements=supplement_results(out) if full and not heldout else None,
+                          data_text=data_text(protocol),
+                          heldout=heldout_result(out / HELDOUT_DIR) if full and not heldout else None,
+                          set_name=args.set, notes=full, supplement=sup)
+            try:
+                replace_cards(out, stage, rows, every, {"summary.json": json.dumps(summary, indent=1) + "\n",
+                                                        "README.md": text})
+            except Interrupted as exc:  # held back while the cards were replaced: the new validation is whole
+                exc.where = f" after the new validation was written to {out}"
+                raise
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+    return agree, wall
 
 
 def argv_without(argv: list[str], flag: str) -> list[str]:

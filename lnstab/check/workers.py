@@ -6,15 +6,25 @@ threads. Workers are spawned (never forked: the parent's OpenMP state must not b
 parent loads the data, and rebuild each model from its subject's picklable recipe; a run is seeded the same way in
 either place, so its weights and batches are the same (its floating-point sums may differ in the last bits with the
 thread count).
+
+Only the parent acts on signals. The workers are spawned with SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 blocked
+and keep them blocked (so neither a Ctrl-C to the terminal's process group nor a ``kill`` of the whole group reaches
+them, and no handler Lightning installs during a fit runs there), and they die with the parent, however it ends
+(SIGKILL on the parent's death, :mod:`lnstab.parentdeath`). The parent ends them at once when the check stops early
+(:meth:`RunPool.__exit__`). A job carries its windows by value, so a worker never reads from the parent's memory
+once the job is in its hands.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import multiprocessing
 import os
+import signal
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +33,9 @@ from typing import Any
 import torch
 
 AUTO_MAX_WORKERS = 4
+# Signals only the parent acts on: blocked in the workers from their first instruction (inherited through the spawn).
+PARENT_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
+                       if hasattr(signal, name))
 
 
 def auto_workers(runs: int, threads: int) -> int:
@@ -41,6 +54,14 @@ class Job:
     settings: dict[str, Any]
     tokens: torch.Tensor
     log_root: Path
+
+    def __getstate__(self) -> dict[str, Any]:
+        # By value: a tensor pickled for another process would be shared through a file descriptor that the worker
+        # fetches from the parent when it unpickles the job, so a parent gone by then leaves it a traceback.
+        return {**self.__dict__, "tokens": self.tokens.numpy()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update({**state, "tokens": torch.from_numpy(state["tokens"])})
 
 
 @dataclass
@@ -72,7 +93,12 @@ def run_job(job: Job) -> Any:
         return Failure(job.index, type(exc).__name__, first, "".join(traceback.format_exception(exc)))
 
 
-def _start_worker(path: list[str], threads: int) -> None:
+def _start_worker(path: list[str], threads: int, parent: int) -> None:
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, PARENT_SIGNALS)  # already blocked where the spawn passed the mask on
+    from lnstab.parentdeath import die_with_parent
+
+    die_with_parent(signal.SIGKILL, parent)  # a worker holds nothing worth saving
     for entry in reversed(path):
         if entry not in sys.path:
             sys.path.insert(0, entry)
@@ -88,7 +114,8 @@ class RunPool:
     """Runs :class:`Job` s in order in this process (``workers=1``) or in ``workers`` spawned processes.
 
     Use as a context manager; the pool starts its workers at once, so they import lnstab while the caller prepares
-    the runs.
+    the runs. Leaving the context normally lets the workers finish and exit in the background; leaving it on an
+    exception (a failed run, a signal, Ctrl-C) kills them at once.
 
     Args:
         workers: Processes; 1 runs everything in this process.
@@ -97,22 +124,45 @@ class RunPool:
 
     def __init__(self, workers: int, threads: int = 1) -> None:
         self.workers = workers
+        self.finished = 0  # jobs done, for a line on an interrupted check
         self.executor: ProcessPoolExecutor | None = None
+        self.processes: list[multiprocessing.process.BaseProcess] = []
         if workers > 1:
-            import multiprocessing
-
+            before = set(multiprocessing.active_children())
             self.executor = ProcessPoolExecutor(
                 workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
-                initargs=([p for p in sys.path if p] + [os.getcwd()], threads))
-            for _ in range(workers):
-                self.executor.submit(_ready)
+                initargs=([p for p in sys.path if p] + [os.getcwd()], threads, os.getpid()))
+            try:
+                with blocked(PARENT_SIGNALS):  # the spawned workers inherit the mask; a signal meanwhile waits here
+                    for _ in range(workers):  # each submit starts one worker (none is idle yet)
+                        self.executor.submit(_ready)
+            except BaseException:  # a signal taken as the mask came back: the context is never entered
+                self._found(before)
+                self.__exit__(*sys.exc_info())
+                raise
+            self._found(before)
+
+    def _found(self, before: set[Any]) -> None:
+        self.processes = [p for p in multiprocessing.active_children() if p not in before]
 
     def __enter__(self) -> RunPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.executor is not None:
-            self.executor.shutdown(wait=exc[0] is None, cancel_futures=True)
+        if self.executor is None:
+            return
+        if exc[0] is not None:
+            self.kill()
+        self.executor.shutdown(wait=exc[0] is not None, cancel_futures=True)
+
+    def kill(self) -> None:
+        """End every worker now (SIGKILL: a worker holds nothing worth saving)."""
+        for process in self.processes:
+            with contextlib.suppress(OSError, ValueError):
+                process.kill()
+        for process in self.processes:
+            with contextlib.suppress(OSError, ValueError):
+                process.join(timeout=10)
 
     def run(self, jobs: list[Job], done: Callable[[Job, Any], None]) -> list[Any]:
         """Every job's result in job order; ``done(job, result)`` after each (e.g. a progress bar). The first
@@ -121,6 +171,7 @@ class RunPool:
         if self.executor is None:
             for job in jobs:
                 results[job.index] = run_job(job)
+                self.finished += 1
                 done(job, results[job.index])
                 if isinstance(results[job.index], Failure):
                     break
@@ -137,12 +188,26 @@ class RunPool:
                     result = Failure(job.index, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
                                      "".join(traceback.format_exception(exc)))
                 results[job.index] = result
+                self.finished += 1
                 done(job, result)
                 if isinstance(result, Failure):
                     for other in pending:
                         other.cancel()
                     return results
         return results
+
+
+@contextlib.contextmanager
+def blocked(signals: tuple[int, ...]) -> Iterator[None]:
+    """Within: ``signals`` blocked in this thread (delivered, if they came, when it ends); a no-op off POSIX."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def final_loss(result: Any) -> float:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lnstab.parentdeath import die_with_parent
 from lnstab.rundir import read_summary
 from lnstab.sweep.grid import Grid, Run, cli_value
 from lnstab.sweep.state import (
@@ -50,15 +51,8 @@ def follow_parent() -> None:
     starts (DDP ranks, loader workers) do not inherit it. Elsewhere than Linux this does nothing.
     """
     parent = os.environ.pop(PARENT_ENV, None)
-    if not parent or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
-    if parent.isdigit() and os.getppid() != int(parent):  # it died before the signal was armed
-        os.kill(os.getpid(), signal.SIGTERM)
+    if parent and parent.isdigit():
+        die_with_parent(signal.SIGTERM, int(parent))
 
 
 def fit_command(grid: Grid, run: Run, root: str | Path, *, resume: bool = False,

@@ -1,0 +1,37 @@
+"""Child processes that must not outlive their parent: Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG)``).
+
+A process killed outright (SIGKILL, the out-of-memory killer, a lost ssh session) runs no clean-up code, so its
+children would go on working for nobody: a sweep's ``lnstab fit`` children holding their runs' locks, a check's
+worker processes training runs whose results no one will read. Arming the signal in the child makes the kernel
+send it when the parent ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(signum: int, parent: int) -> bool:
+    """In a child process: receive ``signum`` when the parent ``parent`` (its pid) ends.
+
+    The kernel sends the signal when the *thread* that started this process ends, so start children from a thread
+    that lives as long as the parent process (its main thread). If the parent is already gone when this runs, the
+    signal is sent at once.
+
+    Returns:
+        Whether the signal was armed (``False`` elsewhere than Linux, or where ``prctl`` is unavailable).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    armed = False
+    with contextlib.suppress(OSError, AttributeError):
+        armed = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
+    if armed and os.getppid() != parent:  # it ended before the signal was armed
+        os.kill(os.getpid(), signum)
+    return armed
