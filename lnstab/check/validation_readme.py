@@ -13,7 +13,15 @@ from typing import Any
 
 from lnstab.check.criteria import CRITERIA, DEFAULT_THRESHOLDS, load_thresholds
 from lnstab.check.validation import HELDOUT, HELDOUT_PREDICTION, STABLE, SUPPLEMENTS, Row, Supplement
-from lnstab.check.validation_notes import HELDOUT_NOTES, NOTES, SUPPLEMENT_NOTES, THRESHOLD_CHANGES, NoteError, render
+from lnstab.check.validation_notes import (
+    HELDOUT_NOTES,
+    NOTES,
+    ROW_CHANGES,
+    SUPPLEMENT_NOTES,
+    THRESHOLD_CHANGES,
+    NoteError,
+    render,
+)
 from lnstab.rundir import read_json
 
 HELDOUT_DIR = "heldout"  # the held-out set's directory under the main set's
@@ -237,6 +245,8 @@ def readme(rows: list[Row], cards: list[dict[str, Any]], thresholds: dict[str, A
     lines += ["", "Changes after the first run: " + ("; ".join(THRESHOLD_CHANGES) if THRESHOLD_CHANGES else
                                                      "none; every verdict above is from the thresholds fixed before "
                                                      "it.")]
+    if ROW_CHANGES:
+        lines += ["", "Rows changed after their first run (every verdict re-run): " + "; ".join(ROW_CHANGES) + "."]
     if DEFAULT_THRESHOLDS != load_thresholds(None):
         lines.append("(The module's defaults differ from its YAML: this should not happen.)")
     if heldout is not None or set_name == "main" and supplements is not None:
