@@ -44,7 +44,8 @@ HELDOUT_NOTES: dict[str, str] = {
                     "({post-rmsnorm.loss} against {post-rmsnorm.loss@pre-ln} nats)",
     "llama-hf": "its largest |x| {llama-hf.overflow} is beyond fp16's maximum (Pre-LN's {llama-hf.overflow@pre-ln}, "
                 "Peri-LN's {llama-hf.overflow@peri-ln}), far beyond the massive activations Sun et al. 2024 find in "
-                "LLaMA2-7B (a few fixed dimensions, in the thousands); it also grows faster at initialisation ({llama-hf.growth_init} against {llama-hf.growth_init@pre-ln}), "
+                "LLaMA2-7B (a few fixed dimensions, in the thousands); it also grows faster at initialisation "
+                "({llama-hf.growth_init} against {llama-hf.growth_init@pre-ln}), "
                 "Hugging Face's Llama drawing every projection at std 0.02 without GPT-2's 1/√(2L) for the "
                 "residual outputs",
     "olmo2-hf": "the prediction's uncertain branch came out a pass: gradient spread {olmo2-hf.grad_spread} against "
@@ -61,7 +62,8 @@ HELDOUT_NOTES: dict[str, str] = {
 
 NOTES: dict[str, str] = {
     "post-ln": "agrees on the mechanism, not on the loss: its per-layer gradient norms span {post-ln.grad_spread} "
-               "at lr {post-ln:summaries/checked/grad_spread/lr} (Xiong et al.'s gradient pathology), but at 4 layers and 30 steps it learns as well as Pre-LN ({post-ln.loss} against "
+               "at lr {post-ln:summaries/checked/grad_spread/lr} (Xiong et al.'s gradient pathology), but at 4 "
+               "layers and 30 steps it learns as well as Pre-LN ({post-ln.loss} against "
                "{pre-ln.loss} nats)",
     "no-ln": "{no-ln:summaries/checked/diverged} of {no-ln:summaries/checked/runs} runs diverge, and |mean log Z| "
              "reaches {no-ln.log_z} ({no-ln:summaries/checked/log_z/events} logit_drift events)",
@@ -136,7 +138,8 @@ ROW_CHANGES: list[str] = [
     "§3.1.2, not §3.2; ReZero's, CaiT's, DyT's, Peri-LN's, CogView's, RMSNorm's, LLaMA's and OLMo 2's locations and "
     "wordings are narrowed to what was re-read, the rest marked 'not re-read'; no implied verdict changed",
     "OLMo 2 trained with a z-loss of 1e-5 (OLMo-core's OLMo2-7B training script; alphaXiv's summary of the paper), "
-    "not PaLM's 1e-4, which the olmo2 row had: the row now trains with 1e-5, the only change to a model; predicted before its re-run: WARN as before, on "
+    "not PaLM's 1e-4, which the olmo2 row had: the row now trains with 1e-5, the only change to a model; predicted "
+    "before its re-run: WARN as before, on "
     "growth at initialisation and gradient spread, with log Z where the 1e-4 run left it (that z-loss did not move "
     "it in 30 steps), so the agreement stays 10 of 12; result, on the AMX Xeon that re-ran both sets: as predicted, "
     "WARN on the same two criteria, log Z within 0.1 nats of a 1e-4 run's on the same machine, 10 of 12",

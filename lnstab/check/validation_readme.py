@@ -97,7 +97,9 @@ def supplement_lines(results: dict[str, dict[str, Any] | None], data_arg: str) -
              "Re-runs under other arguments, each with its question and prediction committed before it first ran "
              "(`lnstab/check/validation.py`, `SUPPLEMENTS`; `lnstab check --validate --supplement ID` runs one). The "
              "expected verdicts are the rows' own, but where a supplement's protocol is one under which the "
-             "literature reports another outcome: then the supplement says so, with its source.", ""]
+             "literature reports another outcome: then the supplement says so, with its source. Each supplement's "
+             "own README is a record of its run, and those run before the citations were re-read (2026-12-03, see "
+             "Thresholds) quote the rows' citations as they stood then.", ""]
     for sup in SUPPLEMENTS:
         got = results.get(sup.id)
         command = (f"`{' '.join(['lnstab check --validate', data_arg, '--supplement', sup.id, '--no-progress'])}`, "
