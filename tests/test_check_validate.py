@@ -15,7 +15,7 @@ from test_check import TINY
 from lnstab.check.cli import build_parser, make_protocol, split_model_args
 from lnstab.check.report import cell
 from lnstab.check.subjects import lnstab_subject
-from lnstab.check.validate import default_protocol, pairs, protocol_args, replace_cards, unique_runs
+from lnstab.check.validate import default_protocol, pairs, prepare_out, protocol_args, replace_cards, unique_runs
 from lnstab.check.validation import (
     DEFAULT_SHAPE,
     HELDOUT,
@@ -387,6 +387,9 @@ def test_overwriting_one_set_keeps_the_other_and_the_supplements(tmp_path) -> No
     replace_cards(out / "heldout", stage, [r for r in HELDOUT if r.id == "gpt2-hf"], HELDOUT, {})
     assert not (out / "heldout" / "llama-hf").exists() and (out / "heldout" / "gpt2-hf").is_dir()
     assert (out / "post-ln" / "report.json").read_text() == "new"
+    (out / ".incoming-x1y2" / "post-ln").mkdir(parents=True)  # what a validation killed before its swap leaves
+    prepare_out(out, True)
+    assert not list(out.glob(".incoming-*")) and (out / "post-ln" / "report.json").read_text() == "new"
 
 
 def test_what_the_long_warmup_note_says_of_no_warmup_holds_on_the_committed_cards() -> None:

@@ -43,6 +43,7 @@ from lnstab.rundir import atomic_write_text
 
 DEFAULT_OUT = Path("docs/check/validation")
 SETS = {"main": ROWS, "heldout": HELDOUT}  # --set: the validation set, the held-out set (its own README)
+STAGE_PREFIX = ".incoming-"  # where the new cards wait, inside --out, until they replace the earlier ones
 SHAPE_KEYS = ("preset", "n_layer", "n_head", "n_embd", "block_size", "vocab_size")
 
 
@@ -86,6 +87,8 @@ def prepare_out(out: Path, overwrite: bool) -> None:
             raise LNStabError(f"--out {out} already holds a validation; give --overwrite to replace it")
         if not (out / "README.md").is_file():
             raise LNStabError(f"--out {out} is not empty and holds no validation README; refusing to replace it")
+        for stale in out.glob(f"{STAGE_PREFIX}*"):  # the new cards of an earlier validation killed before its swap
+            shutil.rmtree(stale, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
 
 
@@ -168,7 +171,7 @@ def validate_rows(args: argparse.Namespace, argv: list[str], typed: list[str], m
                               progress=not args.no_progress, pool=pool)
         provenance = {"lnstab": lnstab_version(), "machine": machine(workers, per_worker)}
         cards = []
-        stage = Path(tempfile.mkdtemp(prefix=".incoming-", dir=out))  # beside the cards it replaces: renames
+        stage = Path(tempfile.mkdtemp(prefix=STAGE_PREFIX, dir=out))  # beside the cards it replaces: renames
         try:
             for row, subject, (_, card_args) in zip(rows, subjects, checked, strict=True):
                 key, ref_keys = keys[row.id]
