@@ -34,6 +34,7 @@ from lnstab.datamodules.text import (
     iter_documents,
     open_text_stream,
 )
+from lnstab.parentdeath import blocked
 
 log = logging.getLogger(__name__)
 STATE_VERSION = 1
@@ -90,11 +91,8 @@ class SignalSafeDataLoader(DataLoader):
     def __iter__(self):  # noqa: ANN204 - the DataLoader's iterator type is private
         if not self.num_workers or threading.current_thread() is not threading.main_thread():
             return super().__iter__()
-        before = signal.pthread_sigmask(signal.SIG_BLOCK, set(_BLOCKED_AT_FORK))
-        try:
+        with blocked(_BLOCKED_AT_FORK):
             return super().__iter__()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 class OpenWebTextDataModule(pl.LightningDataModule):

@@ -1,16 +1,21 @@
-"""Child processes that must not outlive their parent: Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG)``).
+"""Child processes that only their parent commands: Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG)``), and
+signals held back while children start.
 
 A process killed outright (SIGKILL, the out-of-memory killer, a lost ssh session) runs no clean-up code, so its
 children would go on working for nobody: a sweep's ``lnstab fit`` children holding their runs' locks, a check's
 worker processes training runs whose results no one will read. Arming the signal in the child makes the kernel
-send it when the parent ends, however it ends.
+send it when the parent ends, however it ends. A child started while a signal is blocked inherits the block, so a
+signal sent to the whole process group as it starts cannot reach it before it has set its own handling
+(:func:`blocked`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
+from collections.abc import Iterable, Iterator
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -35,3 +40,17 @@ def die_with_parent(signum: int, parent: int) -> bool:
     if armed and os.getppid() != parent:  # it ended before the signal was armed
         os.kill(os.getpid(), signum)
     return armed
+
+
+@contextlib.contextmanager
+def blocked(signals: Iterable[int]) -> Iterator[None]:
+    """Within: ``signals`` blocked in this thread (children started meanwhile inherit the mask); one that came is
+    delivered when the block ends. A no-op where the OS has no ``pthread_sigmask``."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, set(signals))
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

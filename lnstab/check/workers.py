@@ -24,13 +24,15 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from lnstab.parentdeath import blocked, die_with_parent
 
 AUTO_MAX_WORKERS = 4
 # Signals only the parent acts on: blocked in the workers from their first instruction (inherited through the spawn).
@@ -96,8 +98,6 @@ def run_job(job: Job) -> Any:
 def _start_worker(path: list[str], threads: int, parent: int) -> None:
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_BLOCK, PARENT_SIGNALS)  # already blocked where the spawn passed the mask on
-    from lnstab.parentdeath import die_with_parent
-
     die_with_parent(signal.SIGKILL, parent)  # a worker holds nothing worth saving
     for entry in reversed(path):
         if entry not in sys.path:
@@ -195,19 +195,6 @@ class RunPool:
                         other.cancel()
                     return results
         return results
-
-
-@contextlib.contextmanager
-def blocked(signals: tuple[int, ...]) -> Iterator[None]:
-    """Within: ``signals`` blocked in this thread (delivered, if they came, when it ends); a no-op off POSIX."""
-    if not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def final_loss(result: Any) -> float:
