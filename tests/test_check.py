@@ -199,6 +199,8 @@ def test_a_thresholds_file_changes_a_verdict(tmp_path) -> None:
         ([*GPT, "--model.norm_placement", "sideways"], "norm_placement='sideways' is not allowed"),
         ([*GPT, "--model.min_lr", "1e-4"], "--model.min_lr is not used"),
         ([*GPT, "--measure-every", "4"], "it must divide the number of steps"),
+        ([*GPT, "--warmup-steps", "7"], "--warmup-steps=7 is not allowed with --steps=6"),
+        ([*GPT, "--seq-len", "33"], "context of 32; it must be at most 32"),
         ([*GPT, "--lrs", "abc"], "is not a comma-separated list of numbers"),
         ([*GPT, "--data.source", "auto", "--data.path", "owt.jsonl.gz", "--vocab", "model"], "holds GPT-2 tokens"),
         ([*GPT, "--data.path", "owt.jsonl.gz"], "is not used with --data.source synthetic"),

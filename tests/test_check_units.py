@@ -12,7 +12,7 @@ from lnstab.check.card import relation
 from lnstab.check.cli import build_parser, make_protocol, split_model_args
 from lnstab.check.criteria import DEFAULT_THRESHOLDS, evaluate_expression, load_thresholds, resolve, status
 from lnstab.check.factory import factory_subject
-from lnstab.check.subjects import lnstab_subject, references
+from lnstab.check.subjects import context_length, lnstab_subject, references
 from lnstab.errors import LNStabError
 
 DEPTHS = [0.5 * k for k in range(1, 13)]  # six layers of half-steps
@@ -122,6 +122,18 @@ def test_model_arguments_are_parsed_as_yaml_and_split_from_the_rest() -> None:
         make_protocol(build_parser().parse_args(["--lrs", "1e-3"]), extra)
     with pytest.raises(LNStabError, match="GPTModule takes"):
         lnstab_subject({"n_layers": 3})
+
+
+def test_a_default_longer_than_the_run_or_context_is_cut_and_a_given_one_refused() -> None:
+    subject, extra = lnstab_subject({"preset": "tiny", "block_size": 32})
+    short = make_protocol(build_parser().parse_args(["--steps", "2"]), extra)
+    assert short.optimisation.warmup_steps == 2 and short.seq_len == 64  # default warmup 3, cut to the run
+    assert context_length(subject, short.seq_len) == 32  # default length 64, cut to the context
+    with pytest.raises(LNStabError, match=r"--warmup-steps=3 is not allowed with --steps=2; it must be at most"):
+        make_protocol(build_parser().parse_args(["--steps", "2", "--warmup-steps", "3"]), extra)
+    with pytest.raises(LNStabError, match=r"--seq-len=33 is not allowed with .*context of 32; it must be at most 32"):
+        context_length(subject, 33, given=True)
+    assert context_length(subject, 32, given=True) == 32
 
 
 @pytest.mark.parametrize(

@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     pro.add_argument("--weight-decay", type=float, help="AdamW decay on matrices (default 0.1).")
     pro.add_argument("--grad-clip", type=float, default=1.0, help="Gradient-norm clipping, 0 for none.")
     pro.add_argument("--batch-size", type=int, default=8)
-    pro.add_argument("--seq-len", type=int, default=64, help="Tokens per sequence (at most the context).")
+    pro.add_argument("--seq-len", type=int, help="Tokens per sequence (default 64, cut to the context; given: at "
+                     "most the context).")
     pro.add_argument("--measure-every", type=int, help="Steps between hidden-state measurements; must divide --steps "
                                                        "(default: the largest divisor up to a third of them).")
     pro.add_argument("--jacobian-iters", type=int, default=8, help="Power iterations per Jacobian norm.")
@@ -170,7 +171,8 @@ def checked_subject(args: argparse.Namespace, model_args: dict[str, Any]) -> tup
         return hf_subject(args.hf, args.hf_init), {}
     from lnstab.check.factory import factory_subject
 
-    return factory_subject(args.factory, args.layer_pattern, args.module_types, args.seq_len, args.embed_pattern,
+    seq_len = Protocol.seq_len if args.seq_len is None else args.seq_len
+    return factory_subject(args.factory, args.layer_pattern, args.module_types, seq_len, args.embed_pattern,
                            args.final_pattern, args.norm_pattern, args.head_pattern), {}
 
 
@@ -187,7 +189,7 @@ def make_protocol(args: argparse.Namespace, extra: dict[str, Any]) -> Protocol:
     pick = lambda flag, key, fallback: flag if flag is not None else extra.get(key, fallback)  # noqa: E731
     optimisation = Optimisation(
         steps=args.steps,
-        warmup_steps=pick(args.warmup_steps, "warmup_steps", default.warmup_steps),
+        warmup_steps=pick(args.warmup_steps, "warmup_steps", min(default.warmup_steps, max(args.steps, 0))),
         min_lr_ratio=args.min_lr_ratio,
         weight_decay=pick(args.weight_decay, "weight_decay", default.weight_decay),
         betas=tuple(extra.get("betas", default.betas)),
@@ -198,7 +200,8 @@ def make_protocol(args: argparse.Namespace, extra: dict[str, Any]) -> Protocol:
     if every is None:  # measured at initialisation, about three times during training, and after it
         every = max(d for d in range(1, max(1, args.steps // 3) + 1) if args.steps % d == 0) if args.steps > 0 else 1
     return Protocol(lrs=tuple(lrs), seeds=args.seeds or Protocol.seeds, batch_size=args.batch_size,
-                    seq_len=args.seq_len, measure_every=every, jacobian_iters=args.jacobian_iters,
+                    seq_len=Protocol.seq_len if args.seq_len is None else args.seq_len, measure_every=every,
+                    jacobian_iters=args.jacobian_iters,
                     probe_size=args.probe_size, optimisation=optimisation, data_source=args.data_source,
                     data_path=args.data_path, accelerator=args.accelerator)
 
@@ -311,7 +314,7 @@ def run_check(args: argparse.Namespace, model_args: dict[str, Any], command: str
     subject, extra = checked_subject(args, model_args)
     protocol = make_protocol(args, extra)
     thresholds = load_thresholds(args.thresholds)
-    seq_len = context_length(subject, protocol.seq_len)
+    seq_len = context_length(subject, protocol.seq_len, given=args.seq_len is not None)
     n_runs = len(plan([subject] + ([] if args.no_reference else references(subject, seq_len)), protocol))
     workers, per_worker = worker_counts(args, n_runs)
     out: Path | None = None

@@ -99,6 +99,9 @@ class Protocol:
         validation.number("--eps", opt.eps, 0, low_open=True)
         if len(opt.betas) != 2 or not all(isinstance(b, int | float) and 0 <= b < 1 for b in opt.betas):
             raise LNStabError(f"--model.betas={opt.betas!r} is not allowed; give two numbers in [0, 1)")
+        if opt.warmup_steps > opt.steps:
+            raise LNStabError(f"--warmup-steps={opt.warmup_steps} is not allowed with --steps={opt.steps}; it must be "
+                              "at most the number of steps (the rate would never reach the rung's peak)")
         if opt.steps % self.measure_every:
             raise LNStabError(f"--measure-every={self.measure_every} is not allowed with --steps={opt.steps}; "
                               "it must divide the number of steps (the last measurement is after training)")

@@ -282,7 +282,16 @@ def references(checked: Subject, seq_len: int) -> list[Subject]:
     return out
 
 
-def context_length(checked: Subject, seq_len: int) -> int:
-    """The sequence length of the stress runs: ``seq_len``, at most the model's context."""
+def context_length(checked: Subject, seq_len: int, given: bool = False) -> int:
+    """The sequence length of the stress runs: ``seq_len``, at most the model's context.
+
+    A default ``seq_len`` longer than the context is cut to it; one the user ``given`` is refused instead, so a card
+    never reports a length other than the one asked for.
+    """
     limit = checked.shape.block_size
-    return min(seq_len, int(limit)) if limit and math.isfinite(limit) else seq_len
+    if not (limit and math.isfinite(limit)):
+        return seq_len
+    if given and seq_len > int(limit):
+        raise LNStabError(f"--seq-len={seq_len} is not allowed with {checked.name}'s context of {int(limit)}; "
+                          f"it must be at most {int(limit)}")
+    return min(seq_len, int(limit))

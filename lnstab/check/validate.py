@@ -159,7 +159,7 @@ def validate_rows(args: argparse.Namespace, argv: list[str], typed: list[str], m
     with tempfile.TemporaryDirectory(prefix="lnstab-validate-") as tmp:
         work = Path(tmp)
         checked = [row_subject(row, shape, work) for row in rows]
-        seq_len = context_length(checked[0][0], protocol.seq_len)
+        seq_len = context_length(checked[0][0], protocol.seq_len, given=args.seq_len is not None)
         prepare_out(out, args.overwrite)
         estimate = len(plan([checked[0][0], *references(checked[0][0], seq_len)], protocol)) * len(rows)
         workers, per_worker = worker_counts(args, estimate)
