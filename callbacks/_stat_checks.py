@@ -30,11 +30,13 @@ class StatChecks:
         collapse_fraction: Collapsed rows a layer may have (``None``: no such test).
         attention_logit_threshold: Largest attention logit allowed (``None``: no such test).
         log_z_threshold: Largest |mean log Z| allowed (``None``: no such test).
+        head_pattern: The output head's module names (default: Hugging Face's ``lm_head``).
     """
 
     def __init__(self, collapse_fraction: float | None, attention_logit_threshold: float | None,
-                 log_z_threshold: float | None) -> None:
+                 log_z_threshold: float | None, head_pattern: re.Pattern | None = None) -> None:
         self.collapse_fraction = collapse_fraction
+        self.head_pattern = head_pattern or re.compile(HEAD_PATTERN)
         self.attention_logit_threshold = attention_logit_threshold
         self.log_z_threshold = log_z_threshold
         self.attention_sites: list[Site] = []
@@ -57,7 +59,7 @@ class StatChecks:
             self.attention_sites = attention_sites(root, options, who=who)
             self.attention = tap.subscribe(self.attention_sites, [ATTENTION_STATS] * len(self.attention_sites))
         if self.log_z_threshold is not None:
-            site = output_site(root, "auto", re.compile(FINAL_PATTERN), re.compile(HEAD_PATTERN), None,
+            site = output_site(root, "auto", re.compile(FINAL_PATTERN), self.head_pattern, None,
                                DEFAULT_CHUNK_ROWS, who=who)
             self.logits = tap.subscribe([site], [LOGIT_STATS])
 

@@ -16,6 +16,7 @@ from typing_extensions import override
 from lnstab import validation as check
 from lnstab.rundir import EVENTS_FILE, atomic_write_text, json_safe, run_dir, update_summary
 
+from ._captures import HEAD_PATTERN
 from ._sites import Site, auto_sites, log_metrics
 from ._stat_checks import StatChecks
 from ._strategy import all_reduce_, distributed, params_sharded, require_strategy
@@ -100,6 +101,8 @@ class DivergenceMonitor(TapCallback):
             logit that stands out by that much makes its row one-hot in every float format (e^-1000 is 0).
         log_z_threshold: Largest |mean log Z| allowed (``None``: no test). The default 30 lies above log Z at
             initialisation (log V: 10.8 for GPT-2's vocabulary) for any vocabulary under e^30 ≈ 10^13 tokens.
+        head_pattern: Regex of the output head whose output is the logits, for models other than lnstab's GPT (as
+            in :class:`OutputLogitStatistics`; default: Hugging Face's ``lm_head``).
 
     **Logged metrics**:
         ``divergence/events`` (cumulative count, at each step with an event).
@@ -128,6 +131,7 @@ class DivergenceMonitor(TapCallback):
         collapse_fraction: float | None = 0.5,
         attention_logit_threshold: float | None = 1000.0,
         log_z_threshold: float | None = 30.0,
+        head_pattern: str = HEAD_PATTERN,
     ) -> None:
         self.policy = check.choice("policy", policy, POLICIES)
         self.every_n_steps = check.positive_int("every_n_steps", every_n_steps)
@@ -148,6 +152,7 @@ class DivergenceMonitor(TapCallback):
             collapse_fraction,
             check.optional_number("attention_logit_threshold", attention_logit_threshold, 0, low_open=True),
             check.optional_number("log_z_threshold", log_z_threshold, 0, low_open=True),
+            check.regex("head_pattern", head_pattern, optional=False),
         )
         self._stats_step = False
         self.events: list[dict[str, Any]] = []

@@ -229,6 +229,23 @@ def test_attention_collapse_stops_when_named_fatal_and_a_logit_threshold_fires(t
     assert monitor.events[0]["value"] > 5.0 and t.global_step == 1 and unchanged(watch, 0)
 
 
+def test_logit_drift_finds_a_head_by_its_pattern(tmp_path):
+    def monitor(**kwargs):
+        return DivergenceMonitor(stats_every_n_steps=1, collapse_fraction=None, attention_logit_threshold=None,
+                                 log_z_threshold=1.0, **kwargs)  # log V = 4.6: every step drifts past 1
+
+    with pytest.raises(ValueError, match=r"no module matches head_pattern='.*lm_head\$'"):
+        trainer(tmp_path, [monitor()], max_steps=1).fit(lit("encoder"), loader())  # its head is model.head
+    found = monitor(head_pattern=r"\.head$")
+    trainer(tmp_path, [found], max_steps=2).fit(lit("encoder"), loader())
+    with torch.no_grad():  # the first event's value is log Z of the untrained model's logits on the first batch
+        x, _ = next(iter(loader()))
+        expected = torch.logsumexp(lit("encoder").model(x).float(), dim=-1).mean().item()
+    assert [(e["step"], e["kind"], e["layer"]) for e in found.events] == [(0, "logit_drift", "output"),
+                                                                          (1, "logit_drift", "output")]
+    assert found.events[0]["value"] == pytest.approx(abs(expected), rel=1e-5)
+
+
 def test_on_a_shared_step_the_attention_view_is_computed_once(tmp_path, monkeypatch):
     from functools import cached_property
 
@@ -259,6 +276,8 @@ def test_stats_checks_refuse_a_model_without_attention(tmp_path):
         ({"attention_logit_threshold": 0}, "attention_logit_threshold=0"),
         ({"log_z_threshold": "big"}, "log_z_threshold='big'"),
         ({"fatal_kinds": ["attention"]}, "fatal_kinds='attention'"),
+        ({"head_pattern": "(unclosed"}, "head_pattern='\\(unclosed'"),
+        ({"head_pattern": None}, "head_pattern=None"),
     ],
 )
 def test_bad_stats_arguments(kwargs, match):

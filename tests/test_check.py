@@ -131,10 +131,18 @@ def test_hugging_face_directory_loads_its_trained_weights(tmp_path) -> None:
     assert not torch.equal(fresh[key], saved.state_dict()[key])
 
 
-def test_factory_transformer_encoder_runs_end_to_end(tmp_path) -> None:
+@pytest.mark.parametrize("head", [None, "^head$"])
+def test_factory_transformer_encoder_runs_end_to_end(tmp_path, head) -> None:
     out = tmp_path / "card"
-    code, report = check(out, *ENCODER, "--lrs", "1e-2", *TINY)
+    code, report = check(out, *ENCODER, "--lrs", "1e-2", *TINY, *(["--head-pattern", head] if head else []))
     assert code == report["exit_code"]
+    log_z = rows(report)["log_z"]
+    if head is None:  # its head is not named lm_head: without --head-pattern the logits are not found
+        assert log_z["status"] == "n/a" and "the output logits were not found" in log_z["why"]
+    else:  # found by the factory model's own name, under the stress run's prefix (model.head), by every instrument
+        assert log_z["status"] != "n/a" and math.isfinite(log_z["measured"])
+        assert report["summaries"]["checked"]["log_z"]["init"] == pytest.approx(math.log(128), abs=0.5)
+        assert "output/log_z_mean" in scalar_tags(out / "tb" / "checked" / "lr0.01_seed0")
     assert report["model"]["shape"]["n_layer"] == 2 and report["model"]["shape"]["n_embd"] == 32
     assert report["model"]["shape"]["vocab_size"] == 128  # read off the logits
     checked = report["summaries"]["checked"]
@@ -191,6 +199,7 @@ def test_a_thresholds_file_changes_a_verdict(tmp_path) -> None:
         (["--factory", "no_such_module_xyz.models:build"], "cannot be imported"),
         (["--factory", "check_factories:pooled_lm"], "it must map token ids (B, T) to logits (B, T, V)"),
         ([*ENCODER[:2], "--layer-pattern", r"nomatch\.(\d+)$"], "matched no module"),
+        ([*ENCODER, "--head-pattern", "^lm_head$"], "--head-pattern '^lm_head$' matched no module"),
         (["--factory", "check_factories:not_a_module"], "it must return a torch.nn.Module"),
         (["--factory", "check_factories:encoder_lm", "--layer-pattern", "(unclosed"], "not a valid regular expression"),
         (["--hf", "/no/such/dir/gpt2"], "cannot be loaded"),

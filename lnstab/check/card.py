@@ -148,7 +148,9 @@ def why(cid: str, s: dict[str, Any], refs: dict[str, dict[str, Any]], value: flo
         return text + tail + _refs_text(cid, refs, lambda r: fmt(r["log_z"]["mean"]))
     if cid == "grad_spread":
         if not math.isfinite(value):
-            return "no per-layer gradient norms (block names need a numeric index, e.g. layers.3)"
+            if sites.get("param_pattern", "") is None:
+                return "no per-layer gradient norms (block names need a numeric index, e.g. layers.3)"
+            return "every run diverged" if s["diverged"] == s["runs"] else "no per-layer gradient norms were measured"
         text = (f"per-layer gradient norms span ×{as_factor(cid, value):.3g} (median over steps, worst at lr "
                 f"{s[cid]['lr']:g})")
         return text + tail + _refs_text(cid, refs, lambda r: f"×{fmt(as_factor(cid, r[cid]['mean']))}")

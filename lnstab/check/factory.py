@@ -146,9 +146,9 @@ def factory_subject(
     import_factory(spec)
     pattern = compile_regex("--layer-pattern", layer_pattern)
     types = resolve_types("--module-types", module_types)
-    for option, value in (("--embed-pattern", embed_pattern), ("--final-pattern", final_pattern),
-                          ("--norm-pattern", norm_pattern), ("--head-pattern", head_pattern)):
-        compile_regex(option, value)
+    given = {option: compile_regex(option, value) for option, value in (
+        ("--embed-pattern", embed_pattern), ("--final-pattern", final_pattern), ("--norm-pattern", norm_pattern),
+        ("--head-pattern", head_pattern))}
 
     recipe = FactoryRecipe(spec, (), tuple(p for p in sys.path if p))
     model = recipe.build()
@@ -159,10 +159,19 @@ def factory_subject(
             raise LNStabError(f"--factory {spec!r}: no numbered blocks (h.N, layers.N, blocks.N) found; "
                               "give --layer-pattern REGEX or --module-types package.Class")
     names = block_names(model, pattern, types)
+    some = ", ".join(n for n, _ in list(model.named_modules())[1:7])
     if not names:
-        some = ", ".join(n for n, _ in list(model.named_modules())[1:7])
         what = f"--layer-pattern {layer_pattern!r}" if layer_pattern else f"--module-types {module_types!r}"
         raise LNStabError(f"{what} matched no module of the model from --factory {spec!r} (its modules: {some}, …)")
+    exact_sites: dict[str, str | None] = {}
+    for option, regex in given.items():  # searched in the model's own names, as --layer-pattern is: the stress
+        matched = block_names(model, regex, ()) if regex is not None else []  # runs see them under a prefix
+        if regex is not None and not matched:
+            raise LNStabError(f"{option} {regex.pattern!r} matched no module of the model from --factory {spec!r} "
+                              f"(its modules: {some}, …)")
+        exact_sites[option] = exact_pattern(matched) if matched else None
+    embed_pattern, final_pattern = exact_sites["--embed-pattern"], exact_sites["--final-pattern"]
+    norm_pattern, head_pattern = exact_sites["--norm-pattern"], exact_sites["--head-pattern"]
     vocab, width = probe_factory(model, spec, names, seq_len)
     exact = exact_pattern(names)
     attention, logits = instrument_support(model, head_pattern)

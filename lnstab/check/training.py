@@ -266,6 +266,7 @@ def stress_run(
         stats_every_n_steps=measure_every if (sites.attention or sites.logits) else 0,
         **({} if sites.attention else {"collapse_fraction": None, "attention_logit_threshold": None}),
         **({} if sites.logits else {"log_z_threshold": None}),
+        **({"head_pattern": sites.head_pattern} if sites.head_pattern else {}),
     )
     status = RunStatus(signals=(), save_on_interrupt=False)  # summary.json status only; Ctrl-C ends the whole check
     recorder = Recorder(instruments)
