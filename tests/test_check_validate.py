@@ -152,6 +152,9 @@ def test_validate_writes_a_card_per_row_and_the_readme(tmp_path, capsys) -> None
     (["--hf", "x"], "--hf and --factory are not used"),
     (["--model.norm_placement", "post"], "--model.norm_placement is not allowed with --validate"),
     (["--rows", "nope"], "--rows nope is not allowed"),
+    (["--no-reference"], "--no-reference is not used with --validate"),
+    (["--name", "mine"], "--name is not used with --validate"),
+    (["--head-pattern", "head$"], "--head-pattern is not used with --validate"),
 ])
 def test_validate_refuses_in_one_line(args, said, tmp_path, capsys) -> None:
     with pytest.raises(SystemExit) as info:

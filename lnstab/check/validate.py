@@ -115,6 +115,14 @@ def main(args: argparse.Namespace, model_args: dict[str, Any], argv: list[str], 
     started = time.perf_counter()
     if args.hf or args.factory:
         raise LNStabError("--validate checks its own set of models; --hf and --factory are not used with it")
+    unused = [flag for flag, value in (
+        ("--hf-init", args.hf_init), ("--layer-pattern", args.layer_pattern), ("--module-types", args.module_types),
+        ("--embed-pattern", args.embed_pattern), ("--final-pattern", args.final_pattern),
+        ("--norm-pattern", args.norm_pattern), ("--head-pattern", args.head_pattern),
+        ("--no-reference", args.no_reference), ("--name", args.name)) if value]
+    if unused:
+        raise LNStabError(f"{unused[0]} is not used with --validate: its rows are its own models, each graded beside "
+                          "the references, and the README goes to --out")
     bad = [k for k in model_args if k not in SHAPE_KEYS]
     if bad:
         raise LNStabError(f"--model.{bad[0]} is not allowed with --validate; only the shape may change "
