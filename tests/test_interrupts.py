@@ -215,7 +215,8 @@ def test_loader_workers_ignore_stop_signals_from_others_and_end_with_their_paren
     record = tmp_path / "record"
     proc = subprocess.Popen([sys.executable, "-c", WORKERS_SCRIPT, str(record)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1",  # workers killed at exit leave their
+                                 "TMPDIR": str(tmp_path)})  # multiprocessing temp dirs: here, not in /tmp
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 2, proc.stderr.read()
