@@ -142,10 +142,9 @@ def main(args: argparse.Namespace, model_args: dict[str, Any], argv: list[str], 
     thresholds = load_thresholds(args.thresholds)
     out = (Path(args.out) if args.out else DEFAULT_OUT / HELDOUT_DIR if heldout
            else DEFAULT_OUT / "supplements" / sup.id if sup else DEFAULT_OUT)
-    shape = {**pairs(DEFAULT_SHAPE), **model_args}
+    selection = Selection(rows, tuple(every), sup, wanted, model_args, {**pairs(DEFAULT_SHAPE), **model_args})
     try:
-        agree, wall = validate_rows(args, argv, typed, model_args, out, rows, every, sup, shape, protocol, thresholds,
-                                    wanted, started)
+        agree, wall = validate_rows(args, argv, typed, selection, out, protocol, thresholds, started)
     except Interrupted as exc:
         exc.where = exc.where or f"; nothing in {out} was replaced"
         raise
@@ -156,12 +155,35 @@ def main(args: argparse.Namespace, model_args: dict[str, Any], argv: list[str], 
         raise SystemExit(1)
 
 
-def validate_rows(args: argparse.Namespace, argv: list[str], typed: list[str], model_args: dict[str, Any], out: Path,
-                  rows: list[Row], every: tuple[Row, ...] | list[Row], sup: Any, shape: dict[str, Any],
-                  protocol: Any, thresholds: dict[str, Any], wanted: list[str], started: float) -> tuple[int, float]:
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """What one ``--validate`` runs.
+
+    Attributes:
+        rows: The rows to run, in the set's order.
+        every: Every row of the set (a supplement's outcomes applied), whose cards the README lists.
+        sup: The supplement, if any.
+        wanted: The ``--rows`` asked for (empty: all).
+        model_args: The ``--model.*`` shape changes.
+        shape: The default shape with ``model_args`` over it.
+    """
+
+    rows: list[Row]
+    every: tuple[Row, ...]
+    sup: Any
+    wanted: list[str]
+    model_args: dict[str, Any]
+    shape: dict[str, Any]
+
+
+def validate_rows(args: argparse.Namespace, argv: list[str], typed: list[str], selection: Selection, out: Path,
+                  protocol: Any, thresholds: dict[str, Any], started: float) -> tuple[int, float]:
     """Train every row's runs, grade the cards and replace ``out``'s validation with them; ``(agreeing rows, wall
     seconds)``."""
     from lnstab.check.cli import worker_counts
+
+    rows, every, sup, wanted = selection.rows, selection.every, selection.sup, selection.wanted
+    model_args, shape = selection.model_args, selection.shape
 
     heldout = args.set == "heldout"
     with tempfile.TemporaryDirectory(prefix="lnstab-validate-") as tmp:
