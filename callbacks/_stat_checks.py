@@ -31,12 +31,15 @@ class StatChecks:
         attention_logit_threshold: Largest attention logit allowed (``None``: no such test).
         log_z_threshold: Largest |mean log Z| allowed (``None``: no such test).
         head_pattern: The output head's module names (default: Hugging Face's ``lm_head``).
+        qk: ``q_pattern``, ``k_pattern``, ``n_head``, ``scale`` for :func:`attention_sites` (``None``: automatic).
     """
 
     def __init__(self, collapse_fraction: float | None, attention_logit_threshold: float | None,
-                 log_z_threshold: float | None, head_pattern: re.Pattern | None = None) -> None:
+                 log_z_threshold: float | None, head_pattern: re.Pattern | None = None,
+                 qk: tuple[Any, Any, Any, Any] = (None, None, None, None)) -> None:
         self.collapse_fraction = collapse_fraction
         self.head_pattern = head_pattern or re.compile(HEAD_PATTERN)
+        self.qk = qk  # q_pattern, k_pattern, n_head, scale
         self.attention_logit_threshold = attention_logit_threshold
         self.log_z_threshold = log_z_threshold
         self.attention_sites: list[Site] = []
@@ -56,7 +59,7 @@ class StatChecks:
         tap = SharedTap.of(root)
         if self.collapse_fraction is not None or self.attention_logit_threshold is not None:
             options = {"chunk_elements": DEFAULT_CHUNK_ELEMENTS, "min_keys": 2, "collapse_weight": COLLAPSE_WEIGHT}
-            self.attention_sites = attention_sites(root, options, who=who)
+            self.attention_sites = attention_sites(root, options, *self.qk, who=who)
             self.attention = tap.subscribe(self.attention_sites, [ATTENTION_STATS] * len(self.attention_sites))
         if self.log_z_threshold is not None:
             site = output_site(root, "auto", re.compile(FINAL_PATTERN), self.head_pattern, None,

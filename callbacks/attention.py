@@ -7,9 +7,8 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from lnstab import validation as check
-from lnstab.errors import ConfigError
 
-from ._captures import attention_sites
+from ._captures import attention_sites, qk_arguments
 from ._sites import Site
 from ._strategy import require_strategy
 from ._tap import MeasuringTapCallback
@@ -87,15 +86,7 @@ class AttentionLogitStatistics(MeasuringTapCallback):
     ) -> None:
         super().__init__()
         self.every_n_steps = check.positive_int("every_n_steps", every_n_steps)
-        self.q_pattern = check.regex("q_pattern", q_pattern)
-        self.k_pattern = check.regex("k_pattern", k_pattern)
-        if (self.q_pattern is None) != (self.k_pattern is None):
-            raise ConfigError(f"q_pattern={q_pattern!r} with k_pattern={k_pattern!r} is not allowed; give both or "
-                              "neither")
-        self.n_head = None if n_head is None else check.positive_int("n_head", n_head)
-        if self.q_pattern is not None and self.n_head is None:
-            raise ConfigError("n_head=None is not allowed with q_pattern; give the number of q heads")
-        self.scale = check.optional_number("scale", scale, 0.0, low_open=True)
+        self.q_pattern, self.k_pattern, self.n_head, self.scale = qk_arguments(q_pattern, k_pattern, n_head, scale)
         self.options = {
             "chunk_elements": check.positive_int("chunk_elements", chunk_elements),
             "min_keys": check.positive_int("min_keys", min_keys),

@@ -16,7 +16,7 @@ from typing_extensions import override
 from lnstab import validation as check
 from lnstab.rundir import EVENTS_FILE, atomic_write_text, json_safe, run_dir, update_summary
 
-from ._captures import HEAD_PATTERN
+from ._captures import HEAD_PATTERN, qk_arguments
 from ._sites import Site, auto_sites, log_metrics
 from ._stat_checks import StatChecks
 from ._strategy import all_reduce_, distributed, params_sharded, require_strategy
@@ -67,7 +67,8 @@ class DivergenceMonitor(TapCallback):
     * ``remote``: another rank decided to act while this one saw nothing.
 
     The attention and output-logit checks run only every ``stats_every_n_steps`` optimizer steps (``0``, the default:
-    never), on lnstab's GPT and Hugging Face GPT-2, Llama, Gemma 2 and OLMo 2 (found as
+    never), on lnstab's GPT and Hugging Face GPT-2, Llama, Gemma 2 and OLMo 2, or on any model whose q and k
+    projections and output head are named by ``q_pattern``/``k_pattern``/``n_head`` and ``head_pattern`` (found as
     :class:`AttentionLogitStatistics` and :class:`OutputLogitStatistics` find them; on the same steps they share those
     instruments' hooks and views, so nothing is computed twice): their hooks are no-ops on other steps, and on those
     steps their values, reduced over ranks (a few more collectives), join the step's one host sync. Both kinds are
@@ -103,6 +104,8 @@ class DivergenceMonitor(TapCallback):
             initialisation (log V: 10.8 for GPT-2's vocabulary) for any vocabulary under e^30 ≈ 10^13 tokens.
         head_pattern: Regex of the output head whose output is the logits, for models other than lnstab's GPT (as
             in :class:`OutputLogitStatistics`; default: Hugging Face's ``lm_head``).
+        q_pattern, k_pattern, n_head, scale: The q and k projections of a model whose attention is not recognised,
+            as in :class:`AttentionLogitStatistics` (``None``: found automatically).
 
     **Logged metrics**:
         ``divergence/events`` (cumulative count, at each step with an event).
@@ -132,6 +135,10 @@ class DivergenceMonitor(TapCallback):
         attention_logit_threshold: float | None = 1000.0,
         log_z_threshold: float | None = 30.0,
         head_pattern: str = HEAD_PATTERN,
+        q_pattern: str | None = None,
+        k_pattern: str | None = None,
+        n_head: int | None = None,
+        scale: float | None = None,
     ) -> None:
         self.policy = check.choice("policy", policy, POLICIES)
         self.every_n_steps = check.positive_int("every_n_steps", every_n_steps)
@@ -153,6 +160,7 @@ class DivergenceMonitor(TapCallback):
             check.optional_number("attention_logit_threshold", attention_logit_threshold, 0, low_open=True),
             check.optional_number("log_z_threshold", log_z_threshold, 0, low_open=True),
             check.regex("head_pattern", head_pattern, optional=False),
+            qk_arguments(q_pattern, k_pattern, n_head, scale),
         )
         self._stats_step = False
         self.events: list[dict[str, Any]] = []

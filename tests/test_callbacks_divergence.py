@@ -8,8 +8,9 @@ import math
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_callbacks_helpers import StepClock, lit, loader, trainer
+from test_callbacks_helpers import SEQ, VOCAB, LitLM, StepClock, lit, loader, trainer
 
 from lnstab.callbacks import (
     DivergenceMonitor,
@@ -246,6 +247,51 @@ def test_logit_drift_finds_a_head_by_its_pattern(tmp_path):
     assert found.events[0]["value"] == pytest.approx(abs(expected), rel=1e-5)
 
 
+class OwnAttentionLM(torch.nn.Module):
+    """A user's own two-layer causal LM: separate ``query``/``key``/``value`` projections, no recognised attention
+    class, an output head called ``out``."""
+
+    def __init__(self, width: int = 32, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = torch.nn.Embedding(VOCAB, width)
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict(
+            {n: torch.nn.Linear(width, width) for n in ("query", "key", "value")}) for _ in range(2))
+        self.out = torch.nn.Linear(width, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)  # (B, T, C)
+        for block in self.blocks:
+            q, k, v = (block[n](x).unflatten(-1, (self.heads, -1)).transpose(1, 2) for n in ("query", "key", "value"))
+            x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(-2)
+        return self.out(x)  # (B, T, V)
+
+
+def test_a_users_own_attention_and_head_are_watched_through_patterns(tmp_path):
+    with pytest.raises(ValueError, match="name the projections with q_pattern, k_pattern and n_head"):
+        trainer(tmp_path, [DivergenceMonitor(stats_every_n_steps=1)], max_steps=1).fit(
+            LitLM(OwnAttentionLM()), loader())
+    monitor = DivergenceMonitor(stats_every_n_steps=1, collapse_fraction=None, attention_logit_threshold=1e-3,
+                                log_z_threshold=1e-3, q_pattern=r"blocks\.(\d+)\.query$",
+                                k_pattern=r"blocks\.(\d+)\.key$", n_head=2, head_pattern=r"\.out$")
+    torch.manual_seed(0)
+    module = LitLM(OwnAttentionLM())
+    with torch.no_grad():  # what the untrained model's first batch gives, computed directly
+        x, _ = next(iter(loader()))
+        h = module.model.embed(x)
+        block = module.model.blocks[0]
+        q, k = (block[n](h).unflatten(-1, (2, -1)).transpose(1, 2) for n in ("query", "key"))
+        logits = (q @ k.transpose(-1, -2)) / math.sqrt(q.size(-1))  # (B, nh, T, T)
+        causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+        max_logit = logits.abs().masked_fill(~causal, 0).amax().item()
+        log_z = torch.logsumexp(module.model(x), dim=-1).mean().item()
+    trainer(tmp_path, [monitor], max_steps=1).fit(module, loader())
+    first = {(e["kind"], e["layer"]): e["value"] for e in monitor.events if e["step"] == 0}
+    assert set(first) == {("attention_collapse", "L00"), ("logit_drift", "output")}  # the first layer past it
+    assert first[("attention_collapse", "L00")] == pytest.approx(max_logit, rel=1e-5)
+    assert first[("logit_drift", "output")] == pytest.approx(abs(log_z), rel=1e-5)
+
+
 def test_on_a_shared_step_the_attention_view_is_computed_once(tmp_path, monkeypatch):
     from functools import cached_property
 
@@ -278,6 +324,8 @@ def test_stats_checks_refuse_a_model_without_attention(tmp_path):
         ({"fatal_kinds": ["attention"]}, "fatal_kinds='attention'"),
         ({"head_pattern": "(unclosed"}, "head_pattern='\\(unclosed'"),
         ({"head_pattern": None}, "head_pattern=None"),
+        ({"q_pattern": "q"}, "q_pattern='q' with k_pattern=None is not allowed"),
+        ({"q_pattern": "q", "k_pattern": "k"}, "n_head=None is not allowed with q_pattern"),
     ],
 )
 def test_bad_stats_arguments(kwargs, match):
