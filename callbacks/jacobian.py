@@ -85,7 +85,8 @@ class JacobianSensitivity(Callback):
         ``jacobian/residual/L07``, ``jacobian/sensitivity/L07``, ``jacobian/act_scale/L07``.
 
     Raises:
-        ConfigError: A bad argument, or a strategy it cannot serve (one line naming it; a ``ValueError``).
+        ConfigError: A bad argument, a LightningModule without ``forward``, or a strategy it cannot serve (one
+            line naming it; a ``ValueError``).
 
     Example::
 
@@ -121,6 +122,10 @@ class JacobianSensitivity(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         require_strategy(trainer, type(self).__name__, reads_parameters=True)
+        if type(pl_module).forward is pl.LightningModule.forward:  # it runs pl_module(probe) outside the step
+            raise ConfigError(f"model={type(pl_module).__name__} is not allowed with {type(self).__name__}; it has no "
+                              "forward, and the probe runs pl_module(probe): define forward (e.g. return "
+                              "self.model(idx))")
         self.blocks = find_sites(pl_module, self.layer_pattern)
         if not self.blocks:
             rank_zero_warn(f"{type(self).__name__}: layer_pattern matched no module; nothing will be logged")

@@ -145,3 +145,23 @@ def test_jacobian_arguments():
         JacobianSensitivity(probe=[1, 2])
     with pytest.raises(ValueError, match="n_iter="):
         JacobianSensitivity(n_iter=1.5)
+
+
+def test_jacobian_refuses_a_lightning_module_without_forward_before_training(tmp_path):
+    class NoForward(pl.LightningModule):  # a common shape: the step calls self.model, pl_module(x) is undefined
+        def __init__(self):
+            super().__init__()
+            self.model = gpt()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = NoForward()
+    before = [p.detach().clone() for p in module.parameters()]
+    with pytest.raises(ValueError, match=r"model=NoForward is not allowed with JacobianSensitivity; it has no forward"):
+        trainer(tmp_path, [JacobianSensitivity(every_n_steps=1)], max_steps=2).fit(module, loader())
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))  # refused in setup
