@@ -144,3 +144,41 @@ class WaitingLM(EncoderLM):
 def waiting_lm() -> nn.Module:
     """A model whose stress runs never end by themselves."""
     return WaitingLM()
+
+
+class OwnBlock(nn.Module):
+    """A Pre-LN block of a user's own: ``query``/``key``/``value`` projections the instruments do not recognise."""
+
+    def __init__(self, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm_1, self.norm_2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.query, self.key, self.value = (nn.Linear(WIDTH, WIDTH) for _ in range(3))
+        self.ff = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm_1(x)
+        q, k, v = (m(h).unflatten(-1, (self.heads, -1)).transpose(1, 2) for m in (self.query, self.key, self.value))
+        x = x + nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(-2)
+        return x + self.ff(self.norm_2(x))  # (B, T, C)
+
+
+class OwnAttentionLM(nn.Module):
+    """Embedding, :class:`OwnBlock` s under ``blocks.N``, a head called ``out``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList([OwnBlock() for _ in range(LAYERS)])
+        self.out = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)  # (B, T, V)
+
+
+def own_attention_lm() -> nn.Module:
+    """A model whose attention and head only patterns can point at."""
+    return OwnAttentionLM()

@@ -152,6 +152,19 @@ def test_factory_transformer_encoder_runs_end_to_end(tmp_path, head) -> None:
         out / "tb" / "checked" / "lr0.01_seed0")
 
 
+def test_a_factory_models_own_attention_is_measured_through_patterns(tmp_path) -> None:
+    own = ["--factory", "check_factories:own_attention_lm", "--layer-pattern", r"blocks\.(\d+)$"]
+    code, report = check(tmp_path / "auto", *own, "--lrs", "1e-2", *TINY)
+    assert rows(report)["attention"]["status"] == "n/a" and "--q-pattern" in rows(report)["attention"]["why"]
+    qk = ["--q-pattern", r"\.query$", "--k-pattern", r"\.key$", "--n-head", "2", "--head-pattern", "out$"]
+    code, report = check(tmp_path / "named", *own, *qk, "--lrs", "1e-2", *TINY)
+    assert code == report["exit_code"]
+    for cid in ("attention", "log_z"):
+        assert rows(report)[cid]["status"] != "n/a" and math.isfinite(rows(report)[cid]["measured"]), cid
+    assert {"attn/max_logit/L00", "attn/max_logit/L01"} <= scalar_tags(tmp_path / "named" / "tb" / "checked" /
+                                                                       "lr0.01_seed0")
+
+
 def test_no_norm_model_at_a_high_learning_rate_fails_divergence(tmp_path) -> None:
     args = [*GPT, "--model.norm_placement", "none", "--lrs", "0.3", *TINY, "--seeds", "0,1", "--steps", "10",
             "--measure-every", "5"]
@@ -200,6 +213,10 @@ def test_a_thresholds_file_changes_a_verdict(tmp_path) -> None:
         (["--factory", "check_factories:pooled_lm"], "it must map token ids (B, T) to logits (B, T, V)"),
         ([*ENCODER[:2], "--layer-pattern", r"nomatch\.(\d+)$"], "matched no module"),
         ([*ENCODER, "--head-pattern", "^lm_head$"], "--head-pattern '^lm_head$' matched no module"),
+        ([*ENCODER, "--q-pattern", "q$", "--k-pattern", "k$"], "--q-pattern, --k-pattern and --n-head go together"),
+        ([*ENCODER, "--q-pattern", "linear1$", "--k-pattern", "linear2$", "--n-head", "2"],
+         "are not allowed with --factory"),
+        ([*GPT, "--n-head", "2"], "describe a --factory model"),
         (["--factory", "check_factories:not_a_module"], "it must return a torch.nn.Module"),
         (["--factory", "check_factories:encoder_lm", "--layer-pattern", "(unclosed"], "not a valid regular expression"),
         (["--hf", "/no/such/dir/gpt2"], "cannot be loaded"),

@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--final-pattern", help="Regex of the module whose input is X_D (e.g. the final norm).")
     src.add_argument("--norm-pattern", help="Regex of the output norms, one per residual update (Theorem 4).")
     src.add_argument("--head-pattern", help="Regex of the output head whose output is the logits (default lm_head).")
+    src.add_argument("--q-pattern", help="Regex of the query projections, one per layer, for attention the check does "
+                                         "not recognise (with --k-pattern and --n-head).")
+    src.add_argument("--k-pattern", help="Regex of the key projections, one per layer.")
+    src.add_argument("--n-head", type=int, help="Query heads per layer, for --q-pattern.")
     pro = p.add_argument_group("protocol")
     pro.add_argument("--lrs", type=_floats, help="Learning-rate ladder (default 1e-3,1e-2,1e-1).")
     pro.add_argument("--seeds", type=_ints, help="Seeds (default 0,1).")
@@ -161,10 +165,11 @@ def checked_subject(args: argparse.Namespace, model_args: dict[str, Any]) -> tup
                           f"--hf PATH_OR_NAME or --factory package.module:function (got {', '.join(given) or 'none'})")
     if args.hf_init and not args.hf:
         raise LNStabError("--hf-init needs --hf PATH_OR_NAME")
-    patterns = ("layer_pattern", "module_types", "embed_pattern", "final_pattern", "norm_pattern", "head_pattern")
-    if not args.factory and any(getattr(args, p) for p in patterns):
-        raise LNStabError("--layer-pattern, --module-types, --embed-pattern, --final-pattern, --norm-pattern and "
-                          "--head-pattern describe a --factory model")
+    patterns = ("layer_pattern", "module_types", "embed_pattern", "final_pattern", "norm_pattern", "head_pattern",
+                "q_pattern", "k_pattern", "n_head")
+    if not args.factory and any(getattr(args, p) is not None for p in patterns):
+        raise LNStabError("--layer-pattern, --module-types, --embed-pattern, --final-pattern, --norm-pattern, "
+                          "--head-pattern, --q-pattern, --k-pattern and --n-head describe a --factory model")
     if model_args:
         return lnstab_subject(model_args)
     if args.hf:
@@ -173,7 +178,8 @@ def checked_subject(args: argparse.Namespace, model_args: dict[str, Any]) -> tup
 
     seq_len = Protocol.seq_len if args.seq_len is None else args.seq_len
     return factory_subject(args.factory, args.layer_pattern, args.module_types, seq_len, args.embed_pattern,
-                           args.final_pattern, args.norm_pattern, args.head_pattern), {}
+                           args.final_pattern, args.norm_pattern, args.head_pattern,
+                           qk=(args.q_pattern, args.k_pattern, args.n_head)), {}
 
 
 def make_protocol(args: argparse.Namespace, extra: dict[str, Any]) -> Protocol:

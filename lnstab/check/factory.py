@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lnstab.check.subjects import HF_BLOCKS, Shape, Subject, dropout_off, instrument_support
+from lnstab.check.subjects import HF_BLOCKS, Shape, Subject, attention_problem, dropout_off, instrument_support
 from lnstab.check.training import Sites
 from lnstab.errors import LNStabError
 
@@ -141,14 +141,23 @@ def factory_subject(
     final_pattern: str | None = None,
     norm_pattern: str | None = None,
     head_pattern: str | None = None,
+    qk: tuple[str | None, str | None, int | None] = (None, None, None),
 ) -> Subject:
-    """A model built by ``package.module:function``; its blocks are found by ``layer_pattern`` / ``module_types``."""
+    """A model built by ``package.module:function``; its blocks are found by ``layer_pattern`` / ``module_types``,
+    its sites by the other patterns (matched against its own module names, each refused when it matches none),
+    its attention's q and k projections by ``qk`` = ``(q_pattern, k_pattern, n_head)`` when the instruments do not
+    recognise them."""
     import_factory(spec)
+    q_spec, k_spec, n_head = qk
+    if (q_spec is None) != (k_spec is None) or (q_spec is None) != (n_head is None):
+        raise LNStabError("--q-pattern, --k-pattern and --n-head go together; give all three or none")
+    if n_head is not None and (isinstance(n_head, bool) or n_head < 1):
+        raise LNStabError(f"--n-head={n_head} is not allowed; it must be an integer >= 1")
     pattern = compile_regex("--layer-pattern", layer_pattern)
     types = resolve_types("--module-types", module_types)
     given = {option: compile_regex(option, value) for option, value in (
         ("--embed-pattern", embed_pattern), ("--final-pattern", final_pattern), ("--norm-pattern", norm_pattern),
-        ("--head-pattern", head_pattern))}
+        ("--head-pattern", head_pattern), ("--q-pattern", q_spec), ("--k-pattern", k_spec))}
 
     recipe = FactoryRecipe(spec, (), tuple(p for p in sys.path if p))
     model = recipe.build()
@@ -172,9 +181,16 @@ def factory_subject(
         exact_sites[option] = exact_pattern(matched) if matched else None
     embed_pattern, final_pattern = exact_sites["--embed-pattern"], exact_sites["--final-pattern"]
     norm_pattern, head_pattern = exact_sites["--norm-pattern"], exact_sites["--head-pattern"]
+    q_exact, k_exact = exact_sites["--q-pattern"], exact_sites["--k-pattern"]
+    qk_sites = (q_exact, k_exact, n_head) if q_exact else None
     vocab, width = probe_factory(model, spec, names, seq_len)
     exact = exact_pattern(names)
-    attention, logits = instrument_support(model, head_pattern)
+    attention, logits = instrument_support(model, head_pattern, qk_sites)
+    if qk_sites and not attention:
+        raise LNStabError(f"--q-pattern {q_spec!r} and --k-pattern {k_spec!r} are not allowed with --factory {spec!r}; "
+                          f"{attention_problem(model, qk_sites)}")
+    if qk_sites:
+        check_head_widths(model, spec, exact_sites, n_head)
     sites = Sites(
         hidden_pattern=exact,
         embed_pattern=embed_pattern,
@@ -185,6 +201,7 @@ def factory_subject(
         head_pattern=head_pattern,
         attention=attention,
         logits=logits,
+        qk=qk_sites,
     )
     name = "factory-" + spec.rpartition(":")[2].replace(".", "-")
     what = f"{dropped} nn.Dropout module{'s' if dropped != 1 else ''} set to p=0" if dropped else "no nn.Dropout module"
@@ -194,6 +211,37 @@ def factory_subject(
                       dropout=note)
     subject.extra["probe"] = (spec, names, seq_len)
     return subject
+
+
+def check_head_widths(model: nn.Module, spec: str, exact: dict[str, str | None], n_head: int) -> None:
+    """Refuse q and k projections whose outputs do not split into ``n_head`` query heads and a whole number of key
+    heads of the same size that divides it (grouped-query attention), read off one forward pass."""
+    widths: dict[str, set[int]] = {"--q-pattern": set(), "--k-pattern": set()}
+    hooks = []
+    for option in widths:
+        regex = re.compile(exact[option] or r"(?!)")
+        for name, module in model.named_modules():
+            if name and regex.search(name):
+                hooks.append(module.register_forward_hook(
+                    lambda m, a, out, option=option: widths[option].add(int(first_output(out).shape[-1]))))
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, 2, dtype=torch.long))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    (q_width, *more_q), (k_width, *more_k) = sorted(widths["--q-pattern"]), sorted(widths["--k-pattern"])
+    head = q_width // n_head if q_width % n_head == 0 else 0
+    k_heads = k_width // head if head and k_width % head == 0 else 0
+    if more_q or more_k or not k_heads or n_head % k_heads:
+        raise LNStabError(f"--q-pattern, --k-pattern and --n-head {n_head} are not allowed with --factory {spec!r}; "
+                          f"q's outputs are {q_width} wide and k's {k_width}, which do not split into {n_head} query "
+                          "heads and whole key heads of the same size")
+
+
+def first_output(out: Any) -> torch.Tensor:
+    """The first tensor of a module's output."""
+    return out if isinstance(out, torch.Tensor) else next(o for o in out if isinstance(o, torch.Tensor))
 
 
 def probe_factory(model: nn.Module, spec: str, names: list[str], seq_len: int) -> tuple[int, int]:

@@ -133,16 +133,31 @@ class Subject:
                                    own_vocab=self.own_vocab or self.shape.vocab_size)
 
 
-def instrument_support(model: nn.Module, head_pattern: str | None = None) -> tuple[bool, bool]:
-    """Whether the attention-logit instrument finds q and k in ``model``, and the output-logit one its logits."""
-    from lnstab.callbacks._captures import HEAD_PATTERN, attention_sites, output_site
-    from lnstab.callbacks._sites import FINAL_PATTERN
-    from lnstab.callbacks._views import COLLAPSE_WEIGHT, DEFAULT_CHUNK_ELEMENTS, DEFAULT_CHUNK_ROWS
+def attention_problem(model: nn.Module, qk: tuple[str, str, int] | None = None) -> str | None:
+    """Why the attention-logit instrument cannot read ``model``'s q and k (``qk``: named projections), or ``None``."""
+    from lnstab.callbacks._captures import attention_sites
+    from lnstab.callbacks._views import COLLAPSE_WEIGHT, DEFAULT_CHUNK_ELEMENTS
 
     options = {"chunk_elements": DEFAULT_CHUNK_ELEMENTS, "min_keys": 2, "collapse_weight": COLLAPSE_WEIGHT}
+    q, k, n_head = (re.compile(qk[0]), re.compile(qk[1]), qk[2]) if qk else (None, None, None)
+    try:
+        attention_sites(model, options, q, k, n_head)
+    except (ValueError, LNStabError) as exc:
+        return str(exc)
+    return None
+
+
+def instrument_support(model: nn.Module, head_pattern: str | None = None,
+                       qk: tuple[str, str, int] | None = None) -> tuple[bool, bool]:
+    """Whether the attention-logit instrument finds q and k in ``model`` (``qk``: named projections), and the
+    output-logit one its logits."""
+    from lnstab.callbacks._captures import HEAD_PATTERN, output_site
+    from lnstab.callbacks._sites import FINAL_PATTERN
+    from lnstab.callbacks._views import DEFAULT_CHUNK_ROWS
+
     found = []
     head = re.compile(head_pattern or HEAD_PATTERN)
-    for probe in (lambda: attention_sites(model, options),
+    for probe in (lambda: _raise_if(attention_problem(model, qk)),
                   lambda: output_site(model, "auto", re.compile(FINAL_PATTERN), head, None, DEFAULT_CHUNK_ROWS)):
         try:
             probe()
@@ -150,6 +165,11 @@ def instrument_support(model: nn.Module, head_pattern: str | None = None) -> tup
         except (ValueError, LNStabError):
             found.append(False)
     return found[0], found[1]
+
+
+def _raise_if(problem: str | None) -> None:
+    if problem is not None:
+        raise LNStabError(problem)
 
 
 def parse_value(text: str) -> Any:

@@ -131,8 +131,9 @@ class Sites:
             ``output_norms()`` wins, as in :class:`~lnstab.callbacks.GrowthBoundMonitor`).
         head_pattern: The output head whose output is the logits (``None``: ``lm_head``, or lnstab's chunked head).
         attention: Whether the attention-logit instrument finds q and k (lnstab's GPT, HF GPT-2, Llama,
-            Gemma 2, OLMo 2).
+            Gemma 2, OLMo 2, or the projections named by ``qk``).
         logits: Whether the output-logit instrument finds the logits.
+        qk: ``(q_pattern, k_pattern, n_head)`` of a model whose attention is not recognised (``None``: automatic).
     """
 
     hidden_pattern: str
@@ -144,6 +145,7 @@ class Sites:
     head_pattern: str | None = None
     attention: bool = True
     logits: bool = True
+    qk: tuple[str, str, int] | None = None
 
 
 class Recorder(pl.Callback):
@@ -244,7 +246,8 @@ def stress_run(
     instruments: list[Any] = [growth]
     callbacks: list[pl.Callback] = [StabilityLayout(), hidden, growth]
     if sites.attention:
-        attention = AttentionLogitStatistics(every_n_steps=measure_every)
+        qk = dict(zip(("q_pattern", "k_pattern", "n_head"), sites.qk, strict=True)) if sites.qk else {}
+        attention = AttentionLogitStatistics(every_n_steps=measure_every, **qk)
         callbacks.append(attention)
         instruments.append(attention)
     if sites.logits:
@@ -267,6 +270,7 @@ def stress_run(
         **({} if sites.attention else {"collapse_fraction": None, "attention_logit_threshold": None}),
         **({} if sites.logits else {"log_z_threshold": None}),
         **({"head_pattern": sites.head_pattern} if sites.head_pattern else {}),
+        **(dict(zip(("q_pattern", "k_pattern", "n_head"), sites.qk, strict=True)) if sites.qk else {}),
     )
     status = RunStatus(signals=(), save_on_interrupt=False)  # summary.json status only; Ctrl-C ends the whole check
     recorder = Recorder(instruments)

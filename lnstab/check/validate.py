@@ -119,6 +119,7 @@ def main(args: argparse.Namespace, model_args: dict[str, Any], argv: list[str], 
         ("--hf-init", args.hf_init), ("--layer-pattern", args.layer_pattern), ("--module-types", args.module_types),
         ("--embed-pattern", args.embed_pattern), ("--final-pattern", args.final_pattern),
         ("--norm-pattern", args.norm_pattern), ("--head-pattern", args.head_pattern),
+        ("--q-pattern", args.q_pattern), ("--k-pattern", args.k_pattern), ("--n-head", args.n_head is not None),
         ("--no-reference", args.no_reference), ("--name", args.name)) if value]
     if unused:
         raise LNStabError(f"{unused[0]} is not used with --validate: its rows are its own models, each graded beside "
