@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     for regime in args.regimes.split(","):
         spec = REGIMES[regime]
         steps = spec["steps"]
-        protocol = Protocol(lrs=spec["lrs"], seeds=tuple(seeds), data_path=args.data_path,
+        protocol = Protocol(lrs=spec["lrs"], seeds=tuple(seeds), data_path=args.data_path, measure_every=steps,
                             optimisation=Optimisation(steps=steps, warmup_steps=spec["warmup"]))
         subject, _ = lnstab_subject({"preset": "mini", "block_size": 128})
         data, compacted = load_data(protocol, subject, protocol.seq_len, "protocol")
