@@ -92,8 +92,8 @@ def check_fresh_run_dir(run_dir: str | os.PathLike) -> None:
         )
 
 
-def check_writable(run_dir: str | os.PathLike) -> None:
-    """Refuse, before anything runs, a run directory that cannot be created or written.
+def check_writable(run_dir: str | os.PathLike, option: str = "--run_dir") -> None:
+    """Refuse, before anything runs, a run (or output) directory ``option`` that cannot be created or written.
 
     Raises:
         ConfigError: The directory (or its nearest existing parent) is not writable, a file is in the way, or a
@@ -109,14 +109,14 @@ def check_writable(run_dir: str | os.PathLike) -> None:
         target = os.readlink(probe) if probe.is_symlink() else "?"
         what = "a loop of symbolic links" if exc.errno == errno.ELOOP else (
             f"a symbolic link to {target}, which does not exist" if exc.errno == errno.ENOENT else exc.strerror)
-        raise ConfigError(f"--run_dir {run_dir} is not allowed; {probe} is {what}") from None
+        raise ConfigError(f"{option} {run_dir} is not allowed; {probe} is {what}") from None
     if not probe.is_dir():
-        raise ConfigError(f"--run_dir {run_dir} is not allowed; {probe} is a file, not a directory")
+        raise ConfigError(f"{option} {run_dir} is not allowed; {probe} is a file, not a directory")
     try:  # a real probe (access() says yes to root on read-only and pseudo filesystems); leaves nothing behind
         with tempfile.TemporaryFile(dir=probe):
             pass
     except OSError as exc:
-        raise ConfigError(f"--run_dir {run_dir} is not allowed; {probe} is not writable ({exc.strerror})") from None
+        raise ConfigError(f"{option} {run_dir} is not allowed; {probe} is not writable ({exc.strerror})") from None
 
 
 def explicit_keys(argv: list[str], prefix: str) -> list[str]:

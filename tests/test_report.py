@@ -170,6 +170,14 @@ def test_report_command_writes_tables_and_figures(grid, tmp_path, capsys) -> Non
     assert info.value.code == 2 and "already holds a report (report.md)" in capsys.readouterr().err
     main(["report", str(grid / "pre_s0"), str(grid / "peri_s0"), "--out", str(out), "--overwrite"])
     assert "2 runs in 2 configuration(s)" in (out / "report.md").read_text()
+    blocker = tmp_path / "a-file"
+    blocker.write_text("kept\n")
+    for bad in (blocker, blocker / "report"):  # a file in the way: one line, before any run is read
+        with pytest.raises(SystemExit) as info:
+            main(["report", str(grid), "--out", str(bad)])
+        err = capsys.readouterr().err.strip()
+        assert info.value.code == 2 and f"{blocker} is a file, not a directory" in err and "\n" not in err, err
+    assert blocker.read_text() == "kept\n"
 
 
 def test_resumed_tensorboard_logs_keep_the_latest_value_per_step(tmp_path) -> None:

@@ -23,6 +23,7 @@ from lnstab.report.logits import logit_table
 from lnstab.report.lr_sensitivity import lr_sensitivity_table
 from lnstab.report.tables import divergence_table, group, performance_table, runs_table, stability_table
 from lnstab.rundir import atomic_write_text
+from lnstab.runs import check_writable
 from lnstab.sweep.cli import OneLineParser
 
 TABLES = {
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     out = Path(args.out)
+    check_writable(out, "--out")  # a file in the way, a dangling link, no write permission: one line, before reading
     if not args.overwrite:
         taken = [name for name in outputs() if (out / name).exists()]
         if taken:
