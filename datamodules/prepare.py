@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -274,15 +275,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class ParseError(DataError):
+    """A command-line mistake, named as the user typed it (not rewritten to prepare's flag names)."""
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line through the CLI's LNStabError handler, exit 2
-        raise DataError(f"lnstab prepare: {message}")
+        typed = re.findall(r"--data\.(\w+)", message)
+        hint = f"; prepare's flags have no data. prefix: --{typed[0]}" if typed else ""
+        raise ParseError(f"lnstab prepare: {message}{hint}")
 
 
 def main(argv: list[str]) -> None:
     """Entry point of ``lnstab prepare`` (dispatched by :func:`lnstab.cli.main`); errors name prepare's own flags."""
     try:
         _main(argv)
+    except ParseError:
+        raise
     except DataError as exc:  # the data options' messages say --data.<name>; prepare's flags are --<name>
         raise DataError(str(exc).replace("--data.", "--")) from None
 
