@@ -185,12 +185,13 @@ def factory_subject(
     qk_sites = (q_exact, k_exact, n_head) if q_exact else None
     vocab, width = probe_factory(model, spec, names, seq_len)
     exact = exact_pattern(names)
-    attention, logits = instrument_support(model, head_pattern, qk_sites)
-    if qk_sites and not attention:
-        raise LNStabError(f"--q-pattern {q_spec!r} and --k-pattern {k_spec!r} are not allowed with --factory {spec!r}; "
-                          f"{attention_problem(model, qk_sites)}")
     if qk_sites:
+        problem = attention_problem(model, qk_sites)
+        if problem:
+            raise LNStabError(f"--q-pattern {q_spec!r} and --k-pattern {k_spec!r} are not allowed with --factory "
+                              f"{spec!r}; {problem}")
         check_head_widths(model, spec, exact_sites, n_head)
+    attention, logits = instrument_support(model, head_pattern, qk_sites)
     sites = Sites(
         hidden_pattern=exact,
         embed_pattern=embed_pattern,
@@ -230,6 +231,10 @@ def check_head_widths(model: nn.Module, spec: str, exact: dict[str, str | None],
     finally:
         for hook in hooks:
             hook.remove()
+    silent = [option for option, seen in widths.items() if not seen]
+    if silent:
+        raise LNStabError(f"{silent[0]} is not allowed with --factory {spec!r}; the modules it matches did not run in "
+                          "a forward pass")
     (q_width, *more_q), (k_width, *more_k) = sorted(widths["--q-pattern"]), sorted(widths["--k-pattern"])
     head = q_width // n_head if q_width % n_head == 0 else 0
     k_heads = k_width // head if head and k_width % head == 0 else 0

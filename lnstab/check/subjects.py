@@ -155,21 +155,13 @@ def instrument_support(model: nn.Module, head_pattern: str | None = None,
     from lnstab.callbacks._sites import FINAL_PATTERN
     from lnstab.callbacks._views import DEFAULT_CHUNK_ROWS
 
-    found = []
-    head = re.compile(head_pattern or HEAD_PATTERN)
-    for probe in (lambda: _raise_if(attention_problem(model, qk)),
-                  lambda: output_site(model, "auto", re.compile(FINAL_PATTERN), head, None, DEFAULT_CHUNK_ROWS)):
-        try:
-            probe()
-            found.append(True)
-        except (ValueError, LNStabError):
-            found.append(False)
-    return found[0], found[1]
-
-
-def _raise_if(problem: str | None) -> None:
-    if problem is not None:
-        raise LNStabError(problem)
+    try:
+        output_site(model, "auto", re.compile(FINAL_PATTERN), re.compile(head_pattern or HEAD_PATTERN), None,
+                    DEFAULT_CHUNK_ROWS)
+        logits = True
+    except (ValueError, LNStabError):
+        logits = False
+    return attention_problem(model, qk) is None, logits
 
 
 def parse_value(text: str) -> Any:
