@@ -122,9 +122,19 @@ class SplitQK(Capture):
 # embedding: the class, the modules (OLMo 2 normalises q and k over all heads after the projections), the library.
 _ROTARY_FAMILIES = {
     "LlamaAttention": ("q_proj", "k_proj", "llama"),
+    "MistralAttention": ("q_proj", "k_proj", "mistral"),  # its sliding window is its config's, on every layer
+    "Qwen2Attention": ("q_proj", "k_proj", "qwen2"),  # q and k with biases; a sliding window on some layers
     "Gemma2Attention": ("q_proj", "k_proj", "gemma2"),  # with its soft-capping and sliding windows
     "Olmo2Attention": ("q_norm", "k_norm", "olmo2"),
 }
+WINDOW_FROM_CONFIG = {"MistralAttention"}  # passes config.sliding_window to its attention function, every layer
+
+
+def _window(module: nn.Module, family: str) -> int | None:
+    """The sliding window the module hands its attention function (``None``: none)."""
+    if family in WINDOW_FROM_CONFIG:
+        return getattr(getattr(module, "config", None), "sliding_window", None)
+    return getattr(module, "sliding_window", None)
 
 
 def _auto_capture(module: nn.Module, options: dict[str, Any]) -> Capture | None:
@@ -146,7 +156,7 @@ def _auto_capture(module: nn.Module, options: dict[str, Any]) -> Capture | None:
                 rotary = modeling.apply_rotary_pos_emb
             # what these modules hand their attention function as softcap and sliding_window (None where absent)
             view_options = {**options, "softcap": getattr(module, "attn_logit_softcapping", None),
-                            "window": getattr(module, "sliding_window", None)}
+                            "window": _window(module, family)}
             return SplitQK(getattr(module, q_name), getattr(module, k_name), module.scaling, view_options, flat=True,
                            head_dim=module.head_dim, rotary=rotary)
     return None
@@ -205,7 +215,8 @@ def attention_sites(root: nn.Module, options: dict[str, Any], q_pattern: re.Patt
     if not found:
         raise ConfigError(
             f"model={type(root).__name__} is not allowed with {who}; no attention module whose q and k can be found "
-            "(lnstab's CausalSelfAttention; Hugging Face GPT2Attention, LlamaAttention, Gemma2Attention or "
+            "(lnstab's CausalSelfAttention; Hugging Face GPT2Attention, LlamaAttention, MistralAttention, "
+            "Qwen2Attention, Gemma2Attention or "
             "Olmo2Attention): name the projections with q_pattern, k_pattern and n_head"
         )
     tags = [s.tag for _, _, s in found]

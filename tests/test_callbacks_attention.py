@@ -171,6 +171,21 @@ def hf_model(kind: str) -> nn.Module:
             for layer in model.model.layers:
                 layer.self_attn.q_proj.weight *= 150
         return model
+    if kind == "mistral":  # a sliding window that binds at T = 16, from the config, on every layer
+        from transformers import MistralConfig, MistralForCausalLM
+
+        return MistralForCausalLM(MistralConfig(**shape, sliding_window=5, attn_implementation="eager"))
+    if kind == "qwen2":  # q and k biases; a sliding window on layer 1 only
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, use_sliding_window=True, sliding_window=5,
+                                             layer_types=["full_attention", "sliding_attention"],
+                                             attn_implementation="eager"))
+        with torch.no_grad():  # biases that are not zero, so that leaving them out would show
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.bias.normal_()
+                layer.self_attn.k_proj.bias.normal_()
+        return model
     if kind == "olmo2":  # q and k normalised over all heads after the projections, then rotated
         from transformers import Olmo2Config, Olmo2ForCausalLM
 
@@ -202,7 +217,7 @@ def eager_reference(hf: nn.Module, x: torch.Tensor, monkeypatch, kind: str) -> t
     return seen, list(weights)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "gemma2", "olmo2"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "mistral", "qwen2", "gemma2", "olmo2"])
 def test_hugging_face_models_against_eager_attention(tmp_path, monkeypatch, kind):
     hf = hf_model(kind)
     callback = AttentionLogitStatistics(every_n_steps=1)
@@ -226,7 +241,11 @@ def test_hugging_face_models_against_eager_attention(tmp_path, monkeypatch, kind
         if kind == "gemma2":  # both bind here: layer 0 slides over 5 keys, layer 1 sees all; every logit is capped
             assert scale == 0.5 and shape["softcap"] == 2.0 and shape["window"] == (5 if i == 0 else None)
             uncapped = direct([q], [k], scale, window=shape["window"])
+        if kind in ("mistral", "qwen2"):  # Mistral slides on every layer (its config's), Qwen2 on layer 1 only
+            assert shape["window"] == (5 if kind == "mistral" or i == 1 else None)
         expected = direct([q], [k], scale, **shape)
+        if shape["window"]:  # the window binds at T = 16: leaving it out would show
+            assert direct([q], [k], scale)["entropy_mean"] != pytest.approx(expected["entropy_mean"], rel=1e-3)
         p = p.double()[..., 1:, :]  # the rows that count (min_keys=2)
         entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)
         assert expected["entropy_mean"] == pytest.approx(entropy.mean().item(), rel=1e-5)  # the weights themselves
