@@ -126,7 +126,9 @@ _ROTARY_FAMILIES = {
     "Qwen2Attention": ("q_proj", "k_proj", "qwen2"),  # q and k with biases; a sliding window on some layers
     "Gemma2Attention": ("q_proj", "k_proj", "gemma2"),  # with its soft-capping and sliding windows
     "Olmo2Attention": ("q_norm", "k_norm", "olmo2"),
+    "Gemma3Attention": ("q_norm", "k_norm", "gemma3"),  # normalised per head, (B, heads, T, hd), then rotated
 }
+PER_HEAD = {"Gemma3Attention"}  # q and k leave their modules split into heads already
 WINDOW_FROM_CONFIG = {"MistralAttention"}  # passes config.sliding_window to its attention function, every layer
 
 
@@ -157,8 +159,9 @@ def _auto_capture(module: nn.Module, options: dict[str, Any]) -> Capture | None:
             # what these modules hand their attention function as softcap and sliding_window (None where absent)
             view_options = {**options, "softcap": getattr(module, "attn_logit_softcapping", None),
                             "window": _window(module, family)}
-            return SplitQK(getattr(module, q_name), getattr(module, k_name), module.scaling, view_options, flat=True,
-                           head_dim=module.head_dim, rotary=rotary)
+            flat = family not in PER_HEAD
+            return SplitQK(getattr(module, q_name), getattr(module, k_name), module.scaling, view_options, flat=flat,
+                           head_dim=module.head_dim if flat else None, rotary=rotary)
     return None
 
 

@@ -24,6 +24,14 @@ def gemma2() -> nn.Module:
     return Gemma2ForCausalLM(config)
 
 
+def gemma3() -> nn.Module:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(**SHAPE, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16)
+    config._attn_implementation = "eager"
+    return Gemma3ForCausalLM(config)
+
+
 def olmo2() -> nn.Module:
     from transformers import Olmo2Config, Olmo2ForCausalLM
 
@@ -58,7 +66,7 @@ def residual_updates(model: nn.Module, names: tuple[str, str]) -> tuple[torch.Te
     return seen["out"] - seen["in"], seen[names[0]] + seen[names[1]]
 
 
-@pytest.mark.parametrize("build", [gemma2, olmo2])
+@pytest.mark.parametrize("build", [gemma2, gemma3, olmo2])
 def test_the_located_norms_are_the_residual_updates(build) -> None:
     update, norms = residual_updates(build(), ("post_attention_layernorm", "post_feedforward_layernorm"))
     torch.testing.assert_close(update, norms, rtol=1e-5, atol=1e-5)  # x_out = x_in + N_attn(·) + N_mlp(·)
@@ -71,7 +79,7 @@ def test_llamas_post_attention_layernorm_is_not_an_output_norm() -> None:
     assert HFCausalLM(model).output_norms() == []  # so no output norms are located, and Theorem 4 is n/a
 
 
-@pytest.mark.parametrize(("build", "offset"), [(gemma2, 1.0), (olmo2, 0.0)])
+@pytest.mark.parametrize(("build", "offset"), [(gemma2, 1.0), (gemma3, 1.0), (olmo2, 0.0)])
 def test_theorem_4_reads_each_layers_two_gains(build, offset) -> None:
     model = build()
     with torch.no_grad():
@@ -94,7 +102,7 @@ def test_gemma_rmsnorm_scales_by_one_plus_weight() -> None:
     torch.testing.assert_close(norm(x), rms * 1.25)
 
 
-@pytest.mark.parametrize("build", [gemma2, olmo2])
+@pytest.mark.parametrize("build", [gemma2, gemma3, olmo2])
 def test_theorem_4_is_checked_on_directories_built_from_configs(build, tmp_path) -> None:
     build().save_pretrained(tmp_path / "model")
     code, report = check(tmp_path / "card", "--hf", str(tmp_path / "model"), "--hf-init", "--lrs", "1e-2", *TINY)
@@ -102,6 +110,7 @@ def test_theorem_4_is_checked_on_directories_built_from_configs(build, tmp_path)
     assert bound["status"] == "pass" and bound["measured"] == 0 and "holds" in bound["why"]
     assert report["summaries"]["checked"]["bound"]["min_slack"] > 0
     assert "post_attention_layernorm" in report["model"]["sites"]["norm_pattern"]
+    assert rows(report)["attention"]["status"] != "n/a"  # q and k found in each family's attention
 
 
 def test_hugging_face_dropout_is_switched_off_in_the_config(tmp_path) -> None:

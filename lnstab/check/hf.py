@@ -6,6 +6,7 @@ Where the output norms are (one per residual update, in update order within a de
 * Gemma 2 (``model_type`` ``gemma2``): ``post_attention_layernorm`` and ``post_feedforward_layernorm``, the second
   norm of each "sandwich" (``input_layernorm`` and ``pre_feedforward_layernorm`` are the input norms). Gemma's
   RMSNorm scales by ``1 + weight`` (its weight is initialised to 0), so the gain Theorem 4 reads is ``1 + weight``.
+* Gemma 3 (``gemma3_text``, its text model): as Gemma 2, the same sandwich and the same ``1 + weight`` RMSNorm.
 * OLMo 2 (``olmo2``): ``post_attention_layernorm`` and ``post_feedforward_layernorm`` are its only block norms
   (OLMo 2's reordered norm, ``x + RMSNorm(f(x))``); its RMSNorm scales by ``weight``.
 
@@ -27,6 +28,7 @@ from lnstab.errors import LNStabError
 # model_type -> (output norms of one decoder layer in update order, whether the RMSNorm scales by 1 + weight)
 OUTPUT_NORMS: dict[str, tuple[tuple[str, ...], bool]] = {
     "gemma2": (("post_attention_layernorm", "post_feedforward_layernorm"), True),
+    "gemma3_text": (("post_attention_layernorm", "post_feedforward_layernorm"), True),
     "olmo2": (("post_attention_layernorm", "post_feedforward_layernorm"), False),
 }
 DECODER_LAYERS = ("model.layers", "transformer.h")
