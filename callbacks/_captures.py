@@ -70,15 +70,17 @@ class FusedQKV(Capture):
 
 
 class SplitQK(Capture):
-    """q and k from two module outputs: ``(B, heads, T, hs)`` as they are (``flat=False``) or ``(B, T, heads·hs)``
-    split into heads of ``head_dim`` (``flat=True``); with ``rotary``, the ``position_embeddings`` that ``module``'s
-    forward receives are applied by ``rotary(q, k, cos, sin)`` first. ``scale`` ``None``: ``1/√head_size``."""
+    """q and k from two module outputs: ``(B, heads, T, hs)`` as they are (``flat=False``), ``(B, T, heads, hs)``
+    transposed (``flat=False, tokens_first=True``) or ``(B, T, heads·hs)`` split into heads of ``head_dim``
+    (``flat=True``); with ``rotary``, the ``position_embeddings`` that ``module``'s forward receives are applied by
+    ``rotary(q, k, cos, sin)`` first. ``scale`` ``None``: ``1/√head_size``."""
 
     def __init__(self, q_src: nn.Module, k_src: nn.Module, scale: float | None, options: dict[str, Any], *,
                  flat: bool = False, head_dim: int | None = None, n_head: int | None = None,
-                 rotary: Any = None) -> None:
+                 rotary: Any = None, tokens_first: bool = False) -> None:
         self.q_src, self.k_src, self.scale, self.options = q_src, k_src, scale, options
         self.flat, self.head_dim, self.n_head, self.rotary = flat, head_dim, n_head, rotary
+        self.tokens_first = tokens_first
         self.key = f"attn:split:{id(q_src)}:{id(k_src)}:{options.get('min_keys')}:{options.get('collapse_weight')}"
         self._parts: dict[str, Any] = {}
 
@@ -113,7 +115,7 @@ class SplitQK(Capture):
 
     def _heads(self, x: torch.Tensor, head_dim: int | None) -> torch.Tensor:
         if not self.flat:
-            return x  # (B, heads, T, hs)
+            return x.transpose(1, 2) if self.tokens_first else x  # (B, heads, T, hs)
         B, T, width = x.shape
         return x.reshape(B, T, width // head_dim, head_dim).transpose(1, 2)  # (B, heads, T, hd)
 
@@ -127,8 +129,9 @@ _ROTARY_FAMILIES = {
     "Gemma2Attention": ("q_proj", "k_proj", "gemma2"),  # with its soft-capping and sliding windows
     "Olmo2Attention": ("q_norm", "k_norm", "olmo2"),
     "Gemma3Attention": ("q_norm", "k_norm", "gemma3"),  # normalised per head, (B, heads, T, hd), then rotated
+    "Qwen3Attention": ("q_norm", "k_norm", "qwen3"),  # normalised per head, (B, T, heads, hd), then rotated
 }
-PER_HEAD = {"Gemma3Attention"}  # q and k leave their modules split into heads already
+PER_HEAD = {"Gemma3Attention": False, "Qwen3Attention": True}  # split into heads already; tokens first?
 WINDOW_FROM_CONFIG = {"MistralAttention"}  # passes config.sliding_window to its attention function, every layer
 
 
@@ -161,7 +164,8 @@ def _auto_capture(module: nn.Module, options: dict[str, Any]) -> Capture | None:
                             "window": _window(module, family)}
             flat = family not in PER_HEAD
             return SplitQK(getattr(module, q_name), getattr(module, k_name), module.scaling, view_options, flat=flat,
-                           head_dim=module.head_dim if flat else None, rotary=rotary)
+                           head_dim=module.head_dim if flat else None, rotary=rotary,
+                           tokens_first=PER_HEAD.get(family, False))
     return None
 
 
@@ -219,8 +223,8 @@ def attention_sites(root: nn.Module, options: dict[str, Any], q_pattern: re.Patt
         raise ConfigError(
             f"model={type(root).__name__} is not allowed with {who}; no attention module whose q and k can be found "
             "(lnstab's CausalSelfAttention; Hugging Face GPT2Attention, LlamaAttention, MistralAttention, "
-            "Qwen2Attention, Gemma2Attention or "
-            "Olmo2Attention): name the projections with q_pattern, k_pattern and n_head"
+            "Qwen2Attention, Qwen3Attention, Gemma2Attention, Gemma3Attention or Olmo2Attention): name the "
+            "projections with q_pattern, k_pattern and n_head"
         )
     tags = [s.tag for _, _, s in found]
     if len(set(tags)) != len(tags):

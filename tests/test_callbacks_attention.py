@@ -197,6 +197,17 @@ def hf_model(kind: str) -> nn.Module:
                 layer.self_attn.q_norm.weight.normal_(0, 2)
                 layer.self_attn.k_norm.weight.normal_(0, 2)
         return model
+    if kind == "qwen3":  # q and k normalised per head before the heads move to the front, then rotated
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        model = Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=8, use_sliding_window=True, sliding_window=5,
+                                             layer_types=["full_attention", "sliding_attention"],
+                                             attn_implementation="eager"))
+        with torch.no_grad():  # gains away from 1, so that reading q before its norm would show
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.normal_(0, 2)
+                layer.self_attn.k_norm.weight.normal_(0, 2)
+        return model
     if kind == "olmo2":  # q and k normalised over all heads after the projections, then rotated
         from transformers import Olmo2Config, Olmo2ForCausalLM
 
@@ -228,7 +239,7 @@ def eager_reference(hf: nn.Module, x: torch.Tensor, monkeypatch, kind: str) -> t
     return seen, list(weights)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "mistral", "qwen2", "gemma2", "gemma3", "olmo2"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2"])
 def test_hugging_face_models_against_eager_attention(tmp_path, monkeypatch, kind):
     hf = hf_model(kind)
     callback = AttentionLogitStatistics(every_n_steps=1)
@@ -252,8 +263,8 @@ def test_hugging_face_models_against_eager_attention(tmp_path, monkeypatch, kind
         if kind == "gemma2":  # both bind here: layer 0 slides over 5 keys, layer 1 sees all; every logit is capped
             assert scale == 0.5 and shape["softcap"] == 2.0 and shape["window"] == (5 if i == 0 else None)
             uncapped = direct([q], [k], scale, window=shape["window"])
-        if kind in ("mistral", "qwen2", "gemma3"):  # Mistral slides on every layer (its config's), Qwen2 on layer 1
-            windows = {"mistral": (5, 5), "qwen2": (None, 5), "gemma3": (5, None)}[kind]  # and Gemma 3 on layer 0
+        if kind in ("mistral", "qwen2", "qwen3", "gemma3"):  # Mistral slides on every layer (its config's), Qwen2
+            windows = {"mistral": (5, 5), "qwen2": (None, 5), "qwen3": (None, 5), "gemma3": (5, None)}[kind]  # …
             assert shape["window"] == windows[i]
         expected = direct([q], [k], scale, **shape)
         if shape["window"]:  # the window binds at T = 16: leaving it out would show
