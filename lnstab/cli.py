@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lnstab import runlock, runs
@@ -33,6 +33,7 @@ from lnstab.configfiles import expand_extends, experiment_name
 from lnstab.errors import ConfigError, MachineError, find_user_error, one_line
 from lnstab.module import GPTModule
 from lnstab.precision import precision_warning, resolve_precision
+from lnstab.runconfig import CKPT_SUBCOMMANDS, UNNAMED, LNStabArgumentParser, SaveRunConfig, logger_args
 from lnstab.rundir import CONFIG_FILE
 from lnstab.rundir import run_dir as trainer_run_dir
 from lnstab.safeload import load_yaml
@@ -53,78 +54,6 @@ COMMAND_HELP = {
     "evaluate": "Final evaluation of a checkpoint: loss, perplexities, ROUGE, BERTScore into eval.json",
     "prepare": "Tokenize OpenWebText (hub or files) once into uint16 bins with nanoGPT's split",
 }
-CKPT_SUBCOMMANDS = ("validate", "test", "predict", "evaluate")
-# A logger name that means "not chosen": the experiment file's name is used instead.
-UNNAMED = (None, "", "lightning_logs")
-# Keys that say where a run ran, not what it is: left out of saved and printed configs.
-RUN_LOCATION = ("extends", "run_dir", "ckpt_path", "trainer.default_root_dir")
-
-
-class LNStabArgumentParser(LightningArgumentParser):
-    """One-line parse errors (exit 2); dumps without ``extends`` and the run's location, so they rerun anywhere,
-    and with the logger named after the experiment file where the config leaves the name empty."""
-
-    experiment: str | None = None
-
-    def error(self, message: str, ex: Exception | None = None):  # noqa: ANN201 - NoReturn in the parent
-        if not self.exit_on_error or os.environ.get("LNSTAB_DEBUG"):
-            return super().error(message, ex)
-        parser = getattr(ex, "subcommand_parser", None) or self
-        folded = " ".join(part.strip() for part in message.splitlines() if part.strip())
-        sys.stderr.write(f"lnstab: error: {folded} (see: {parser.prog.replace(' [options]', '')} --help)\n")
-        self.exit(2)
-
-    def dump(self, cfg: Any, *args: Any, **kwargs: Any) -> str:
-        cfg = cfg.clone()
-        for sub in ("", *[f"{s}." for s in ("fit", *CKPT_SUBCOMMANDS)]):
-            for key in RUN_LOCATION:
-                if f"{sub}{key}" in cfg:
-                    del cfg[f"{sub}{key}"]
-            for logger in _logger_args(cfg.get(f"{sub}trainer.logger")):
-                logger["version"] = None
-                if logger.get("name") in UNNAMED and self.experiment:
-                    logger["name"] = self.experiment
-        return super().dump(cfg, *args, **kwargs)
-
-
-class SaveRunConfig(SaveConfigCallback):
-    """Saves ``config.yaml`` once per run directory (by ``fit``); a resumed fit, or a validate/test/evaluate of the
-    run's checkpoint, whose config differs writes ``config-<stage>-<k>.yaml`` beside it, an identical one writes
-    nothing: nothing is overwritten, and ``config.yaml`` is always the config the run was trained with."""
-
-    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if self.already_saved:
-            return
-        log_dir = Path(trainer.log_dir)  # broadcasts: every rank calls setup
-        if trainer.is_global_zero:
-            text = self.parser.dump(self.config, skip_none=False)
-            path = _config_target(log_dir, self.config_filename, str(getattr(stage, "value", stage)), text)
-            if path is not None:
-                log_dir.mkdir(parents=True, exist_ok=True)
-                path.write_text(text, encoding="utf-8")
-        self.already_saved = True
-
-
-def _config_target(log_dir: Path, filename: str, stage: str, text: str) -> Path | None:
-    """Where to save ``text``: ``config.yaml`` for a new fit, else the first free ``config-<stage>-<k>.yaml``;
-    ``None`` when an identical config is already there."""
-    main = log_dir / filename
-    if main.exists() and main.read_text(encoding="utf-8") == text:
-        return None
-    if stage == "fit" and not main.exists():
-        return main
-    k = 1
-    while (path := log_dir / f"config-{stage}-{k}.yaml").exists():
-        if path.read_text(encoding="utf-8") == text:
-            return None
-        k += 1
-    return path
-
-
-def _logger_args(logger: Any) -> list[Any]:
-    """The ``init_args`` of every configured logger that has a ``save_dir`` (TensorBoard, CSV)."""
-    items = logger if isinstance(logger, list) else [logger]
-    return [x.init_args for x in items if hasattr(x, "init_args") and "save_dir" in x.init_args]
 
 
 class LNStabCLI(LightningCLI):
@@ -155,7 +84,7 @@ class LNStabCLI(LightningCLI):
     def _resolve_run(self, sub: str) -> None:
         """Name, directory and checkpoint of the run; refuse what would overwrite or silently ignore input."""
         c = self.config[sub]
-        loggers = _logger_args(c.trainer.logger)
+        loggers = logger_args(c.trainer.logger)
         for logger in loggers:
             if logger.get("name") in UNNAMED and not c.run_dir:
                 logger["name"] = self.experiment or "lnstab"
@@ -192,7 +121,7 @@ class LNStabCLI(LightningCLI):
                                "init_args": {"save_dir": save_dir, "name": name, "version": version}}
                 self.config = self.parser.parse_object({sub: {"trainer": {"logger": tensorboard}}}, self.config)
                 c = self.config[sub]
-                loggers = _logger_args(c.trainer.logger)
+                loggers = logger_args(c.trainer.logger)
             for logger in loggers:
                 if Path(logger["save_dir"]) / (logger.get("name") or "") == Path(save_dir):
                     logger["version"] = version  # a version of this experiment: keep its save_dir and name
