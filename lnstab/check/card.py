@@ -112,7 +112,7 @@ def why(cid: str, s: dict[str, Any], refs: dict[str, dict[str, Any]], value: flo
     if cid == "bound":
         if not math.isfinite(value):
             where = (f"no output norms matched {sites['norm_pattern']}" if sites.get("norm_pattern") else
-                     "no output norms were located (lnstab's placements with output norms, Hugging Face Gemma 2 and "
+                     "no output norms were located (lnstab's placements with output norms, Hugging Face Gemma 2/3 and "
                      "OLMo 2, or --norm-pattern)")
             return f"{where}, so Theorem 4 does not apply (it needs one output norm per residual update)"
         slack = s["bound"]["min_slack"]
