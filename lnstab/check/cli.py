@@ -45,6 +45,9 @@ from lnstab.rundir import atomic_write_text
 DEFAULT_ROOT = Path("runs") / "check"
 EXIT_FAILED = 3  # the checked model or the check itself failed: not a verdict
 INTERRUPTED = "interrupted.txt"  # in a run directory a signal ended: no verdict
+# The options that describe a --factory model (argparse dests; --name-with-dashes on the command line).
+FACTORY_OPTIONS = ("layer_pattern", "module_types", "embed_pattern", "final_pattern", "norm_pattern", "head_pattern",
+                   "q_pattern", "k_pattern", "n_head")
 
 
 class CheckFailed(Exception):
@@ -165,9 +168,7 @@ def checked_subject(args: argparse.Namespace, model_args: dict[str, Any]) -> tup
                           f"--hf PATH_OR_NAME or --factory package.module:function (got {', '.join(given) or 'none'})")
     if args.hf_init and not args.hf:
         raise LNStabError("--hf-init needs --hf PATH_OR_NAME")
-    patterns = ("layer_pattern", "module_types", "embed_pattern", "final_pattern", "norm_pattern", "head_pattern",
-                "q_pattern", "k_pattern", "n_head")
-    if not args.factory and any(getattr(args, p) is not None for p in patterns):
+    if not args.factory and any(getattr(args, p) is not None for p in FACTORY_OPTIONS):
         raise LNStabError("--layer-pattern, --module-types, --embed-pattern, --final-pattern, --norm-pattern, "
                           "--head-pattern, --q-pattern, --k-pattern and --n-head describe a --factory model")
     if model_args:

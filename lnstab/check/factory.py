@@ -185,13 +185,12 @@ def factory_subject(
     qk_sites = (q_exact, k_exact, n_head) if q_exact else None
     vocab, width = probe_factory(model, spec, names, seq_len)
     exact = exact_pattern(names)
-    if qk_sites:
-        problem = attention_problem(model, qk_sites)
-        if problem:
-            raise LNStabError(f"--q-pattern {q_spec!r} and --k-pattern {k_spec!r} are not allowed with --factory "
-                              f"{spec!r}; {problem}")
-        check_head_widths(model, spec, exact_sites, n_head)
     attention, logits = instrument_support(model, head_pattern, qk_sites)
+    if qk_sites and not attention:  # the instrument's own reason, found again only on this path
+        raise LNStabError(f"--q-pattern {q_spec!r} and --k-pattern {k_spec!r} are not allowed with --factory "
+                          f"{spec!r}; {attention_problem(model, qk_sites)}")
+    if qk_sites:
+        check_head_widths(model, spec, exact_sites, n_head)
     sites = Sites(
         hidden_pattern=exact,
         embed_pattern=embed_pattern,

@@ -245,8 +245,8 @@ def stress_run(
     )
     instruments: list[Any] = [growth]
     callbacks: list[pl.Callback] = [StabilityLayout(), hidden, growth]
+    qk = dict(zip(("q_pattern", "k_pattern", "n_head"), sites.qk, strict=True)) if sites.qk else {}
     if sites.attention:
-        qk = dict(zip(("q_pattern", "k_pattern", "n_head"), sites.qk, strict=True)) if sites.qk else {}
         attention = AttentionLogitStatistics(every_n_steps=measure_every, **qk)
         callbacks.append(attention)
         instruments.append(attention)
@@ -270,7 +270,7 @@ def stress_run(
         **({} if sites.attention else {"collapse_fraction": None, "attention_logit_threshold": None}),
         **({} if sites.logits else {"log_z_threshold": None}),
         **({"head_pattern": sites.head_pattern} if sites.head_pattern else {}),
-        **(dict(zip(("q_pattern", "k_pattern", "n_head"), sites.qk, strict=True)) if sites.qk else {}),
+        **qk,
     )
     status = RunStatus(signals=(), save_on_interrupt=False)  # summary.json status only; Ctrl-C ends the whole check
     recorder = Recorder(instruments)

@@ -115,12 +115,10 @@ def main(args: argparse.Namespace, model_args: dict[str, Any], argv: list[str], 
     started = time.perf_counter()
     if args.hf or args.factory:
         raise LNStabError("--validate checks its own set of models; --hf and --factory are not used with it")
-    unused = [flag for flag, value in (
-        ("--hf-init", args.hf_init), ("--layer-pattern", args.layer_pattern), ("--module-types", args.module_types),
-        ("--embed-pattern", args.embed_pattern), ("--final-pattern", args.final_pattern),
-        ("--norm-pattern", args.norm_pattern), ("--head-pattern", args.head_pattern),
-        ("--q-pattern", args.q_pattern), ("--k-pattern", args.k_pattern), ("--n-head", args.n_head is not None),
-        ("--no-reference", args.no_reference), ("--name", args.name)) if value]
+    from lnstab.check.cli import FACTORY_OPTIONS
+
+    unused = [f"--{dest.replace('_', '-')}" for dest in ("hf_init", *FACTORY_OPTIONS, "no_reference", "name")
+              if getattr(args, dest) not in (None, False)]
     if unused:
         raise LNStabError(f"{unused[0]} is not used with --validate: its rows are its own models, each graded beside "
                           "the references, and the README goes to --out")
