@@ -34,7 +34,7 @@ from lnstab.errors import ConfigError, MachineError, find_user_error, one_line
 from lnstab.module import GPTModule
 from lnstab.precision import precision_warning, resolve_precision
 from lnstab.runconfig import CKPT_SUBCOMMANDS, UNNAMED, LNStabArgumentParser, SaveRunConfig, logger_args
-from lnstab.rundir import CONFIG_FILE
+from lnstab.rundir import CONFIG_FILE, check_writable
 from lnstab.rundir import run_dir as trainer_run_dir
 from lnstab.safeload import load_yaml
 from lnstab.trainer import LNStabTrainer
@@ -110,11 +110,11 @@ class LNStabCLI(LightningCLI):
         if sub == "fit" and ckpt is None and run_dir:
             runs.check_fresh_run_dir(run_dir)
         if sub == "fit" and not run_dir and loggers:  # Lightning will make save_dir/name/version_N: can it?
-            runs.check_writable(Path(loggers[0]["save_dir"]) / (loggers[0].get("name") or ""))
+            check_writable(Path(loggers[0]["save_dir"]) / (loggers[0].get("name") or ""))
         if sub == "evaluate" and ckpt is None:
             raise ConfigError("ckpt_path=None is not allowed; lnstab evaluate needs --ckpt_path CHECKPOINT (or last)")
         if run_dir:
-            runs.check_writable(run_dir)
+            check_writable(run_dir)
             save_dir, name, version = runs.split_run_dir(run_dir)
             if c.trainer.logger in (None, True):  # Lightning's default logger, placed in the run directory
                 tensorboard = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",

@@ -35,6 +35,7 @@ in one line; callers count such a run as damaged and go on with the others.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -42,6 +43,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lnstab.errors import ConfigError
 from lnstab.safeload import MAX_JSON_BYTES, DataFileError, check_json_depth, load_json, read_text
 
 if TYPE_CHECKING:
@@ -296,3 +298,30 @@ def is_run_dir(directory: str | os.PathLike) -> bool:
     """Whether ``directory`` looks like an lnstab run (a config, a summary or a checkpoint directory)."""
     directory = Path(directory)
     return any((directory / name).exists() for name in (CONFIG_FILE, SUMMARY_FILE, CHECKPOINT_DIR))
+
+
+def check_writable(run_dir: str | os.PathLike, option: str = "--run_dir") -> None:
+    """Refuse, before anything runs, a run (or output) directory ``option`` that cannot be created or written.
+
+    Raises:
+        ConfigError: The directory (or its nearest existing parent) is not writable, a file is in the way, or a
+            symbolic link on the way points nowhere or into a loop.
+    """
+    path = Path(run_dir).absolute()
+    probe = path
+    while not os.path.lexists(probe) and probe != probe.parent:  # a dangling link "lexists" and stops here
+        probe = probe.parent
+    try:
+        os.stat(probe)
+    except OSError as exc:
+        target = os.readlink(probe) if probe.is_symlink() else "?"
+        what = "a loop of symbolic links" if exc.errno == errno.ELOOP else (
+            f"a symbolic link to {target}, which does not exist" if exc.errno == errno.ENOENT else exc.strerror)
+        raise ConfigError(f"{option} {run_dir} is not allowed; {probe} is {what}") from None
+    if not probe.is_dir():
+        raise ConfigError(f"{option} {run_dir} is not allowed; {probe} is a file, not a directory")
+    try:  # a real probe (access() says yes to root on read-only and pseudo filesystems); leaves nothing behind
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{option} {run_dir} is not allowed; {probe} is not writable ({exc.strerror})") from None

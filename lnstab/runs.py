@@ -9,9 +9,7 @@ use).
 
 from __future__ import annotations
 
-import errno
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -90,33 +88,6 @@ def check_fresh_run_dir(run_dir: str | os.PathLike) -> None:
             f"--run_dir {path} already holds a run (status {status}); resume it with --ckpt_path last, or choose "
             f"another --run_dir"
         )
-
-
-def check_writable(run_dir: str | os.PathLike, option: str = "--run_dir") -> None:
-    """Refuse, before anything runs, a run (or output) directory ``option`` that cannot be created or written.
-
-    Raises:
-        ConfigError: The directory (or its nearest existing parent) is not writable, a file is in the way, or a
-            symbolic link on the way points nowhere or into a loop.
-    """
-    path = Path(run_dir).absolute()
-    probe = path
-    while not os.path.lexists(probe) and probe != probe.parent:  # a dangling link "lexists" and stops here
-        probe = probe.parent
-    try:
-        os.stat(probe)
-    except OSError as exc:
-        target = os.readlink(probe) if probe.is_symlink() else "?"
-        what = "a loop of symbolic links" if exc.errno == errno.ELOOP else (
-            f"a symbolic link to {target}, which does not exist" if exc.errno == errno.ENOENT else exc.strerror)
-        raise ConfigError(f"{option} {run_dir} is not allowed; {probe} is {what}") from None
-    if not probe.is_dir():
-        raise ConfigError(f"{option} {run_dir} is not allowed; {probe} is a file, not a directory")
-    try:  # a real probe (access() says yes to root on read-only and pseudo filesystems); leaves nothing behind
-        with tempfile.TemporaryFile(dir=probe):
-            pass
-    except OSError as exc:
-        raise ConfigError(f"{option} {run_dir} is not allowed; {probe} is not writable ({exc.strerror})") from None
 
 
 def explicit_keys(argv: list[str], prefix: str) -> list[str]:

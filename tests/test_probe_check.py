@@ -66,11 +66,22 @@ def test_empty_and_repeated_ladders_are_refused(args, said, tmp_path, capsys) ->
 
 def test_an_out_that_is_a_file_or_under_one_is_one_line(tmp_path, capsys) -> None:
     (tmp_path / "file").write_text("keep me\n")
-    for out, said in ((tmp_path / "file", "it is a file, not a directory"),
-                      (tmp_path / "file" / "card", f"it is under {tmp_path / 'file'}, which is a file"),
-                      (tmp_path / "file" / "a" / "b", f"it is under {tmp_path / 'file'}, which is a file")):
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    for out, said in ((tmp_path / "file", f"{tmp_path / 'file'} is a file, not a directory"),
+                      (tmp_path / "file" / "card", f"{tmp_path / 'file'} is a file, not a directory"),
+                      (tmp_path / "file" / "a" / "b", f"{tmp_path / 'file'} is a file, not a directory"),
+                      (tmp_path / "dangling" / "card", "which does not exist")):
         code, err = run_check(capsys, *GPT, *ONE_RUN, "--out", str(out))
-        assert code == 2 and f"--out {out} is not allowed; {said}" in err, err
+        assert code == 2 and f"--out {out} is not allowed; " in err and said in err, err
+        assert len(err.strip().splitlines()) == 1, err
+    assert (tmp_path / "file").read_text() == "keep me\n"
+
+
+def test_a_validation_out_under_a_file_is_one_line(tmp_path, capsys) -> None:
+    (tmp_path / "file").write_text("keep me\n")
+    out = tmp_path / "file" / "validation"  # before, only a file at --out itself was refused; this one hit mkdir
+    code, err = run_check(capsys, "--validate", *TINY, "--rows", "pre-ln", "--out", str(out))
+    assert code == 2 and f"--out {out} is not allowed; {tmp_path / 'file'} is a file, not a directory" in err, err
     assert (tmp_path / "file").read_text() == "keep me\n"
 
 

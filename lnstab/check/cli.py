@@ -40,7 +40,7 @@ from lnstab.check.training import Optimisation
 from lnstab.check.validation import supplement_argv
 from lnstab.check.workers import RunPool, auto_workers
 from lnstab.errors import LNStabError
-from lnstab.rundir import atomic_write_text
+from lnstab.rundir import atomic_write_text, check_writable
 
 DEFAULT_ROOT = Path("runs") / "check"
 EXIT_FAILED = 3  # the checked model or the check itself failed: not a verdict
@@ -222,13 +222,7 @@ def check_out(out: str | None) -> None:
         what = (" (a check a signal ended: its interrupted.txt says so; remove it to check again there)"
                 if (path / INTERRUPTED).is_file() else "")
         raise LNStabError(f"--out {out} already exists and is not empty{what}; a check never overwrites")
-    probe = path.absolute()
-    while not os.path.lexists(probe) and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        what = "a file" if probe.exists() else "a symbolic link that leads nowhere"
-        where = "is" if probe == path.absolute() else f"is under {probe}, which is"
-        raise LNStabError(f"--out {out} is not allowed; it {where} {what}, not a directory")
+    check_writable(out, "--out")  # a file in the way, a dangling link, no write permission
 
 
 def run_directory(args: argparse.Namespace, name: str) -> Path:

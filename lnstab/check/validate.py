@@ -39,7 +39,7 @@ from lnstab.check.validation import (
 from lnstab.check.validation_readme import HELDOUT_DIR, heldout_result, readme, supplement_results
 from lnstab.check.workers import RunPool
 from lnstab.errors import LNStabError
-from lnstab.rundir import atomic_write_text
+from lnstab.rundir import atomic_write_text, check_writable
 
 DEFAULT_OUT = Path("docs/check/validation")
 SETS = {"main": ROWS, "heldout": HELDOUT}  # --set: the validation set, the held-out set (its own README)
@@ -80,8 +80,7 @@ def model_flags(model: dict[str, Any]) -> list[str]:
 def prepare_out(out: Path, overwrite: bool) -> None:
     """An empty ``out``, or one whose earlier validation may be replaced (``--overwrite``); nothing in it is removed
     until the new validation is written (:func:`replace_cards`)."""
-    if out.exists() and not out.is_dir():
-        raise LNStabError(f"--out {out} is not allowed; it is a file, not a directory")
+    check_writable(out, "--out")  # a file at or above it, a dangling link, no write permission
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
             raise LNStabError(f"--out {out} already holds a validation; give --overwrite to replace it")

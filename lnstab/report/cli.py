@@ -22,8 +22,7 @@ from lnstab.report.figures import FIGURES, draw_all
 from lnstab.report.logits import logit_table
 from lnstab.report.lr_sensitivity import lr_sensitivity_table
 from lnstab.report.tables import divergence_table, group, performance_table, runs_table, stability_table
-from lnstab.rundir import atomic_write_text
-from lnstab.runs import check_writable
+from lnstab.rundir import atomic_write_text, check_writable
 from lnstab.sweep.cli import OneLineParser
 
 TABLES = {
