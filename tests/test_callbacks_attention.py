@@ -1,5 +1,5 @@
 """AttentionLogitStatistics: every statistic equals a direct computation on materialised attention (lnstab's GPT, its
-QK-norm interface, Hugging Face GPT-2 and Llama with rotary embeddings and grouped-query heads), chunking changes
+QK-norm interface; Hugging Face families in test_callbacks_attention_hf), chunking changes
 nothing and bounds memory, 1 × 8 equals 4 × 2 micro-batches and FSDP on two processes equals one, no host reads on
 other steps, hooks go in teardown."""
 
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from fsdp_cpu import CPUFSDPStrategy
 from test_callbacks_accumulation import SGDLM, ListLogger
 from test_callbacks_fsdp import STEPS, Recorder, ShardedSGD
-from test_callbacks_helpers import VOCAB, EncoderLM, LitLM, gpt, lit, loader, tokens, trainer
+from test_callbacks_helpers import EncoderLM, LitLM, gpt, lit, loader, tokens, trainer
 from test_callbacks_tap import SyncCounter, hook_counts
 from torch import nn
 
@@ -139,153 +139,6 @@ def test_qk_norm_outputs_are_what_is_measured(tmp_path):
                         for j in (0, 1))
         raw = direct([raw_q], [raw_k], 1 / math.sqrt(32))["max_logit"]
         assert values[0][f"attn/max_logit/L{i:02d}"] > 10 * raw  # not the un-normalised projections
-
-
-class HFLM(nn.Module):
-    def __init__(self, hf: nn.Module) -> None:
-        super().__init__()
-        self.hf = hf
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=x, use_cache=False).logits
-
-
-def hf_model(kind: str) -> nn.Module:
-    torch.manual_seed(0)
-    if kind == "gpt2":
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32, bos_token_id=0,
-                            eos_token_id=0, scale_attn_by_inverse_layer_idx=True, attn_implementation="sdpa",
-                            attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)  # the same forward in train mode
-        return GPT2LMHeadModel(config)
-    shape = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    if kind == "gemma2":  # soft-capping and a sliding window that bind at T = 16, query_pre_attn_scalar ≠ head_dim
-        from transformers import Gemma2Config, Gemma2ForCausalLM
-
-        model = Gemma2ForCausalLM(Gemma2Config(**shape, head_dim=8, query_pre_attn_scalar=4, attn_logit_softcapping=2.0,
-                                               sliding_window=5, final_logit_softcapping=None,
-                                               attn_implementation="eager"))
-        with torch.no_grad():  # logits well past the cap, so that capping changes the weights
-            for layer in model.model.layers:
-                layer.self_attn.q_proj.weight *= 150
-        return model
-    if kind == "mistral":  # a sliding window that binds at T = 16, from the config, on every layer
-        from transformers import MistralConfig, MistralForCausalLM
-
-        return MistralForCausalLM(MistralConfig(**shape, sliding_window=5, attn_implementation="eager"))
-    if kind == "qwen2":  # q and k biases; a sliding window on layer 1 only
-        from transformers import Qwen2Config, Qwen2ForCausalLM
-
-        model = Qwen2ForCausalLM(Qwen2Config(**shape, use_sliding_window=True, sliding_window=5,
-                                             layer_types=["full_attention", "sliding_attention"],
-                                             attn_implementation="eager"))
-        with torch.no_grad():  # biases that are not zero, so that leaving them out would show
-            for layer in model.model.layers:
-                layer.self_attn.q_proj.bias.normal_()
-                layer.self_attn.k_proj.bias.normal_()
-        return model
-    if kind == "gemma3":  # q and k normalised per head, then rotated; a window on layer 0; no soft-cap
-        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-        model = Gemma3ForCausalLM(Gemma3TextConfig(**shape, head_dim=8, query_pre_attn_scalar=4, sliding_window=5,
-                                                   layer_types=["sliding_attention", "full_attention"],
-                                                   attn_implementation="eager"))
-        with torch.no_grad():  # gains away from Gemma's 1 + 0, so that reading q before its norm would show
-            for layer in model.model.layers:
-                layer.self_attn.q_norm.weight.normal_(0, 2)
-                layer.self_attn.k_norm.weight.normal_(0, 2)
-        return model
-    if kind == "qwen3":  # q and k normalised per head before the heads move to the front, then rotated
-        from transformers import Qwen3Config, Qwen3ForCausalLM
-
-        model = Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=8, use_sliding_window=True, sliding_window=5,
-                                             layer_types=["full_attention", "sliding_attention"],
-                                             attn_implementation="eager"))
-        with torch.no_grad():  # gains away from 1, so that reading q before its norm would show
-            for layer in model.model.layers:
-                layer.self_attn.q_norm.weight.normal_(0, 2)
-                layer.self_attn.k_norm.weight.normal_(0, 2)
-        return model
-    if kind == "olmo2":  # q and k normalised over all heads after the projections, then rotated
-        from transformers import Olmo2Config, Olmo2ForCausalLM
-
-        return Olmo2ForCausalLM(Olmo2Config(**shape, attn_implementation="sdpa"))
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    return LlamaForCausalLM(LlamaConfig(**shape, attn_implementation="sdpa"))
-
-
-def eager_reference(hf: nn.Module, x: torch.Tensor, monkeypatch, kind: str) -> tuple[list, list]:
-    """q, k as the eager attention receives them (after RoPE; k heads not yet repeated), with its scale, soft-cap
-    and sliding window, and its weights."""
-    import importlib
-
-    modeling = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
-    eager, seen = modeling.eager_attention_forward, []
-
-    def recording(module, query, key, value, attention_mask, **kwargs):
-        seen.append((query.detach(), key.detach(), kwargs.get("scaling"),
-                     {"softcap": kwargs.get("softcap"), "window": kwargs.get("sliding_window")}))
-        return eager(module, query, key, value, attention_mask, **kwargs)
-
-    monkeypatch.setattr(modeling, "eager_attention_forward", recording)
-    implementation = hf.config._attn_implementation
-    hf.set_attn_implementation("eager")
-    with torch.no_grad():
-        weights = hf(input_ids=x, output_attentions=True, use_cache=False).attentions
-    hf.set_attn_implementation(implementation)
-    return seen, list(weights)
-
-
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2"])
-def test_hugging_face_models_against_eager_attention(tmp_path, monkeypatch, kind):
-    hf = hf_model(kind)
-    callback = AttentionLogitStatistics(every_n_steps=1)
-    pattern = AttentionLogitStatistics(every_n_steps=1, q_pattern=r"self_attn\.q_proj$",
-                                       k_pattern=r"self_attn\.k_proj$", n_head=4) if kind == "llama" else None
-    projections = {}
-    if pattern is not None:
-        for i, layer in enumerate(hf.model.layers):
-            for part in ("q", "k"):  # every call: the fit's two micro-batches first
-                getattr(layer.self_attn, f"{part}_proj").register_forward_hook(
-                    lambda m, a, o, key=(part, i): projections.setdefault(key, []).append(o.detach()) and None)
-    _, data = fit_fixed(tmp_path, LitLM(HFLM(hf)), [callback] + ([pattern] if pattern else []), steps=1)
-    values = {0: callback.last}  # both instruments log the same tags: each one's own record
-    seen, weights = eager_reference(hf, data[:4], monkeypatch, kind)
-    assert callback.tags == ["L00", "L01"] and len(seen) == 2
-    for i, ((q, k, scale, shape), p) in enumerate(zip(seen, weights, strict=True)):
-        if kind == "gpt2":
-            assert scale == pytest.approx(1 / math.sqrt(8) / (i + 1))  # scale_attn_by_inverse_layer_idx
-        else:
-            assert k.size(1) == 2 and q.size(1) == 4  # grouped-query attention: 2 k heads for 4 q heads
-        if kind == "gemma2":  # both bind here: layer 0 slides over 5 keys, layer 1 sees all; every logit is capped
-            assert scale == 0.5 and shape["softcap"] == 2.0 and shape["window"] == (5 if i == 0 else None)
-            uncapped = direct([q], [k], scale, window=shape["window"])
-        if kind in ("mistral", "qwen2", "qwen3", "gemma3"):  # Mistral slides on every layer (its config's), Qwen2
-            windows = {"mistral": (5, 5), "qwen2": (None, 5), "qwen3": (None, 5), "gemma3": (5, None)}[kind]  # …
-            assert shape["window"] == windows[i]
-        expected = direct([q], [k], scale, **shape)
-        if shape["window"]:  # the window binds at T = 16: leaving it out would show
-            assert direct([q], [k], scale)["entropy_mean"] != pytest.approx(expected["entropy_mean"], rel=1e-3)
-        p = p.double()[..., 1:, :]  # the rows that count (min_keys=2)
-        entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)
-        assert expected["entropy_mean"] == pytest.approx(entropy.mean().item(), rel=1e-5)  # the weights themselves
-        assert expected["collapsed"] == (p.amax(-1) > 0.99).double().mean().item()
-        assert_close(values[0], expected, f"L{i:02d}", kind)
-        if kind == "gemma2":
-            assert expected["max_logit"] > 3 * 2.0 and uncapped["max_logit"] == expected["max_logit"]
-            assert expected["entropy_mean"] != pytest.approx(uncapped["entropy_mean"], rel=1e-2)
-    if pattern is not None:  # user patterns on the projections: q and k before the rotary embedding
-        for i in range(2):
-            q = torch.cat(projections[("q", i)][:2]).view(4, 16, 4, 8).transpose(1, 2)  # (B, 4, T, hd)
-            k = torch.cat(projections[("k", i)][:2]).view(4, 16, 2, 8).transpose(1, 2)  # (B, 2, T, hd)
-            pre_rope = direct([q], [k], 1 / math.sqrt(8))
-            got = pattern.last
-            assert got[f"attn/max_logit/L{i:02d}"] == pytest.approx(pre_rope["max_logit"], rel=1e-5)
-            assert got[f"attn/entropy_mean/L{i:02d}"] == pytest.approx(pre_rope["entropy_mean"], rel=1e-5)
-            assert pre_rope["max_logit"] != pytest.approx(values[0][f"attn/max_logit/L{i:02d}"], rel=1e-3)
 
 
 class MaxNumel(torch.utils._python_dispatch.TorchDispatchMode):

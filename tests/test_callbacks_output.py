@@ -10,7 +10,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from fsdp_cpu import CPUDDPSpawnStrategy
-from test_callbacks_attention import HFLM, MaxNumel, fit_fixed, hf_model
+from hf_tiny import HFLM, hf_model
+from test_callbacks_attention import MaxNumel, fit_fixed
 from test_callbacks_fsdp import STEPS, Recorder, ShardedSGD
 from test_callbacks_helpers import EncoderLM, LitLM, gpt, lit, loader, trainer
 
