@@ -84,6 +84,34 @@ def pooled_lm() -> nn.Module:
     return PooledLM()
 
 
+class PackedLM(EncoderLM):
+    """Returns its logits inside a tuple ``(logits, aux_loss)`` or a dict ``{"logits", "aux_loss"}``, as many do."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+
+    def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | dict[str, torch.Tensor]:
+        logits = super().forward(idx)  # (B, T, V)
+        aux = logits.square().mean()  # a stand-in auxiliary loss the check must not train on
+        return (logits, aux) if self.form == "tuple" else {"aux_loss": aux, "logits": logits}
+
+
+def tuple_lm() -> nn.Module:
+    """``encoder_lm`` returning ``(logits, aux_loss)``."""
+    return PackedLM("tuple")
+
+
+def dict_lm() -> nn.Module:
+    """``encoder_lm`` returning ``{"aux_loss", "logits"}``."""
+    return PackedLM("dict")
+
+
+def half_lm() -> nn.Module:
+    """``encoder_lm`` built in float16 (AdamW's eps underflows in float16: trained as built, every run diverges)."""
+    return EncoderLM().half()
+
+
 def not_a_module() -> int:
     """Not a model at all."""
     return 3

@@ -206,6 +206,22 @@ def test_a_thresholds_file_changes_a_verdict(tmp_path) -> None:
     assert f"{stricter!r}" in (tmp_path / "strict" / "thresholds.yaml").read_text()
 
 
+def test_logits_in_a_tuple_or_a_dict_and_a_half_precision_model_are_checked_as_the_plain_one(tmp_path) -> None:
+    """A tuple's first item or a dict's "logits" is what trains (the auxiliary loss is not trained on: the same
+    card as the plain model's); a model built in float16 trains in the protocol's fp32 (as built, AdamW's eps
+    underflowed and every run diverged, a FAIL that was the dtype's, not the design's)."""
+    _, plain = check(tmp_path / "plain", *ENCODER, "--lrs", "1e-2", "--no-reference", *TINY)
+    measured = {r["id"]: r["measured"] for r in plain["criteria"]}
+    for factory in ("tuple_lm", "dict_lm"):
+        _, packed = check(tmp_path / factory, "--factory", f"check_factories:{factory}", *ENCODER[2:], "--lrs",
+                          "1e-2", "--no-reference", *TINY)
+        assert {r["id"]: r["measured"] for r in packed["criteria"]} == measured, factory
+    _, half = check(tmp_path / "half", "--factory", "check_factories:half_lm", *ENCODER[2:], "--lrs", "1e-2",
+                    "--no-reference", *TINY)
+    assert rows(half)["divergence"]["measured"] == 0
+    assert rows(half)["loss"]["measured"] == pytest.approx(measured["loss"], abs=0.05)  # fp16-rounded initial weights
+
+
 @pytest.mark.parametrize(
     "args, expected",
     [

@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_argument_group("model to check (one of --model.*, --hf, --factory)")
     src.add_argument("--hf", help="Hugging Face causal LM: local directory or hub name (never remote code).")
     src.add_argument("--hf-init", action="store_true", help="Freshly initialise --hf from its config.")
-    src.add_argument("--factory", help="package.module:function: an nn.Module, token ids (B, T) -> logits (B, T, V).")
+    src.add_argument("--factory", help="package.module:function: an nn.Module, token ids (B, T) -> logits (B, T, V) "
+                     "(alone, first in a tuple or a dict's 'logits'), trained in float32.")
     src.add_argument("--layer-pattern", help="Regex of the blocks' module names (first group: layer index).")
     src.add_argument("--module-types", help="Comma-separated dotted classes of the blocks.")
     src.add_argument("--embed-pattern", help="Regex of the module whose output is X_0 (default: first block input).")

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from lnstab.check.subjects import HF_BLOCKS, Shape, Subject, attention_problem, dropout_off, instrument_support
-from lnstab.check.training import Sites
+from lnstab.check.training import Sites, logits_of
 from lnstab.errors import LNStabError
 
 
@@ -42,7 +42,7 @@ class FactoryRecipe:
         if not isinstance(model, nn.Module):
             raise LNStabError(f"--factory {self.spec!r} returned {type(model).__name__}; it must return a "
                               "torch.nn.Module")
-        return model
+        return model.float()  # the protocol trains in fp32 (a model built in half precision too, as --hf's)
 
     def with_vocab(self, vocab_size: int) -> FactoryRecipe | None:
         """The recipe with ``vocab_size=``, or ``None`` when the function takes no such argument."""
@@ -268,7 +268,7 @@ def probe_factory(model: nn.Module, spec: str, names: list[str], seq_len: int) -
     ids = torch.zeros(2, seq_len, dtype=torch.long)
     try:
         with torch.no_grad():
-            out = model.eval()(ids)
+            out = logits_of(model.eval()(ids))
     except Exception as exc:
         raise LNStabError(f"--factory {spec!r}: the model failed on token ids of shape (2, {seq_len}) "
                           f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
@@ -281,8 +281,8 @@ def probe_factory(model: nn.Module, spec: str, names: list[str], seq_len: int) -
                           f"select) is never called by the model's forward; select only the blocks it runs")
     if not isinstance(out, torch.Tensor) or out.dim() != 3 or tuple(out.shape[:2]) != (2, seq_len):
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise LNStabError(f"--factory {spec!r} returned {got} for token ids (2, {seq_len}); "
-                          "it must map token ids (B, T) to logits (B, T, V)")
+        raise LNStabError(f"--factory {spec!r} returned {got} for token ids (2, {seq_len}); it must map token ids "
+                          "(B, T) to logits (B, T, V): a tensor, the first item of a tuple, or a dict's 'logits'")
     if out.shape[-1] < 2 or not out.is_floating_point():
         raise LNStabError(f"--factory {spec!r} returned logits of shape {tuple(out.shape)} and dtype {out.dtype}; "
                           "it must return floating-point logits over at least 2 tokens")

@@ -61,12 +61,25 @@ class Optimisation:
     grad_clip: float = 1.0
 
 
+def logits_of(out: Any) -> Any:
+    """The logits in a model's output: the tensor itself, the first item of a tuple or list (``(logits, aux_loss)``),
+    or ``logits`` of a dict or of an object that has it (a Hugging Face ``ModelOutput``); else ``out`` unchanged."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, tuple | list) and out:
+        return out[0]
+    if isinstance(out, dict):
+        return out.get("logits", out)
+    return getattr(out, "logits", out)
+
+
 class StressModule(pl.LightningModule):
     """Next-token loss of ``model`` (token ids ``(B, T)`` → logits ``(B, T, V)``) under :class:`Optimisation`.
 
     The model trains in train mode (switch its dropout off first). lnstab's GPT is trained on its own objective
     (``model(idx, targets)``: the chunked head's cross-entropy plus its z-loss, if any), any other model on the
-    cross-entropy of its logits. The cross-entropy of every step is kept in :attr:`losses`.
+    cross-entropy of its logits (:func:`logits_of`; whatever else it returns, an auxiliary loss say, is not trained
+    on). The cross-entropy of every step is kept in :attr:`losses`.
 
     Args:
         model: The network to train; its modules are reachable as ``model.<name>`` (hooks find them by suffix).
@@ -82,7 +95,7 @@ class StressModule(pl.LightningModule):
         self.losses: list[float] = []
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.model(idx)
+        return logits_of(self.model(idx))
 
     @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
