@@ -16,7 +16,7 @@ from torch import nn
 
 from ._captures import HEAD_PATTERN, attention_sites, output_site
 from ._sites import FINAL_PATTERN, Site
-from ._tap import SharedTap, Subscription
+from ._tap import SharedTap, Subscription, captured_everywhere
 from ._views import COLLAPSE_WEIGHT, DEFAULT_CHUNK_ELEMENTS, DEFAULT_CHUNK_ROWS
 
 ATTENTION_STATS = ("attn_max_logit", "attn_collapsed")
@@ -83,7 +83,7 @@ class StatChecks:
         for sub, names in ((self.attention, ATTENTION_STATS), (self.logits, LOGIT_STATS)):
             if sub is None:
                 continue
-            if sub.complete:
+            if captured_everywhere(sub, trainer):
                 table = sub.reduce(trainer, names)
                 parts += [table[name].to(device) for name in names]
             else:

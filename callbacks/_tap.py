@@ -23,6 +23,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
@@ -72,6 +73,10 @@ class Subscription:
     def complete(self) -> bool:
         """Whether every site has been captured since :meth:`reset`."""
         return bool(self.sites) and all(p is not None for p in self.pooled)
+
+    def missing(self) -> list[str]:
+        """The module names of the sites not captured since :meth:`reset`."""
+        return [site.name for site, pooled in zip(self.sites, self.pooled, strict=True) if pooled is None]
 
     def add(self, i: int, view: _stats.SiteView) -> None:
         """Pool one micro-batch's statistics at site ``i``."""
@@ -151,6 +156,7 @@ class SharedTap:
 
     def __init__(self, root: nn.Module) -> None:
         self.root = root
+        self.open = False  # in a training step's forward: TapCallback opens it at a micro-batch, shuts it at backward
         self.hooks: dict[tuple[int, bool], dict[str, Any]] = {}  # (id(module), use_input) -> handle, watchers
 
     @classmethod
@@ -203,9 +209,9 @@ class SharedTap:
 
     def _dispatch(self, entry: dict[str, Any], build: Callable[[], _stats.SiteView | None]) -> None:
         """Hand the view ``build()`` makes to every active watcher of ``entry``; nothing is built (and nothing read)
-        when none is active, the tap is paused, or the forward runs inside a backward pass."""
+        when none is active, the tap is shut or paused, or the forward runs inside a backward pass."""
         watchers = [(s, i) for s, i in entry["watchers"] if s.active]
-        if not watchers or self.root.__dict__.get(PAUSE_ATTR):
+        if not watchers or not self.open or self.root.__dict__.get(PAUSE_ATTR):
             return
         if torch._C._current_graph_task_id() != -1:
             # A forward inside a backward pass is activation checkpointing recomputing a micro-batch the tap has
@@ -234,14 +240,68 @@ def _tensor_view(obj: Any) -> _stats.SiteView | None:
     return None if x is None else _stats.SiteView(x.detach())
 
 
+def captured_everywhere(sub: Subscription | None, trainer: Any) -> bool:
+    """Whether ``sub`` captured every site on every rank: one decision for all ranks, so that all of them reduce or
+    none does (a block skipped on one rank only, say by LayerDrop, would otherwise leave the others waiting in a
+    collective that rank never joins). One extra collective when several ranks take part; none in one process."""
+    complete = sub is not None and sub.complete
+    if distributed(trainer):
+        complete = trainer.strategy.reduce_boolean_decision(complete, all=True)
+    return complete
+
+
 class TapCallback(Callback):
     """A callback that reads the residual stream through its model's :class:`SharedTap` and knows the optimizer-step
     boundary: :meth:`step_begins` is true on the first micro-batch of an optimizer step, :meth:`step_ended` once its
     last micro-batch has run (the optimizer stepped). Subscribes in ``setup`` (:meth:`subscribe`), closes in
-    ``teardown``."""
+    ``teardown``.
+
+    The tap sees only the forwards of ``training_step``: it opens when a micro-batch starts and shuts at its backward
+    (or its end), so a validation run between two micro-batches of an accumulated step, or a forward another callback
+    runs after the step (sampling text, say), is not counted; with manual optimisation, only the forwards before the
+    first ``manual_backward`` of a step count. Subclasses call ``super()`` in the hooks they override.
+    """
 
     subscription: Subscription | None = None
     _open_step: int | None = None
+    _told_unmeasured: bool = False
+
+    def captured_everywhere(self, trainer: pl.Trainer) -> bool:
+        """Whether every site was captured on every rank (:func:`captured_everywhere`)."""
+        return captured_everywhere(self.subscription, trainer)
+
+    def _shut(self, pl_module: pl.LightningModule, shut: bool) -> None:
+        tap = pl_module.__dict__.get(TAP_ATTR)
+        if tap is not None:
+            tap.open = not shut
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._shut(pl_module, False)
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self._shut(pl_module, True)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._shut(pl_module, True)
+
+    def unmeasured(self, step: int) -> None:
+        """Say once per callback that ``step`` was not measured because some site did not run in it."""
+        if self._told_unmeasured or self.subscription is None or not self.subscription.sites:
+            return  # no site at all was said in setup
+        self._told_unmeasured = True
+        missing = self.subscription.missing()  # none here when the module was skipped on another rank only
+        what = (f"{missing[0]!r}{f' and {len(missing) - 1} more' if len(missing) > 1 else ''} did not run in it"
+                if missing else "a watched module did not run in it on another rank")
+        rank_zero_warn(f"{type(self).__name__}: step {step} was not measured: {what} (a block skipped in training, "
+                       "e.g. LayerDrop?); only steps on which every watched module runs are measured, and this is "
+                       "said once")
 
     def subscribe(self, pl_module: nn.Module, sites: list[Site], stats: Sequence[Sequence[str]]) -> Subscription:
         """Watch ``sites`` of ``pl_module`` for ``stats`` (one tuple of statistic names per site); inactive."""
@@ -275,7 +335,9 @@ class MeasuringTapCallback(TapCallback):
     is reset and activated on the first micro-batch of such a step (on every other step its hooks return at once,
     with no tensor work and no host read); once the step's last micro-batch has run, the statistics ``stats`` pooled
     over its micro-batches are reduced over ranks and read with one host sync, kept in :attr:`last` and logged as
-    :meth:`metric_name` gives. Subclasses subscribe in ``setup``."""
+    :meth:`metric_name` gives. A step on which some watched module did not run (on any rank) is not measured, and
+    the first such step is said in a warning; with several ranks their agreement on that costs one more host sync
+    per measured step. Subclasses subscribe in ``setup``."""
 
     every_n_steps: int
     stats: tuple[str, ...] = ()
@@ -293,6 +355,7 @@ class MeasuringTapCallback(TapCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if self.subscription is None or not self.step_begins(trainer):
             return  # later micro-batches of a step keep capturing (or not) as its first one decided
         step = trainer.global_step
@@ -305,6 +368,7 @@ class MeasuringTapCallback(TapCallback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self._capture_step is not None and self.step_ended(trainer):
             self._finalize(trainer)
 
@@ -317,7 +381,8 @@ class MeasuringTapCallback(TapCallback):
         step, self._capture_step = self._capture_step, None
         sub = self.subscription
         sub.active = False
-        if not sub.complete:
+        if not self.captured_everywhere(trainer):
+            self.unmeasured(step)
             sub.reset()
             return
         table = sub.reduce(trainer, self.stats)

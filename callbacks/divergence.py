@@ -71,7 +71,8 @@ class DivergenceMonitor(TapCallback):
     q and k projections and output head are named by ``q_pattern``/``k_pattern``/``n_head`` and ``head_pattern``
     (found as :class:`AttentionLogitStatistics` and :class:`OutputLogitStatistics` find them; on the same steps they
     share those instruments' hooks and views, so nothing is computed twice): their hooks are no-ops on other steps, and
-    on those steps their values, reduced over ranks (a few more collectives), join the step's one host sync. Both kinds
+    on those steps their values, reduced over ranks (a few more collectives and, with several ranks, one more host
+    sync for their agreement that every site ran), join the step's one host sync. Both kinds
     are recorded, not acted on, unless named in ``fatal_kinds``.
 
     On a fatal event (``fatal_kinds``; every rank agrees: local verdicts are summed over ranks in that collective)
@@ -205,6 +206,7 @@ class DivergenceMonitor(TapCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if not self.step_begins(trainer):
             return
         step = trainer.global_step
@@ -222,6 +224,7 @@ class DivergenceMonitor(TapCallback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        super().on_before_backward(trainer, pl_module, loss)
         if self._checking:  # Lightning divides each micro-batch's loss by their number: the sum is the step's mean
             loss = loss.detach().float().reshape(())
             self._loss = loss if self._loss is None else self._loss + loss

@@ -209,6 +209,7 @@ class GrowthBoundMonitor(TapCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         sub = self.subscription
         if sub is None or not self.sites or not self.step_begins(trainer):
             return
@@ -222,12 +223,15 @@ class GrowthBoundMonitor(TapCallback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         sub = self.subscription
         if sub is None or not sub.active or not self.step_ended(trainer):
             return
         sub.active = False
-        if sub.complete:
+        if self.captured_everywhere(trainer):
             self.evaluate(trainer, self._step)
+        else:
+            self.unmeasured(self._step)
         sub.reset()
 
     def evaluate(self, trainer: Any, step: int) -> dict[str, float]:

@@ -123,7 +123,7 @@ class HiddenStateStatistics(MeasuringTapCallback):
         """The captured step's statistics as a ``(len(stats), sites)`` device tensor (rows in ``stats`` order),
         reduced over ranks; ``None`` when some site was not captured."""
         sub = self.subscription
-        if sub is None or not sub.complete:
+        if sub is None or not self.captured_everywhere(trainer):
             return None
         table = sub.reduce(trainer, self.stats)
         return torch.stack([table[name] for name in self.stats])
@@ -136,6 +136,8 @@ class HiddenStateStatistics(MeasuringTapCallback):
         step, self._capture_step = self._capture_step, None
         self.subscription.active = False
         table = self.reduce(trainer)
+        if table is None:
+            self.unmeasured(step)
         self.subscription.reset()  # frees the per-site state until the next logging step
         if table is None:
             return

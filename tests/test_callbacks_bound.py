@@ -79,7 +79,7 @@ def test_a_gate_above_one_is_in_the_bound_and_leaving_it_out_is_violated():
     callback = GrowthBoundMonitor(every_n_steps=1)
     callback.setup(None, module, "fit")
     assert all(isinstance(g, Gate) for g in callback.gates) and len(callback.gates) == 8
-    callback.subscription.active = True
+    callback.subscription.active = callback.subscription.tap.open = True  # a measured micro-batch
     module(torch.randint(0, 100, (4, 16)))
     metrics = callback.evaluate(type("T", (), {"world_size": 1, "loggers": []})(), 0)
     assert metrics["bound/violations"] == 0 and metrics["bound/slack"] > 0
@@ -114,7 +114,7 @@ def test_violation_when_bound_uses_a_smaller_step_than_the_model():
                 m.bias.fill_(3.0)
     callback = GrowthBoundMonitor(every_n_steps=1, residual_scale=0.01)
     callback.setup(None, module, "fit")
-    callback.subscription.active = True
+    callback.subscription.active = callback.subscription.tap.open = True  # a measured micro-batch
     module(torch.randint(0, 100, (4, 16)))
     callback.evaluate(type("T", (), {"world_size": 1, "loggers": []})(), 0)
     assert callback.violations > 0

@@ -136,8 +136,9 @@ def test_pooling_micro_batches_equals_the_whole_batch(scale, offset, rel):
     x = torch.randn(6, 5, 4) * scale + offset
     site = torch.nn.Identity()
     root = torch.nn.Sequential(site)
-    sub = SharedTap.of(root).subscribe([Site("L00", "0", site)], [STATS])
-    sub.active = True
+    tap = SharedTap.of(root)
+    sub = tap.subscribe([Site("L00", "0", site)], [STATS])
+    sub.active = tap.open = True  # what a TapCallback does at a measured step's micro-batch
     for part in x.split(2):
         root(part)
     table = sub.reduce(trainer_stub(), STATS)

@@ -157,7 +157,7 @@ def test_a_new_row_with_normalised_updates_gets_the_growth_bound(extra_row) -> N
     bound = GrowthBoundMonitor(every_n_steps=1)
     bound.setup(None, model, "fit")
     assert [m for m, _ in bound.norms] == [m for m, _ in model.output_norms()] and len(bound.norms) == 4
-    bound.subscription.active = True
+    bound.subscription.active = bound.subscription.tap.open = True  # a measured micro-batch
     model(torch.randint(0, 97, (3, 16)))
     metrics = bound.evaluate(type("T", (), {"world_size": 1, "loggers": []})(), 0)
     assert metrics["bound/violations"] == 0 and metrics["bound/slack"] > 0
