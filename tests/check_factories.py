@@ -112,6 +112,33 @@ def half_lm() -> nn.Module:
     return EncoderLM().half()
 
 
+class LayerDropLM(nn.Module):
+    """Two Pre-LN blocks; in training, block 1 runs in the first forward only (a LayerDrop that always drops it
+    after that), so no measurement after step 0 sees every block."""
+
+    def __init__(self, vocab_size: int = VOCAB) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, WIDTH)
+        self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(WIDTH, 2, 4 * WIDTH, dropout=0.0, batch_first=True,
+                                                               norm_first=True) for _ in range(LAYERS))
+        self.head = nn.Linear(WIDTH, vocab_size)
+        self.forwards = 0
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)  # (B, T, C)
+        mask = nn.Transformer.generate_square_subsequent_mask(idx.size(1), device=idx.device)
+        for i, block in enumerate(self.blocks):
+            if not (self.training and i == 1 and self.forwards > 0):
+                x = block(x, src_mask=mask, is_causal=True)
+        self.forwards += self.training
+        return self.head(x)  # (B, T, V)
+
+
+def layerdrop_lm(vocab_size: int = VOCAB) -> nn.Module:
+    """A model whose block 1 is skipped in training after the first forward."""
+    return LayerDropLM(vocab_size)
+
+
 def not_a_module() -> int:
     """Not a model at all."""
     return 3

@@ -222,6 +222,16 @@ def test_logits_in_a_tuple_or_a_dict_and_a_half_precision_model_are_checked_as_t
     assert rows(half)["loss"]["measured"] == pytest.approx(measured["loss"], abs=0.05)  # fp16-rounded initial weights
 
 
+def test_a_block_skipped_in_training_is_named_as_why_growth_after_training_is_n_a(tmp_path) -> None:
+    """Before, the card blamed "fewer than two layer sites" (the steps were dropped because a block did not run)."""
+    _, report = check(tmp_path / "drop", "--factory", "check_factories:layerdrop_lm", "--layer-pattern",
+                      r"blocks\.(\d+)$", "--lrs", "1e-2", "--no-reference", *TINY)
+    init, trained = rows(report)["growth_init"], rows(report)["growth_trained"]
+    assert init["status"] == "pass" and "not measured" not in init["why"]  # step 0 saw both blocks
+    assert trained["status"] == "n/a" and trained["why"].startswith("1 run(s) not measured after training: a block "
+                                                                    "did not run at that step")
+
+
 @pytest.mark.parametrize(
     "args, expected",
     [

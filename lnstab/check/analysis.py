@@ -268,6 +268,9 @@ def summarise(runs: list[RunResult], steps: int) -> dict[str, Any]:
     growth_trained = dict(zip(("mean", "sd", "lr"), worst(by_lr(completed, lambda r: trained[id(r)]["doublings"])),
                               strict=True))
     growth_trained.update(law([trained[id(r)] for r in completed if r.lr == growth_trained["lr"]]))
+    # runs whose measurement was dropped because a block did not run then (LayerDrop: a training-only branch)
+    growth_init["unmeasured"] = sum(measured_index(r, 0) is None for r in init_runs)
+    growth_trained["unmeasured"] = sum(measured_index(r, steps) is None for r in completed)
     max_abs = max((v for r in completed for vals in r.hidden.get("max_abs", {}).values() for v in vals
                    if math.isfinite(v)), default=math.nan)
     points = [p for r in init_runs for p in jacobian_points(r, 0)]

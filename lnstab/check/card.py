@@ -85,13 +85,19 @@ def why(cid: str, s: dict[str, Any], refs: dict[str, dict[str, Any]], value: flo
         return text + tail + _refs_text(cid, refs, lambda r: f"{r['diverged']}/{r['runs']}")
     if cid in ("growth_init", "growth_trained"):
         g = s[cid]
+        when = "after training" if cid == "growth_trained" else "at initialisation"
+        skipped = (f"{g['unmeasured']} run(s) not measured {when}: a block did not run at that step (a branch that "
+                   "skips blocks in training, such as LayerDrop)") if g.get("unmeasured") else ""
         if not math.isfinite(value):
-            return ("every run diverged" if cid == "growth_trained" and s["diverged"] == s["runs"]
+            if cid == "growth_trained" and s["diverged"] == s["runs"]:
+                return "every run diverged"
+            return (f"{skipped}, and no other run fits a growth law" if skipped
                     else "fewer than two layer sites to fit a growth law over depth")
         at = f" at lr {g['lr']:g}" if cid == "growth_trained" and g.get("lr") is not None else ""
         text = (f"mean |x| grows ×{as_factor(cid, value):.3g} over the deeper half{at} (linear from 0: ×2); "
                 f"{g['law']} law fits better (R² {fmt(g['exp_r2'], 2)} exponential at ×{fmt(math.exp(g['exp_rate']))}"
                 f"/layer, {fmt(g['lin_r2'], 2)} linear)")
+        text += f" ({skipped}; the others are graded)" if skipped else ""
         return text + tail + _refs_text(cid, refs, lambda r: f"×{fmt(as_factor(cid, r[cid]['mean']))}")
     if cid == "overflow":
         if not math.isfinite(value):
