@@ -133,9 +133,23 @@ def resolve_types(name: str, value: Any) -> tuple[type, ...]:
             except (ImportError, AttributeError):
                 raise ConfigError(f"{name}={value!r} is not allowed; {item!r} cannot be imported") from None
         if not isinstance(item, type):
-            raise ConfigError(f"{name}={value!r} is not allowed; give module classes or dotted class paths")
+            shown = f"an instance of {type(item).__name__}" if isinstance(item, nn.Module) else repr(item)
+            raise ConfigError(f"{name}={shown} is not allowed; give module classes or dotted class paths")
         types.append(item)
     return tuple(types)
+
+
+def no_sites(who: str, layer_pattern: re.Pattern | None, module_types: tuple[type, ...] | None,
+             consequence: str = "nothing will be logged") -> str:
+    """The one-line warning of an instrument that found no layer: what it looked for and how to say where
+    (``module_types=None``: the instrument has no such argument)."""
+    if layer_pattern is not None or module_types:
+        given = ", ".join(([f"layer_pattern={layer_pattern.pattern!r}"] if layer_pattern is not None else []) +
+                          ([f"module_types={[t.__name__ for t in module_types]}"] if module_types else []))
+        return f"{who}: {given} matched no module of the model; {consequence}"
+    return (f"{who}: no blocks found where it looks by default (lnstab's residual modules, or modules named h.N, "
+            "layers.N, layer.N or blocks.N); give layer_pattern (a regex on module names, first group the layer "
+            f"index){' or module_types' if module_types is not None else ''}; {consequence}")
 
 
 def auto_sites(

@@ -142,3 +142,11 @@ def unsharded(trainer: Any, pl_module: nn.Module) -> Iterator[nn.Module]:
         finally:
             for parent, name, child in reversed(swapped):
                 parent._modules[name] = child
+
+
+def count_nonfinite(params: Any) -> torch.Tensor:
+    """Parameters (this rank's shards) with a non-finite entry, as a device tensor (no host sync)."""
+    params = [p.detach() for p in params]
+    if not params:
+        return torch.zeros(())
+    return (~torch.stack(torch._foreach_norm(params)).isfinite()).sum()

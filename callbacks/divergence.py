@@ -9,17 +9,18 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lnstab import validation as check
+from lnstab.errors import ConfigError
 from lnstab.rundir import EVENTS_FILE, atomic_write_text, json_safe, run_dir, update_summary
 
 from ._captures import HEAD_PATTERN, qk_arguments
-from ._sites import Site, auto_sites, log_metrics
+from ._sites import Site, auto_sites, log_metrics, no_sites
 from ._stat_checks import StatChecks
-from ._strategy import all_reduce_, distributed, params_sharded, require_strategy
+from ._strategy import all_reduce_, count_nonfinite, distributed, params_sharded, require_strategy
 from ._tap import TapCallback
 
 POLICIES = ("stop", "skip", "continue")
@@ -184,8 +185,13 @@ class DivergenceMonitor(TapCallback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         require_strategy(trainer, type(self).__name__, reads_parameters=True)
+        if any(isinstance(c, DivergenceMonitor) and c is not self for c in trainer.callbacks):
+            raise ConfigError("callbacks with two DivergenceMonitors are not allowed; both would write the run's "
+                              "divergence_events.jsonl and summary.json: give one the settings of both")
         if self.track_activations:
             self.sites = auto_sites(pl_module, self.layer_pattern, (), None, None)
+            if not self.sites:
+                rank_zero_warn(no_sites(type(self).__name__, self.layer_pattern, None, "activations are not checked"))
             self.subscribe(pl_module, self.sites, [("max_abs",)] * len(self.sites))
         self.checks.close()
         if self.stats_every_n_steps:
@@ -217,7 +223,7 @@ class DivergenceMonitor(TapCallback):
         if self._stats_step:
             self.checks.start()
         self._loss = None
-        self._params_bad = self._count_nonfinite(self._params) if step > self._checked_through + 1 else None
+        self._params_bad = count_nonfinite(self._params) if step > self._checked_through + 1 else None
         if self.subscription is not None:
             self.subscription.reset()
             self.subscription.active = True
@@ -329,17 +335,9 @@ class DivergenceMonitor(TapCallback):
         return mean + self.spike_k * math.sqrt(math.fsum((v - mean) ** 2 for v in self.losses) / n)
 
     @staticmethod
-    def _count_nonfinite(params: Any) -> torch.Tensor:
-        """Parameters (this rank's shards) with a non-finite entry, as a device tensor (no host sync)."""
-        params = [p.detach() for p in params]
-        if not params:
-            return torch.zeros(())
-        return (~torch.stack(torch._foreach_norm(params)).isfinite()).sum()
-
-    @staticmethod
     def params_finite(pl_module: pl.LightningModule, trainer: Any = None) -> bool:
         """Whether every parameter is finite (one fused norm, one host sync; shards summed over ranks under FSDP)."""
-        bad = DivergenceMonitor._count_nonfinite(pl_module.parameters()).float().reshape(1)
+        bad = count_nonfinite(pl_module.parameters()).float().reshape(1)
         if params_sharded(trainer):
             all_reduce_(bad, "sum", trainer)
         return bad.item() == 0

@@ -14,7 +14,16 @@ from typing_extensions import override
 from lnstab import validation as check
 from lnstab.layers import NORM_MODULES
 
-from ._sites import EMBED_PATTERN, FINAL_PATTERN, Site, auto_sites, clean_name, log_metrics, resolve_types
+from ._sites import (
+    EMBED_PATTERN,
+    FINAL_PATTERN,
+    Site,
+    auto_sites,
+    clean_name,
+    log_metrics,
+    no_sites,
+    resolve_types,
+)
 from ._strategy import abs_max, all_reduce_, reduce_over_shards_, require_strategy
 from ._tap import TapCallback
 
@@ -104,7 +113,7 @@ class GrowthBoundMonitor(TapCallback):
         self.norm_pattern = check.regex("norm_pattern", norm_pattern, optional=False)
         self.layer_pattern = check.regex("layer_pattern", layer_pattern)
         self.module_types = resolve_types("module_types", module_types)
-        self.embed_pattern = check.regex("embed_pattern", embed_pattern, optional=False)
+        self.embed_pattern = check.regex("embed_pattern", embed_pattern)  # None: X_0 is the first layer's input
         self.final_pattern = check.regex("final_pattern", final_pattern)
         self.tolerance = check.number("tolerance", tolerance, 0, 1, high_open=True)
         self.violations = 0
@@ -165,7 +174,7 @@ class GrowthBoundMonitor(TapCallback):
         )
         layers = [s for s in self.sites if s.tag.startswith("L")]
         if not layers:
-            rank_zero_warn(f"{type(self).__name__}: no layers found; nothing will be logged")
+            rank_zero_warn(no_sites(type(self).__name__, self.layer_pattern, self.module_types))
             self.sites = []
         elif self.sites[0].tag != "embed":  # X_0 = the input of the first layer
             self.sites.insert(0, Site("embed", layers[0].name, layers[0].module, use_input=True))

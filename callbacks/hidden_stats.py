@@ -11,10 +11,20 @@ from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
 from lnstab import validation as check
+from lnstab.errors import ConfigError
 from lnstab.rundir import HIDDEN_SERIES_FILE, atomic_write_text, json_safe, run_dir
 
 from . import _stats
-from ._sites import EMBED_PATTERN, FINAL_PATTERN, Site, auto_sites, log_metrics, resolve_types, tensorboard_writer
+from ._sites import (
+    EMBED_PATTERN,
+    FINAL_PATTERN,
+    Site,
+    auto_sites,
+    log_metrics,
+    no_sites,
+    resolve_types,
+    tensorboard_writer,
+)
 from ._strategy import require_strategy
 from ._tap import MeasuringTapCallback
 
@@ -85,6 +95,9 @@ class HiddenStateStatistics(MeasuringTapCallback):
         self.log_heatmap = bool(log_heatmap)
         self.series_file = check.file_name("series_file", series_file)
         names = _stats.default_stats() if stats is None else check.choices("stats", stats, list(_stats.REGISTRY))
+        if not names:
+            raise ConfigError(f"stats={stats!r} is not allowed; give at least one of: "
+                              f"{', '.join(_stats.names_of('stream'))}")
         for name in names:
             check.choice("stats", name, _stats.names_of("stream"))
         self.stats: tuple[str, ...] = tuple(names)
@@ -97,7 +110,13 @@ class HiddenStateStatistics(MeasuringTapCallback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(every_n_steps=self.every_n_steps, layer_pattern=str(self.layer_pattern))
+        # what else selects the sites and the file only when it is not the default: older checkpoints keep their key
+        extra = {k: str(v) for k, v in (("module_types", [t.__qualname__ for t in self.module_types] or None),
+                                        ("stats", None if self.stats == tuple(_stats.default_stats()) else self.stats),
+                                        ("series_file", None if self.series_file == HIDDEN_SERIES_FILE
+                                         else self.series_file)) if v is not None}
+        return self._generate_state_key(every_n_steps=self.every_n_steps, layer_pattern=str(self.layer_pattern),
+                                        **extra)
 
     @property
     def tags(self) -> list[str]:
@@ -107,11 +126,15 @@ class HiddenStateStatistics(MeasuringTapCallback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         require_strategy(trainer, type(self).__name__)
+        if self.series_file and any(isinstance(c, HiddenStateStatistics) and c is not self and
+                                    c.series_file == self.series_file for c in trainer.callbacks):
+            raise ConfigError(f"series_file={self.series_file!r} is not allowed for two HiddenStateStatistics; each "
+                              "would overwrite the other's: give each its own series_file (or None)")
         self.sites = auto_sites(
             pl_module, self.layer_pattern, self.module_types, self.embed_pattern, self.final_pattern
         )
         if not self.sites:
-            rank_zero_warn(f"{type(self).__name__}: no module matched; nothing will be logged")
+            rank_zero_warn(no_sites(type(self).__name__, self.layer_pattern, self.module_types))
         self.subscribe(pl_module, self.sites, [self.stats] * len(self.sites))
 
     @override

@@ -98,7 +98,7 @@ class RunStatus(Callback):
     """
 
     def __init__(self, signals: list[str] | tuple[str, ...] = SIGNALS, save_on_interrupt: bool = True) -> None:
-        self.signals = check.choices("signals", list(signals), SIGNALS) if signals else ()
+        self.signals = check.choices("signals", signals, SIGNALS) if signals else ()  # one name or a list
         self.save_on_interrupt = bool(save_on_interrupt)
         self.requested: int | None = None  # signal received, not yet acted on
         self.signal: int | None = None  # signal that stopped the run

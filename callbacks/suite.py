@@ -7,7 +7,7 @@ from lightning.pytorch.callbacks import Callback
 from lnstab import validation as check
 
 from .attention import AttentionLogitStatistics
-from .divergence import FATAL, POLICIES, DivergenceMonitor
+from .divergence import FATAL, KINDS, POLICIES, DivergenceMonitor
 from .grad_stats import GradientStatistics
 from .growth_bound import GrowthBoundMonitor
 from .hidden_stats import HiddenStateStatistics
@@ -76,7 +76,7 @@ class Instruments:
             "instruments.divergence_every_n_steps", divergence_every_n_steps
         )
         self.divergence_policy = check.choice("instruments.divergence_policy", divergence_policy, POLICIES)
-        self.fatal_kinds = list(fatal_kinds) if not isinstance(fatal_kinds, str) else [fatal_kinds]
+        self.fatal_kinds = list(check.choices("instruments.fatal_kinds", fatal_kinds, KINDS))
         self.grad_norm_threshold = check.optional_number(
             "instruments.grad_norm_threshold", grad_norm_threshold, 0.0, low_open=True
         )

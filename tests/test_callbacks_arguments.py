@@ -1,0 +1,83 @@
+"""The callbacks' arguments as a user of their own Lightning project meets them: one-line refusals for what cannot
+work (two instances writing one file, no statistics), single values where lists are allowed, warnings that say how
+to point an instrument at blocks it did not find, and state keys that let two differently set instances coexist
+while a default one keeps the key older checkpoints were saved under."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from test_callbacks_helpers import VOCAB, LitLM, lit, loader, trainer
+from torch import nn
+
+from lnstab.callbacks import DivergenceMonitor, GrowthBoundMonitor, HiddenStateStatistics, Instruments, RunStatus
+from lnstab.errors import ConfigError
+
+
+class StackLM(nn.Module):
+    """Blocks under a name no instrument looks for by default (``stack.N``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.stack = nn.ModuleList(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+                                   for _ in range(2))
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.stack:
+            h = block(h)
+        return self.head(h)
+
+
+def test_bad_arguments_are_one_line_and_single_values_are_lists_of_one() -> None:
+    assert RunStatus(signals="SIGINT").signals == ("SIGINT",)  # before: 'S', 'I', 'G', … each refused
+    with pytest.raises(ConfigError, match=r"^stats=\[\] is not allowed; give at least one of: mean_abs"):
+        HiddenStateStatistics(stats=[])  # before: accepted, then a RuntimeError at the first measured step
+    with pytest.raises(ConfigError) as info:
+        HiddenStateStatistics(module_types=nn.Linear(2, 2))
+    assert "\n" not in str(info.value) and "module_types=an instance of Linear is not allowed" in str(info.value)
+    with pytest.raises(ConfigError, match=r"^instruments\.fatal_kinds="):  # before: refused only by .callbacks()
+        Instruments(fatal_kinds=["bogus"])
+
+
+def test_growth_bound_without_an_embedding_site_starts_at_the_first_layers_input(tmp_path) -> None:
+    bound = GrowthBoundMonitor(every_n_steps=1, embed_pattern=None)  # before: "must be a regular expression"
+    trainer(tmp_path, [bound], max_steps=1).fit(lit("gpt"), loader(8))
+    assert bound.sites[0].tag == "embed" and bound.sites[0].use_input and bound.last["bound/violations"] == 0
+
+
+def test_two_instances_that_would_overwrite_one_file_are_refused(tmp_path) -> None:
+    for pair, said in (([DivergenceMonitor(), DivergenceMonitor(policy="skip")], "two DivergenceMonitors"),
+                       ([HiddenStateStatistics(every_n_steps=1), HiddenStateStatistics(every_n_steps=2)],
+                        "series_file='hidden_stats.json' is not allowed for two HiddenStateStatistics")):
+        with pytest.raises(ConfigError, match=said):
+            trainer(tmp_path, pair, max_steps=1).fit(lit("gpt"), loader(8))
+
+
+def test_two_hidden_state_instruments_on_other_sites_coexist_and_a_default_keeps_its_key(tmp_path) -> None:
+    default = HiddenStateStatistics(every_n_steps=1)
+    norms = HiddenStateStatistics(every_n_steps=1, module_types=[nn.LayerNorm], series_file="norms.json",
+                                  embed_pattern=None, final_pattern=None)
+    assert default.state_key == "HiddenStateStatistics{'every_n_steps': 1, 'layer_pattern': 'None'}"  # as saved
+    assert norms.state_key != default.state_key  # before: equal, and Lightning refused the pair
+    t = trainer(tmp_path, [default, norms], max_steps=2)
+    t.fit(lit("gpt"), loader(8))
+    run = tmp_path / "csv" / "version_0"
+    assert json.loads((run / "norms.json").read_text())["steps"] == [0, 1] == default.steps
+    assert len(norms.tags) > len(default.tags)  # every LayerNorm of the model, not its blocks
+
+
+def test_instruments_that_find_no_block_say_how_to_name_them(tmp_path) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        callbacks = [HiddenStateStatistics(every_n_steps=1), GrowthBoundMonitor(every_n_steps=1), DivergenceMonitor()]
+        trainer(tmp_path, callbacks, max_steps=1).fit(LitLM(StackLM()), loader(8))
+    said = [str(w.message) for w in caught if "no blocks found" in str(w.message)]
+    assert len(said) == 3 and all("give layer_pattern" in s for s in said), said
+    assert "or module_types" in said[0] and "or module_types" not in said[2]  # DivergenceMonitor has none
+    assert said[2].endswith("activations are not checked")  # before: DivergenceMonitor said nothing
