@@ -224,7 +224,8 @@ def attention_sites(root: nn.Module, options: dict[str, Any], q_pattern: re.Patt
             f"model={type(root).__name__} is not allowed with {who}; no attention module whose q and k can be found "
             "(lnstab's CausalSelfAttention; Hugging Face GPT2Attention, LlamaAttention, MistralAttention, "
             "Qwen2Attention, Qwen3Attention, Gemma2Attention, Gemma3Attention or Olmo2Attention): name the "
-            "projections with q_pattern, k_pattern and n_head"
+            "projections with q_pattern, k_pattern and n_head (in Instruments, which has no such arguments: "
+            "attention=False, or enabled=False and these callbacks listed with them)"
         )
     tags = [s.tag for _, _, s in found]
     if len(set(tags)) != len(tags):

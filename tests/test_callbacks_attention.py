@@ -231,7 +231,7 @@ def test_what_cannot_be_measured_is_refused_in_one_line(tmp_path):
         AttentionLogitStatistics().setup(None, LitLM(EncoderLM()), "fit")
     message = str(info.value)
     assert message.startswith("model=LitLM is not allowed with AttentionLogitStatistics") and "\n" not in message
-    assert "q_pattern, k_pattern and n_head" in message
+    assert "q_pattern, k_pattern and n_head" in message and "in Instruments, which has no such arguments" in message
     with pytest.raises(ConfigError, match=r"q_pattern='nope' and k_pattern='k_proj' are not allowed"):
         AttentionLogitStatistics(q_pattern="nope", k_pattern="k_proj", n_head=2).setup(None, lit("hf"), "fit")
 
