@@ -210,6 +210,11 @@ def attention_sites(root: nn.Module, options: dict[str, Any], q_pattern: re.Patt
         if set(qs) != set(ks) or not qs:
             raise ConfigError(f"q_pattern={q_pattern.pattern!r} and k_pattern={k_pattern.pattern!r} are not allowed; "
                               f"they match layers {sorted(qs)} and {sorted(ks)}, and each layer needs one of each")
+        same = next((q_name for tag, (q_name, q_mod) in qs.items() if ks[tag][1] is q_mod), None)
+        if same is not None:
+            raise ConfigError(f"q_pattern={q_pattern.pattern!r} and k_pattern={k_pattern.pattern!r} are not allowed; "
+                              f"both select {same!r}, and q and k must come from two projections (a fused qkv "
+                              "projection or nn.MultiheadAttention cannot be named this way)")
         for i, (tag, (q_name, q_mod)) in enumerate(qs.items()):
             capture = SplitQK(q_mod, ks[tag][1], scale, options, flat=True, n_head=n_head)
             found.append((int(tag[1:]), i, Site(tag, q_name, q_mod, capture=capture)))

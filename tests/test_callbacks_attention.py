@@ -234,6 +234,9 @@ def test_what_cannot_be_measured_is_refused_in_one_line(tmp_path):
     assert "q_pattern, k_pattern and n_head" in message and "in Instruments, which has no such arguments" in message
     with pytest.raises(ConfigError, match=r"q_pattern='nope' and k_pattern='k_proj' are not allowed"):
         AttentionLogitStatistics(q_pattern="nope", k_pattern="k_proj", n_head=2).setup(None, lit("hf"), "fit")
+    with pytest.raises(ConfigError, match=r"both select 'model.encoder.layers.0.self_attn', and q and k must come"):
+        AttentionLogitStatistics(q_pattern=r"layers\.(\d+)\.self_attn$", k_pattern=r"layers\.(\d+)\.self_attn$",
+                                 n_head=2).setup(None, LitLM(EncoderLM()), "fit")  # before: q = k = its output
 
 
 @pytest.mark.parametrize(
