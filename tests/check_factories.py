@@ -139,6 +139,19 @@ def layerdrop_lm(vocab_size: int = VOCAB) -> nn.Module:
     return LayerDropLM(vocab_size)
 
 
+class BidirectionalLM(EncoderLM):
+    """``encoder_lm`` without its causal mask: every position sees the whole sequence."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.size(1)
+        return self.head(self.encoder(self.embed(idx) + self.pos(torch.arange(T, device=idx.device))))
+
+
+def bidirectional_lm() -> nn.Module:
+    """A model that is not causal."""
+    return BidirectionalLM()
+
+
 def not_a_module() -> int:
     """Not a model at all."""
     return 3

@@ -244,6 +244,7 @@ def test_a_block_skipped_in_training_is_named_as_why_growth_after_training_is_n_
          "are not allowed with --factory"),
         ([*GPT, "--n-head", "2"], "describe a --factory model"),
         (["--factory", "check_factories:not_a_module"], "it must return a torch.nn.Module"),
+        (["--factory", "check_factories:bidirectional_lm", *ENCODER[2:]], "is not causal: changing tokens 8…15"),
         (["--factory", "check_factories:encoder_lm", "--layer-pattern", "(unclosed"], "not a valid regular expression"),
         (["--hf", "/no/such/dir/gpt2"], "cannot be loaded"),
         ([], "exactly one of"),

@@ -129,3 +129,76 @@ def test_hugging_face_dropout_is_switched_off_in_the_config(tmp_path) -> None:
     assert "attn_pdrop" in subject.dropout and "train mode" in subject.dropout
     trained = hf_subject(str(tmp_path / "gpt2"), init=False)  # trained weights keep their own vocabulary
     assert trained.with_vocab(10) is None and subject.with_vocab(10).shape.vocab_size == 10
+
+
+def saved(tmp_path, name: str, model: nn.Module) -> str:
+    directory = tmp_path / name
+    model.save_pretrained(directory)
+    return str(directory)
+
+
+def test_an_encoder_and_a_multimodal_model_are_refused_in_one_line(tmp_path, capsys) -> None:
+    """BERT's LM head trained as if causal: it read the next token (exit 0, PASS before); a multimodal Gemma 3 config
+    has its depth in text_config (a TypeError, exit 3 before)."""
+    from transformers import BertConfig, BertForMaskedLM, Gemma3Config, Gemma3ForConditionalGeneration
+
+    bert = BertForMaskedLM(BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                      intermediate_size=64, max_position_embeddings=32))
+    multimodal = Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=dict(SHAPE, num_key_value_heads=2, head_dim=16),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=32, patch_size=8), mm_tokens_per_image=4, image_token_index=127,
+        boi_token_index=126, eoi_token_index=125))
+    cases = ((saved(tmp_path, "bert", bert), "checked (bert, init) is not causal: changing tokens"),
+             (saved(tmp_path, "mm", multimodal), "is a multimodal model (gemma3)"))
+    capsys.readouterr()  # save_pretrained's progress bars
+    for directory, said in cases:
+        code, _ = check(tmp_path / "card", "--hf", directory, "--hf-init", "--lrs", "1e-2", "--no-reference", *TINY)
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and said in err and "\n" not in err, err
+        assert not (tmp_path / "card").exists()
+
+
+def test_a_model_whose_forward_fails_is_one_line_and_an_unread_context_is_read(tmp_path, capsys) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM, MptConfig, MptForCausalLM
+
+    broken = LlamaForCausalLM(LlamaConfig(**SHAPE))
+    broken.config.num_key_value_heads = 3  # 2 query heads cannot share 3 key heads: its own forward fails
+    mpt = MptForCausalLM(MptConfig(n_layers=2, d_model=32, n_heads=2, max_seq_len=12, vocab_size=128))
+    cases = ((saved(tmp_path, "broken", broken), [], "checked (llama, init) failed on token ids"),
+             (saved(tmp_path, "mpt", mpt), ["--seq-len", "16"], "context of 12"))
+    capsys.readouterr()  # save_pretrained's progress bars
+    for directory, args, said in cases:
+        code, _ = check(tmp_path / "card", "--hf", directory, "--hf-init", "--lrs", "1e-2", "--no-reference",
+                        *TINY, *args)  # before: exit 3 with no traceback file, and MPT's context unknown
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and said in err and "\n" not in err, err
+
+
+def test_the_decoder_of_an_encoder_decoder_is_what_is_shaped_and_the_pad_token_trains(tmp_path) -> None:
+    """BART's num_hidden_layers is its encoder's; a relabelled token that was the config's pad_token_id had a zero,
+    frozen embedding row."""
+    from transformers import BartConfig, BartForCausalLM
+
+    bart = BartForCausalLM(BartConfig(vocab_size=128, d_model=32, encoder_layers=6, decoder_layers=2,
+                                      encoder_attention_heads=8, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                      decoder_ffn_dim=64, max_position_embeddings=32, pad_token_id=1))
+    subject = hf_subject(saved(tmp_path, "bart", bart), True)
+    assert (subject.shape.n_layer, subject.shape.n_head) == (2, 4)  # before: 6 and 8, the encoder's
+    for model in (subject.with_vocab(100).build(), hf_subject(saved(tmp_path, "olmo2", olmo2()), True).build()):
+        embedding = model.hf.get_input_embeddings()
+        assert embedding.padding_idx is None and embedding.weight[:2].norm(dim=1).min() > 0
+        model.train()(torch.tensor([[0, 1, 2, 3]])).sum().backward()
+        assert embedding.weight.grad[:2].norm(dim=1).min() > 0  # rows 0 and 1 (the pad ids) learn
+
+
+def test_training_only_branches_and_ignored_custom_code_are_said_on_the_card(tmp_path) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM
+
+    opt = OPTForCausalLM(OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
+                                   num_attention_heads=2, max_position_embeddings=32, word_embed_proj_dim=32,
+                                   layerdrop=0.2))
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=2, n_positions=32))
+    gpt2.config.auto_map = {"AutoModelForCausalLM": "modeling_mine.MyLM"}
+    assert "left on as training-only branches: layerdrop 0.2" in hf_subject(saved(tmp_path, "opt", opt), True).dropout
+    assert "its auto_map (custom code) is ignored" in hf_subject(saved(tmp_path, "gpt2", gpt2), True).dropout

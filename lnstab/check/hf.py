@@ -144,9 +144,13 @@ class HFRecipe:
 
         config = self.config()
         if self.init:
+            config.pad_token_id = None  # the windows hold no padding: no real token gets a zero, frozen embedding
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
         else:
             model = AutoModelForCausalLM.from_pretrained(self.name, config=config, trust_remote_code=False)
+        for module in model.modules():  # trained weights: the padding row trains like any token's (no padding here)
+            if isinstance(module, nn.Embedding):
+                module.padding_idx = None
         return HFCausalLM(model.float())
 
     def with_vocab(self, vocab_size: int) -> HFRecipe | None:
@@ -178,10 +182,16 @@ def load_error(name: str, what: str, exc: BaseException) -> LNStabError:
 def config_shape(config: Any) -> dict[str, Any]:
     """Depth, width, context, vocabulary and heads of a Hugging Face config."""
     get = lambda *keys: next((getattr(config, k) for k in keys if getattr(config, k, None) is not None), None)  # noqa: E731
-    return {
-        "n_layer": int(get("num_hidden_layers", "n_layer")),
-        "n_embd": int(get("hidden_size", "n_embd")),
-        "block_size": get("max_position_embeddings", "n_positions"),
+    return {  # an encoder-decoder's causal LM is its decoder (BART's num_hidden_layers is the encoder's)
+        "n_layer": int(get("decoder_layers", "num_hidden_layers", "n_layer", "n_layers")),
+        "n_embd": int(get("hidden_size", "n_embd", "d_model")),
+        "block_size": get("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx"),
         "vocab_size": int(get("vocab_size")),
-        "n_head": get("num_attention_heads", "n_head"),
+        "n_head": get("decoder_attention_heads", "num_attention_heads", "n_head", "n_heads"),
     }
+
+
+def training_only(config: Any) -> dict[str, float]:
+    """Training-only branches a config leaves on that are not dropout (LayerDrop, drop path): ``{key: value}``."""
+    return {key: value for key, value in config.to_dict().items()
+            if ("layerdrop" in key or "drop_path" in key) and isinstance(value, int | float) and value > 0}

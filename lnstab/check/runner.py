@@ -47,20 +47,57 @@ def load_data(protocol: Protocol, subject: Subject, seq_len: int, vocab_mode: st
     if info["source"] == "files":
         info["identity"] = file_identity(protocol.data_path)
     if not compact:
+        check_causal(subject, vocab, seq_len)
         return Data(tokens, info, {"mode": "model", "size": vocab, "own": vocab}), subject
     tokens, size = compact_vocabulary(tokens)
     source_vocab = info.get("vocab_size", vocab)
     compacted = subject.with_vocab(size)
     check_logits(compacted, size, seq_len)
+    check_causal(compacted, size, seq_len)
     return Data(tokens, info, {"mode": "protocol", "size": size, "own": vocab, "source": source_vocab}), compacted
+
+
+def probe_forward(model: torch.nn.Module, ids: torch.Tensor, label: str) -> Any:
+    """The logits of ``model`` (eval mode, no grad) for ``ids``, or a one-line error when its forward fails."""
+    from lnstab.check.training import logits_of
+
+    try:
+        with torch.no_grad():
+            return logits_of(model.eval()(ids))
+    except Exception as exc:
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")[:300]
+        raise LNStabError(f"{label} failed on token ids of shape {tuple(ids.shape)} "
+                          f"({type(exc).__name__}: {first})") from None
+
+
+def check_causal(subject: Subject, vocab_size: int, seq_len: int) -> None:
+    """Refuse, in one line, a model whose logits at a position depend on later tokens (an encoder such as BERT):
+    the check trains next-token prediction, which such a model solves by reading the answer. lnstab's own GPT is
+    causal by construction and is not probed."""
+    if subject.config is not None:
+        return
+    torch.manual_seed(0)
+    model = subject.build()
+    T = max(2, min(seq_len, 16))
+    half = T // 2
+    ids = torch.randint(0, vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
+    later = ids.clone()
+    later[:, half:] = (ids[:, half:] + 1) % vocab_size  # every token from the middle on changed
+    a, b = probe_forward(model, ids, subject.label), probe_forward(model, later, subject.label)
+    early_a, early_b = a[:, :half].double(), b[:, :half].double()
+    change = (early_a - early_b).abs().max().item()
+    if not change <= 1e-5 * (1.0 + early_a.abs().max().item()):
+        raise LNStabError(f"{subject.label} is not causal: changing tokens {half}…{T - 1} changed its logits at "
+                          f"positions 0…{half - 1} (by up to {change:.2g}); lnstab check trains next-token "
+                          "prediction, which needs a causal language model (an encoder such as BERT sees the whole "
+                          "sequence)")
 
 
 def check_logits(subject: Subject, vocab_size: int, seq_len: int) -> None:
     """Refuse, in one line, a subject built for ``vocab_size`` tokens whose logits are not that wide."""
     torch.manual_seed(0)
     model = subject.build()
-    with torch.no_grad():
-        out = model.eval()(torch.zeros(1, min(seq_len, 8), dtype=torch.long))
+    out = probe_forward(model, torch.zeros(1, min(seq_len, 8), dtype=torch.long), subject.label)
     width = out.shape[-1] if isinstance(out, torch.Tensor) else None
     if width != vocab_size:
         raise LNStabError(f"{subject.label} built with vocab_size={vocab_size} returned logits over {width} tokens; "
@@ -152,7 +189,7 @@ def data_text(data: Data, seq_len: int) -> str:
     if vocab["mode"] == "protocol":
         text += (f"; protocol vocabulary: the {vocab['size']} distinct tokens of the windows, relabelled 0…"
                  f"{vocab['size'] - 1} in id order, so every model is built with {vocab['size']} outputs instead of "
-                 f"{vocab['own']} (same text, a smaller head)")
+                 f"{vocab['own']} (same text, a {'smaller' if vocab['size'] < vocab['own'] else 'larger'} head)")
     else:
         text += f"; the model's own vocabulary ({vocab['size']} outputs)"
     return text

@@ -242,6 +242,9 @@ def hf_subject(name: str, init: bool) -> Subject:
     :data:`lnstab.check.hf.OUTPUT_NORMS` names are located for Theorem 4.
     """
     config = hf.load_config(name)
+    if getattr(config, "text_config", None) is not None or getattr(config, "vision_config", None) is not None:
+        raise LNStabError(f"--hf {name!r} is a multimodal model ({config.model_type}); lnstab check reads text-only "
+                          "causal LMs: give a directory of its text model (saved from its text_config)")
     dropped = hf.dropout_overrides(config)
     recipe = hf.HFRecipe(name, init, tuple(dropped.items()))
     try:
@@ -253,9 +256,15 @@ def hf_subject(name: str, init: bool) -> Subject:
     sites = dataclasses.replace(HF_SITES, norm_pattern=hf.norm_pattern(config.model_type), attention=attention,
                                 logits=logits)
     base = os.path.basename(os.path.normpath(name)) or "model"
-    label = f"checked ({config.model_type}{', init' if init else ''})"
+    part = ", decoder only" if getattr(config, "is_encoder_decoder", False) else ""
+    label = f"checked ({config.model_type}{part}{', init' if init else ''})"
     note = (f"train mode; dropout set to 0 in its config ({', '.join(sorted(dropped))})" if dropped else
             "train mode; no dropout in its config") + " and in every nn.Dropout"
+    left = hf.training_only(config)
+    if left:
+        note += f"; left on as training-only branches: {', '.join(f'{k} {v:g}' for k, v in sorted(left.items()))}"
+    if getattr(config, "auto_map", None):
+        note += f"; its auto_map (custom code) is ignored: the built-in {config.model_type} classes run"
     return Subject("checked", label, recipe, sites, Shape(**hf.config_shape(config)),
                    name=f"hf-{base}{'-init' if init else ''}", dropout=note)
 
