@@ -2,9 +2,9 @@
 
 Every callback finds lnstab's residual modules by name by default and works on other models through a module-name regex
 (``layer_pattern``) or module types; see each class's docstring for its metrics. The attention and output-logit
-instruments find q, k and the logits of lnstab's GPT and of Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma 2,
-Gemma 3 and OLMo 2 themselves (:mod:`lnstab.callbacks._captures`), or of any model through module-name patterns. The
-activation instruments share one tap per model and read the statistics registry (:class:`Statistic`,
+instruments find q, k and the logits of lnstab's GPT and of Hugging Face GPT-2, Llama, Gemma, Mistral, Mixtral, Qwen2,
+Qwen3, Gemma 2, Gemma 3 and OLMo 2 themselves (:mod:`lnstab.callbacks._captures`), or of any model through module-name
+patterns. The activation instruments share one tap per model and read the statistics registry (:class:`Statistic`,
 :func:`register_statistic`); :func:`unsharded` gives any callback a full-parameter view of the model under every served
 strategy.
 """

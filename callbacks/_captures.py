@@ -125,6 +125,8 @@ class SplitQK(Capture):
 _ROTARY_FAMILIES = {
     "LlamaAttention": ("q_proj", "k_proj", "llama"),
     "MistralAttention": ("q_proj", "k_proj", "mistral"),  # its sliding window is its config's, on every layer
+    "MixtralAttention": ("q_proj", "k_proj", "mixtral"),  # Mistral's attention (and window) with MoE MLPs
+    "GemmaAttention": ("q_proj", "k_proj", "gemma"),  # Llama's, with a head_dim of its own
     "Qwen2Attention": ("q_proj", "k_proj", "qwen2"),  # q and k with biases; a sliding window on some layers
     "Gemma2Attention": ("q_proj", "k_proj", "gemma2"),  # with its soft-capping and sliding windows
     "Olmo2Attention": ("q_norm", "k_norm", "olmo2"),
@@ -132,7 +134,8 @@ _ROTARY_FAMILIES = {
     "Qwen3Attention": ("q_norm", "k_norm", "qwen3"),  # normalised per head, (B, T, heads, hd), then rotated
 }
 PER_HEAD = {"Gemma3Attention": False, "Qwen3Attention": True}  # split into heads already; tokens first?
-WINDOW_FROM_CONFIG = {"MistralAttention"}  # passes config.sliding_window to its attention function, every layer
+# these pass config.sliding_window to their attention function, on every layer
+WINDOW_FROM_CONFIG = {"MistralAttention", "MixtralAttention"}
 
 
 def _window(module: nn.Module, family: str) -> int | None:
@@ -227,10 +230,10 @@ def attention_sites(root: nn.Module, options: dict[str, Any], q_pattern: re.Patt
     if not found:
         raise ConfigError(
             f"model={type(root).__name__} is not allowed with {who}; no attention module whose q and k can be found "
-            "(lnstab's CausalSelfAttention; Hugging Face GPT2Attention, LlamaAttention, MistralAttention, "
-            "Qwen2Attention, Qwen3Attention, Gemma2Attention, Gemma3Attention or Olmo2Attention): name the "
-            "projections with q_pattern, k_pattern and n_head (in Instruments, which has no such arguments: "
-            "attention=False, or enabled=False and these callbacks listed with them)"
+            "(lnstab's CausalSelfAttention; Hugging Face GPT2Attention, LlamaAttention, GemmaAttention, "
+            "MistralAttention, MixtralAttention, Qwen2Attention, Qwen3Attention, Gemma2Attention, Gemma3Attention or "
+            "Olmo2Attention): name the projections with q_pattern, k_pattern and n_head (in Instruments, which has "
+            "no such arguments: attention=False, or enabled=False and these callbacks listed with them)"
         )
     tags = [s.tag for _, _, s in found]
     if len(set(tags)) != len(tags):

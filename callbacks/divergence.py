@@ -68,13 +68,13 @@ class DivergenceMonitor(TapCallback):
     * ``remote``: another rank decided to act while this one saw nothing.
 
     The attention and output-logit checks run only every ``stats_every_n_steps`` optimizer steps (``0``, the default:
-    never), on lnstab's GPT and Hugging Face GPT-2, Llama, Mistral, Qwen2/3, Gemma 2/3 and OLMo 2, or on any model whose
-    q and k projections and output head are named by ``q_pattern``/``k_pattern``/``n_head`` and ``head_pattern``
-    (found as :class:`AttentionLogitStatistics` and :class:`OutputLogitStatistics` find them; on the same steps they
-    share those instruments' hooks and views, so nothing is computed twice): their hooks are no-ops on other steps, and
-    on those steps their values, reduced over ranks (a few more collectives and, with several ranks, one more host
-    sync for their agreement that every site ran), join the step's one host sync. Both kinds
-    are recorded, not acted on, unless named in ``fatal_kinds``.
+    never), on lnstab's GPT and Hugging Face GPT-2, Llama, Gemma, Mistral, Mixtral, Qwen2/3, Gemma 2/3 and OLMo 2, or on
+    any model whose q and k projections and output head are named by ``q_pattern``/``k_pattern``/``n_head`` and
+    ``head_pattern`` (found as :class:`AttentionLogitStatistics` and :class:`OutputLogitStatistics` find them; on the
+    same steps they share those instruments' hooks and views, so nothing is computed twice): their hooks are no-ops on
+    other steps, and on those steps their values, reduced over ranks (a few more collectives and, with several ranks,
+    one more host sync for their agreement that every site ran), join the step's one host sync. Both kinds are recorded,
+    not acted on, unless named in ``fatal_kinds``.
 
     On a fatal event (``fatal_kinds``; every rank agrees: local verdicts are summed over ranks in that collective)
     the policy acts: ``stop`` drops that update (gradients set to ``None``, so the optimizer leaves the weights

@@ -39,6 +39,15 @@ def hf_model(kind: str) -> nn.Module:
             for layer in model.model.layers:
                 layer.self_attn.q_proj.weight *= 150
         return model
+    if kind == "mixtral":  # Mistral's attention and config window, with experts in the MLP
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        return MixtralForCausalLM(MixtralConfig(**shape, sliding_window=5, num_local_experts=2, num_experts_per_tok=1,
+                                                attn_implementation="eager"))
+    if kind == "gemma":  # Llama's attention with its own head_dim (not hidden / heads)
+        from transformers import GemmaConfig, GemmaForCausalLM
+
+        return GemmaForCausalLM(GemmaConfig(**shape, head_dim=16, attn_implementation="eager"))
     if kind == "mistral":  # a sliding window that binds at T = 16, from the config, on every layer
         from transformers import MistralConfig, MistralForCausalLM
 

@@ -38,7 +38,8 @@ def eager_reference(hf: nn.Module, x: torch.Tensor, monkeypatch, kind: str) -> t
     return seen, list(weights)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "mistral", "mixtral", "gemma", "qwen2", "qwen3", "gemma2", "gemma3",
+                                  "olmo2"])
 def test_hugging_face_models_against_eager_attention(tmp_path, monkeypatch, kind):
     hf = hf_model(kind)
     callback = AttentionLogitStatistics(every_n_steps=1)
@@ -62,8 +63,9 @@ def test_hugging_face_models_against_eager_attention(tmp_path, monkeypatch, kind
         if kind == "gemma2":  # both bind here: layer 0 slides over 5 keys, layer 1 sees all; every logit is capped
             assert scale == 0.5 and shape["softcap"] == 2.0 and shape["window"] == (5 if i == 0 else None)
             uncapped = direct([q], [k], scale, window=shape["window"])
-        if kind in ("mistral", "qwen2", "qwen3", "gemma3"):  # Mistral slides on every layer (its config's), Qwen2
-            windows = {"mistral": (5, 5), "qwen2": (None, 5), "qwen3": (None, 5), "gemma3": (5, None)}[kind]  # …
+        if kind in ("mistral", "mixtral", "qwen2", "qwen3", "gemma3"):  # Mistral slides on every layer (its config's)
+            windows = {"mistral": (5, 5), "mixtral": (5, 5), "qwen2": (None, 5), "qwen3": (None, 5),
+                       "gemma3": (5, None)}[kind]
             assert shape["window"] == windows[i]
         expected = direct([q], [k], scale, **shape)
         if shape["window"]:  # the window binds at T = 16: leaving it out would show

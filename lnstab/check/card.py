@@ -136,9 +136,9 @@ def why(cid: str, s: dict[str, Any], refs: dict[str, dict[str, Any]], value: flo
         a = s["attention"]
         if not math.isfinite(value):
             if not sites.get("attention", True):
-                return ("q and k were not found (lnstab's GPT, Hugging Face GPT-2, Llama, Mistral, Qwen2/3, Gemma 2/3 "
-                        "and OLMo 2 are recognised; name a factory model's with --q-pattern, --k-pattern and "
-                        "--n-head), so the attention logits were not measured")
+                return ("q and k were not found (lnstab's GPT, Hugging Face GPT-2, Llama, Gemma, Mistral, Mixtral, "
+                        "Qwen2/3, Gemma 2/3 and OLMo 2 are recognised; name a factory model's with --q-pattern, "
+                        "--k-pattern and --n-head), so the attention logits were not measured")
             return "every run diverged" if s["diverged"] == s["runs"] else "no attention logits were measured"
         text = (f"largest |q·k|/√d {value:.3g} at lr {a['lr']:g} (from {fmt(a['init'])} at initialisation); largest "
                 f"collapsed-row fraction {fmt(a['collapsed'], 2)}, smallest row entropy {fmt(a['entropy_min'], 2)} "

@@ -144,7 +144,7 @@ class Sites:
             ``output_norms()`` wins, as in :class:`~lnstab.callbacks.GrowthBoundMonitor`).
         head_pattern: The output head whose output is the logits (``None``: ``lm_head``, or lnstab's chunked head).
         attention: Whether the attention-logit instrument finds q and k (lnstab's GPT, HF GPT-2, Llama,
-            Mistral, Qwen2/3, Gemma 2/3, OLMo 2, or the projections named by ``qk``).
+            Gemma, Mistral, Mixtral, Qwen2/3, Gemma 2/3, OLMo 2, or the projections named by ``qk``).
         logits: Whether the output-logit instrument finds the logits.
         qk: ``(q_pattern, k_pattern, n_head)`` of a model whose attention is not recognised (``None``: automatic).
     """
