@@ -152,6 +152,18 @@ def bidirectional_lm() -> nn.Module:
     return BidirectionalLM()
 
 
+class LastPositionLM(EncoderLM):
+    """nanoGPT's inference forward: ``(logits of the last position, None)`` without targets."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+        return super().forward(idx)[:, [-1], :], None  # (B, 1, V)
+
+
+def last_position_lm() -> nn.Module:
+    """A model that returns the last position's logits only."""
+    return LastPositionLM()
+
+
 def not_a_module() -> int:
     """Not a model at all."""
     return 3

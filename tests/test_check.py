@@ -237,6 +237,7 @@ def test_a_block_skipped_in_training_is_named_as_why_growth_after_training_is_n_
     [
         (["--factory", "no_such_module_xyz.models:build"], "cannot be imported"),
         (["--factory", "check_factories:pooled_lm"], "it must map token ids (B, T) to logits (B, T, V)"),
+        (["--factory", "check_factories:last_position_lm", *ENCODER[2:]], "as nanoGPT's GPT returns without targets"),
         ([*ENCODER[:2], "--layer-pattern", r"nomatch\.(\d+)$"], "matched no module"),
         ([*ENCODER, "--head-pattern", "^lm_head$"], "--head-pattern '^lm_head$' matched no module"),
         ([*ENCODER, "--q-pattern", "q$", "--k-pattern", "k$"], "--q-pattern, --k-pattern and --n-head go together"),

@@ -281,8 +281,10 @@ def probe_factory(model: nn.Module, spec: str, names: list[str], seq_len: int) -
                           f"select) is never called by the model's forward; select only the blocks it runs")
     if not isinstance(out, torch.Tensor) or out.dim() != 3 or tuple(out.shape[:2]) != (2, seq_len):
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise LNStabError(f"--factory {spec!r} returned {got} for token ids (2, {seq_len}); it must map token ids "
-                          "(B, T) to logits (B, T, V): a tensor, the first item of a tuple, or a dict's 'logits'")
+        last = (" (the last position only, as nanoGPT's GPT returns without targets: return every position's)"
+                if isinstance(out, torch.Tensor) and out.dim() == 3 and out.shape[1] == 1 < seq_len else "")
+        raise LNStabError(f"--factory {spec!r} returned {got} for token ids (2, {seq_len}){last}; it must map token "
+                          "ids (B, T) to logits (B, T, V): a tensor, the first item of a tuple, or a dict's 'logits'")
     if out.shape[-1] < 2 or not out.is_floating_point():
         raise LNStabError(f"--factory {spec!r} returned logits of shape {tuple(out.shape)} and dtype {out.dtype}; "
                           "it must return floating-point logits over at least 2 tokens")
