@@ -12,7 +12,7 @@ from typing_extensions import override
 
 from lnstab import validation as check
 from lnstab.errors import ConfigError
-from lnstab.rundir import HIDDEN_SERIES_FILE, atomic_write_text, json_safe, run_dir
+from lnstab.rundir import HIDDEN_SERIES_FILE, RunFileError, atomic_write_text, json_safe, read_hidden_series, run_dir
 
 from . import _stats
 from ._sites import (
@@ -172,6 +172,30 @@ class HiddenStateStatistics(MeasuringTapCallback):
                 self.values[stat].setdefault(tag, []).append(value)
                 self.last[self.metric_name(stat, tag)] = value
         log_metrics(trainer, self.last, step)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        if trainer.ckpt_path and not self.steps and trainer.global_step > 0 and self.series_file:
+            self._adopt_series(trainer)
+
+    def _adopt_series(self, trainer: pl.Trainer) -> None:
+        """A resumed fit whose checkpoint held no state for this instance (its ``every_n_steps`` or sites changed,
+        so its state key did): the series the run wrote so far is read back, so that the file keeps it."""
+        try:
+            series = read_hidden_series(run_dir(trainer), self.series_file)
+        except (RunFileError, OSError):
+            return
+        if not series or series["tags"] != self.tags or not all(s in series["stats"] for s in self.stats):
+            return  # another run's, or other sites: left to be replaced, as a fresh instance's file is
+        keep = [i for i, step in enumerate(series["steps"]) if isinstance(step, int) and step < trainer.global_step]
+        try:
+            values = {s: {t: [series["stats"][s][t][i] for i in keep] for t in self.tags} for s in self.stats}
+        except (KeyError, IndexError, TypeError):
+            return
+        self.steps, self.values = [series["steps"][i] for i in keep], values
+        rank_zero_warn(f"{type(self).__name__}: resumed without its state in the checkpoint (every_n_steps or its "
+                       f"sites changed); its {len(keep)} earlier steps are read back from {self.series_file}")
 
     @rank_zero_only
     def _write(self, trainer: pl.Trainer) -> None:

@@ -252,13 +252,13 @@ def read_events(directory: str | os.PathLike) -> list[dict[str, Any]]:
     return events
 
 
-def read_hidden_series(directory: str | os.PathLike) -> dict[str, Any] | None:
-    """The hidden-state series ``{"tags", "steps", "stats": {stat: {tag: [values]}}}`` or ``None``.
+def read_hidden_series(directory: str | os.PathLike, name: str = HIDDEN_SERIES_FILE) -> dict[str, Any] | None:
+    """The hidden-state series ``{"tags", "steps", "stats": {stat: {tag: [values]}}}`` (file ``name``) or ``None``.
 
     Raises:
         RunFileError: Damaged, or not of that shape (the values themselves may be anything).
     """
-    path = Path(directory) / HIDDEN_SERIES_FILE
+    path = Path(directory) / name
     series = read_object(path, "a hidden-state series (an object)")
     if series is None:
         return None

@@ -81,3 +81,22 @@ def test_instruments_that_find_no_block_say_how_to_name_them(tmp_path) -> None:
     assert len(said) == 3 and all("give layer_pattern" in s for s in said), said
     assert "or module_types" in said[0] and "or module_types" not in said[2]  # DivergenceMonitor has none
     assert said[2].endswith("activations are not checked")  # before: DivergenceMonitor said nothing
+
+
+def test_resuming_with_another_cadence_keeps_the_earlier_series_in_its_file(tmp_path) -> None:
+    """Its state key holds every_n_steps, so the checkpoint has no state for the new instance: before, the resumed
+    run rewrote hidden_stats.json with its own steps only."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    def fit(every: int, steps: int, ckpt_path: str | None = None) -> None:
+        saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=4)
+        t = trainer(tmp_path, [HiddenStateStatistics(every_n_steps=every), saver], max_steps=steps,
+                    enable_checkpointing=True, logger=CSVLogger(tmp_path, name="run", version=0))
+        t.fit(lit("gpt"), loader(32), ckpt_path=ckpt_path)
+
+    fit(1, 4)
+    with pytest.warns(UserWarning, match="its 4 earlier steps are read back from hidden_stats.json"):
+        fit(2, 8, str(tmp_path / "ckpt" / "last.ckpt"))
+    series = json.loads((tmp_path / "run" / "version_0" / "hidden_stats.json").read_text())
+    assert series["steps"] == [0, 1, 2, 3, 4, 6] and all(len(v) == 6 for v in series["stats"]["mean_abs"].values())
