@@ -21,6 +21,7 @@ from .hidden_stats import HiddenStateStatistics
 from .jacobian import JacobianSensitivity, spectral_norm
 from .layout import StabilityLayout, stability_layout
 from .output_logits import OutputLogitStatistics
+from .progress import StepProgressBar
 from .run_status import RunStatus
 from .suite import Instruments
 from .throughput import Throughput
@@ -41,6 +42,7 @@ __all__ = [
     "SiteView",
     "StabilityLayout",
     "Statistic",
+    "StepProgressBar",
     "Throughput",
     "register_statistic",
     "spectral_norm",

@@ -94,7 +94,7 @@ class DivergenceMonitor(TapCallback):
         spike_k: Standard deviations above the window mean that make a spike.
         grad_norm_threshold: Total gradient norm that counts as an explosion (``None``: off).
         overflow_fraction: Fraction of the dtype's maximum that counts as an overflow risk.
-        fatal_kinds: Event kinds the policy acts on.
+        fatal_kinds: Event kinds the policy acts on, one or a list (names from the event list above).
         layer_pattern: Sites whose outputs are watched, as in :class:`HiddenStateStatistics` (``None``: lnstab's
             residual modules, else every block).
         track_activations: Watch activations (one max-reduction per site per step).
@@ -129,7 +129,7 @@ class DivergenceMonitor(TapCallback):
         spike_k: float = 6.0,
         grad_norm_threshold: float | None = None,
         overflow_fraction: float = 0.5,
-        fatal_kinds: list[str] | tuple[str, ...] = FATAL,
+        fatal_kinds: str | list[str] | tuple[str, ...] = FATAL,
         layer_pattern: str | None = None,
         track_activations: bool = True,
         stats_every_n_steps: int = 0,

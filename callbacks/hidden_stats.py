@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -61,8 +62,8 @@ class HiddenStateStatistics(MeasuringTapCallback):
         final_pattern: Regex of the module whose *input* is the final-norm input (``None`` to skip).
         log_heatmap: Add the heatmaps to TensorBoard at the end of training.
         series_file: File name of the series in the run directory (``None`` to skip).
-        stats: Names of registered statistics to log (``None``: every registered one marked ``default``, which are
-            the four below unless a project registers more).
+        stats: One name or a list of registered residual-stream statistics to log (``None``: every one marked
+            ``default``: ``mean_abs``, ``var_entry``, ``var_data`` and ``max_abs`` unless a project registers more).
 
     **Logged metrics** (``<tag>`` is ``embed``, ``L00_attn``, ``L00_mlp``, …, ``final``):
         ``hidden/mean_abs/<tag>``, ``hidden/var_entry/<tag>``, ``hidden/var_data/<tag>``, ``hidden/max_abs/<tag>``
@@ -85,7 +86,7 @@ class HiddenStateStatistics(MeasuringTapCallback):
         final_pattern: str | None = FINAL_PATTERN,
         log_heatmap: bool = True,
         series_file: str | None = HIDDEN_SERIES_FILE,
-        stats: list[str] | tuple[str, ...] | None = None,
+        stats: str | list[str] | tuple[str, ...] | None = None,
     ) -> None:
         self.every_n_steps = check.positive_int("every_n_steps", every_n_steps)
         self.layer_pattern = check.regex("layer_pattern", layer_pattern)
@@ -94,12 +95,10 @@ class HiddenStateStatistics(MeasuringTapCallback):
         self.final_pattern = check.regex("final_pattern", final_pattern)
         self.log_heatmap = bool(log_heatmap)
         self.series_file = check.file_name("series_file", series_file)
-        names = _stats.default_stats() if stats is None else check.choices("stats", stats, list(_stats.REGISTRY))
+        stream = list(_stats.names_of("stream"))
+        names = _stats.default_stats() if stats is None else check.choices("stats", stats, stream)
         if not names:
-            raise ConfigError(f"stats={stats!r} is not allowed; give at least one of: "
-                              f"{', '.join(_stats.names_of('stream'))}")
-        for name in names:
-            check.choice("stats", name, _stats.names_of("stream"))
+            raise ConfigError(f"stats={stats!r} is not allowed; give at least one of: {', '.join(stream)}")
         self.stats: tuple[str, ...] = tuple(names)
         self.sites: list[Site] = []
         self.steps: list[int] = []
@@ -182,10 +181,15 @@ class HiddenStateStatistics(MeasuringTapCallback):
     def _adopt_series(self, trainer: pl.Trainer) -> None:
         """A resumed fit whose checkpoint held no state for this instance (its ``every_n_steps`` or sites changed,
         so its state key did): the series the run wrote so far is read back, so that the file keeps it."""
-        try:
-            series = read_hidden_series(run_dir(trainer), self.series_file)
-        except (RunFileError, OSError):
-            return
+        here, there = run_dir(trainer), Path(trainer.ckpt_path).parent.parent  # <run>/checkpoints/<file>.ckpt
+        series = None
+        for directory in (here, there) if there != here else (here,):  # a new logger version: the checkpoint's run
+            try:
+                series = read_hidden_series(directory, self.series_file)
+            except (RunFileError, OSError):
+                series = None
+            if series:
+                break
         if not series or series["tags"] != self.tags or not all(s in series["stats"] for s in self.stats):
             return  # another run's, or other sites: left to be replaced, as a fresh instance's file is
         keep = [i for i, step in enumerate(series["steps"]) if isinstance(step, int) and step < trainer.global_step]
@@ -195,7 +199,8 @@ class HiddenStateStatistics(MeasuringTapCallback):
             return
         self.steps, self.values = [series["steps"][i] for i in keep], values
         rank_zero_warn(f"{type(self).__name__}: resumed without its state in the checkpoint (every_n_steps or its "
-                       f"sites changed); its {len(keep)} earlier steps are read back from {self.series_file}")
+                       f"sites changed); its {len(keep)} earlier steps are read back from {self.series_file}"
+                       f"{'' if directory == here else f' of the checkpoint run {directory.name}'}")
 
     @rank_zero_only
     def _write(self, trainer: pl.Trainer) -> None:

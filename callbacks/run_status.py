@@ -84,7 +84,8 @@ class RunStatus(Callback):
     in one line before it writes anything.
 
     Args:
-        signals: Signal names to handle (any of ``SIGINT``, ``SIGTERM``, ``SIGUSR1``); ``[]`` handles none.
+        signals: Signal names to handle, one or a list (any of ``SIGINT``, ``SIGTERM``, ``SIGUSR1``, ``SIGHUP``);
+            ``[]`` handles none.
         save_on_interrupt: Save ``last.ckpt`` when a signal stops the run.
 
     **Logged metrics**: none (``summary.json`` fields).
@@ -97,7 +98,7 @@ class RunStatus(Callback):
         trainer = Trainer(callbacks=[RunStatus(), DivergenceMonitor()])
     """
 
-    def __init__(self, signals: list[str] | tuple[str, ...] = SIGNALS, save_on_interrupt: bool = True) -> None:
+    def __init__(self, signals: str | list[str] | tuple[str, ...] = SIGNALS, save_on_interrupt: bool = True) -> None:
         self.signals = check.choices("signals", signals, SIGNALS) if signals else ()  # one name or a list
         self.save_on_interrupt = bool(save_on_interrupt)
         self.requested: int | None = None  # signal received, not yet acted on
@@ -111,6 +112,8 @@ class RunStatus(Callback):
         self._urgent = 0  # inside stop_at_once_on_signal
         self._val_limit: int | float | None = None
         self._owns_dir = False
+        self._before: dict[str, Any] = {}  # the run's summary before this fit
+        self._began = True  # this fit got past its setup (a refusal there leaves the run's status as it was)
 
     # ------------------------------------------------------------------ summary
     @override
@@ -126,6 +129,7 @@ class RunStatus(Callback):
             if note:
                 rank_zero_info(note)
             before = _previous_summary(directory)
+            self._before, self._began = before, False
             self._wall_before = float(before.get("wall_s") or 0.0) if _is_number(before.get("wall_s")) else 0.0
             update_summary(trainer, status="running", started_at=before.get("started_at") or _now(), ended_at=None,
                            error=None, signal=None, interrupted_step=None)
@@ -134,6 +138,10 @@ class RunStatus(Callback):
 
     def _wall(self) -> float:
         return round(self._wall_before + time.monotonic() - self._started, 3)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._began = True
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -169,6 +177,11 @@ class RunStatus(Callback):
         self._restore_signals()
         if trainer.state.fn != TrainerFn.FITTING or not self._owns_dir:
             return  # a failed validate/test/evaluate says nothing about the run; nor does a fit refused its directory
+        if not self._began and self._before.get("status") not in (None, "running"):
+            # refused before it began (another callback's setup, the checkpoint's restore): nothing of the run changed
+            update_summary(trainer, **{k: self._before.get(k) for k in (
+                "status", "error", "final_step", "ended_at", "wall_s", "signal", "interrupted_step")})
+            return
         fields: dict[str, Any] = {"error": f"{type(exception).__name__}: {exception}"[:2000],
                                   "final_step": trainer.global_step, "ended_at": _now(), "wall_s": self._wall()}
         signum = self._signal_behind(exception)
@@ -251,7 +264,8 @@ class RunStatus(Callback):
         if self.save_on_interrupt:
             path = self.checkpoint_path(trainer)
             trainer.save_checkpoint(path)
-            rank_zero_info(f"lnstab: saved {path} at step {trainer.global_step}; resume with --ckpt_path last")
+            rank_zero_info(f"lnstab: saved {path} at step {trainer.global_step}; resume with ckpt_path={path} "
+                           "(lnstab fit: --ckpt_path last)")
         trainer.should_stop = True
         # Lightning validates when a run is asked to stop; a signalled run must be quick (SLURM's grace period)
         self._val_limit, trainer.limit_val_batches = trainer.limit_val_batches, 0

@@ -10,11 +10,12 @@ import warnings
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 from test_callbacks_helpers import VOCAB, LitLM, lit, loader, trainer
 from torch import nn
 
 from lnstab.callbacks import DivergenceMonitor, GrowthBoundMonitor, HiddenStateStatistics, Instruments, RunStatus
-from lnstab.errors import ConfigError
+from lnstab.errors import ConfigError, LNStabError
 
 
 class StackLM(nn.Module):
@@ -100,3 +101,118 @@ def test_resuming_with_another_cadence_keeps_the_earlier_series_in_its_file(tmp_
         fit(2, 8, str(tmp_path / "ckpt" / "last.ckpt"))
     series = json.loads((tmp_path / "run" / "version_0" / "hidden_stats.json").read_text())
     assert series["steps"] == [0, 1, 2, 3, 4, 6] and all(len(v) == 6 for v in series["stats"]["mean_abs"].values())
+
+
+def test_a_resume_into_a_new_logger_version_reads_the_checkpoint_runs_series(tmp_path) -> None:
+    """LightningCLI's default: a resumed fit logs into version_1, and the checkpoint lives in version_0."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    def fit(every: int, steps: int, ckpt_path: str | None = None) -> None:
+        t = trainer(tmp_path, [HiddenStateStatistics(every_n_steps=every), ModelCheckpoint(save_last=True)],
+                    max_steps=steps, enable_checkpointing=True, logger=CSVLogger(tmp_path, name="run"))
+        t.fit(lit("gpt"), loader(32), ckpt_path=ckpt_path)
+
+    fit(1, 4)
+    with pytest.warns(UserWarning, match="read back from hidden_stats.json of the checkpoint run version_0"):
+        fit(2, 8, str(tmp_path / "run" / "version_0" / "checkpoints" / "last.ckpt"))
+    series = json.loads((tmp_path / "run" / "version_1" / "hidden_stats.json").read_text())
+    assert series["steps"] == [0, 1, 2, 3, 4, 6]  # before: [4, 6]
+
+
+def test_a_fit_refused_in_setup_leaves_a_finished_runs_status(tmp_path) -> None:
+    """A resume another callback refuses in its setup (LightningCLI's config saver finding config.yaml) changed
+    nothing of the run: before, RunStatus marked the completed run failed at step 0."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lnstab.rundir import read_summary
+
+    class Refuses(Callback):
+        def setup(self, trainer, pl_module, stage) -> None:
+            raise RuntimeError("config.yaml exists")
+
+    def fit(*extra) -> None:
+        trainer(tmp_path, [RunStatus(signals=[]), *extra], max_steps=2,
+                logger=CSVLogger(tmp_path, name="run", version=0)).fit(lit("gpt"), loader(8))
+
+    fit()
+    done = read_summary(tmp_path / "run" / "version_0")
+    with pytest.raises(RuntimeError, match="config.yaml exists"):
+        fit(Refuses())
+    after = read_summary(tmp_path / "run" / "version_0")
+    assert after["status"] == "completed" and after["final_step"] == 2 and after["ended_at"] == done["ended_at"]
+
+
+def test_single_names_exports_and_messages_a_config_user_meets() -> None:
+    from lnstab.callbacks import StepProgressBar, __all__
+    from lnstab.evaluation.callback import FinalEvaluation
+
+    assert "StepProgressBar" in __all__ and StepProgressBar.__module__ == "lnstab.callbacks.progress"
+    assert HiddenStateStatistics(stats="max_abs").stats == ("max_abs",)
+    with pytest.raises(ConfigError, match=r"each must be one of: mean_abs, var_entry, var_data, max_abs$"):
+        HiddenStateStatistics(stats=["attn_max_logit"])  # before: the unknown-name message offered it as allowed
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    t = type("T", (), {"datamodule": object()})()
+    with pytest.raises(LNStabError, match=r"\(or on_fit_end=False\)$"):  # before: on_TrainerFn.FITTING_end
+        FinalEvaluation().setup(t, None, TrainerFn.FITTING)
+
+
+CLI_MODULE = '''
+import sys
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.cli import LightningCLI
+from torch.utils.data import DataLoader, TensorDataset
+
+import lnstab.errors
+from lnstab.callbacks import RunStatus
+
+
+class MyModule(pl.LightningModule):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(2))
+
+    def training_step(self, batch, batch_idx):
+        x = batch[0]
+        for block in self.blocks:
+            x = x + block(x)
+        return x.square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class MyData(pl.LightningDataModule):
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(16, 4, 8)), batch_size=4)
+'''
+
+
+def test_the_readmes_lightningcli_entry_point_gives_one_line_and_the_signal_exit_status(tmp_path) -> None:
+    """The README's snippet, run as a user's main.py: a bad callback argument is lnstab's one line (jsonargparse
+    printed ~80 lines with a traceback), and a good config trains and exits 0."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    snippet = re.search(r"In your own `LightningCLI` project.*?```python\n(.*?)```", readme, re.S).group(1)
+    (tmp_path / "main.py").write_text(CLI_MODULE + "\n" + snippet)
+    base = ["--trainer.max_steps", "2", "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
+            "--trainer.enable_progress_bar", "false", "--trainer.accelerator", "cpu"]
+    for every, code in ((-1, 1), (1, 0)):
+        config = tmp_path / f"cfg{code}.yaml"
+        config.write_text("trainer:\n  callbacks:\n    - class_path: lnstab.callbacks.HiddenStateStatistics\n"
+                          f"      init_args: {{every_n_steps: {every}, layer_pattern: 'blocks\\.(\\d+)$', "
+                          "series_file: null}\n    - class_path: lnstab.callbacks.RunStatus\n"
+                          "      init_args: {signals: SIGTERM}\n")
+        done = subprocess.run([sys.executable, "main.py", "fit", "--config", str(config), *base], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == code, done.stderr[-2000:]
+        if code:
+            assert done.stderr.strip().splitlines()[-1] == ("error: every_n_steps=-1 is not allowed; it must be an "
+                                                            "integer >= 1")

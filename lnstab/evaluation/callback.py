@@ -79,7 +79,7 @@ class FinalEvaluation(Callback):
         if self.run_on.get(stage) and not callable(getattr(trainer.datamodule, "validation_tokens", None)):
             raise LNStabError(
                 f"data={type(trainer.datamodule).__name__} has no validation_tokens(); FinalEvaluation needs an lnstab "
-                f"datamodule (or on_{stage}_end=False)"
+                f"datamodule (or on_{getattr(stage, 'value', stage)}_end=False)"
             )
 
     @override
