@@ -16,7 +16,8 @@ from torch import nn
 
 from ._captures import HEAD_PATTERN, attention_sites, output_site
 from ._sites import FINAL_PATTERN, Site
-from ._tap import SharedTap, Subscription, captured_everywhere
+from ._tap import SharedTap, Subscription
+from ._tap_callback import captured_everywhere
 from ._views import COLLAPSE_WEIGHT, DEFAULT_CHUNK_ELEMENTS, DEFAULT_CHUNK_ROWS
 
 ATTENTION_STATS = ("attn_max_logit", "attn_collapsed")

@@ -11,7 +11,7 @@ from lnstab import validation as check
 from ._captures import attention_sites, qk_arguments
 from ._sites import Site
 from ._strategy import require_strategy
-from ._tap import MeasuringTapCallback
+from ._tap_callback import MeasuringTapCallback
 from ._views import COLLAPSE_WEIGHT, DEFAULT_CHUNK_ELEMENTS
 
 STATS = ("attn_max_logit", "attn_entropy_mean", "attn_entropy_min", "attn_collapsed")

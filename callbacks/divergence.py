@@ -21,7 +21,7 @@ from ._captures import HEAD_PATTERN, qk_arguments
 from ._sites import Site, auto_sites, log_metrics, no_sites
 from ._stat_checks import StatChecks
 from ._strategy import all_reduce_, count_nonfinite, distributed, params_sharded, require_strategy
-from ._tap import TapCallback
+from ._tap_callback import TapCallback
 
 POLICIES = ("stop", "skip", "continue")
 KINDS = (

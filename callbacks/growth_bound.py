@@ -25,7 +25,7 @@ from ._sites import (
     resolve_types,
 )
 from ._strategy import abs_max, all_reduce_, reduce_over_shards_, require_strategy
-from ._tap import TapCallback
+from ._tap_callback import TapCallback
 
 # Output norms by name, for models that do not expose ``output_norms()`` (lnstab's GPT does).
 OUTPUT_NORMS = r"(?:^|\.)h\.(\d+)\.ln_([12])_out$"

@@ -27,7 +27,7 @@ from ._sites import (
     tensorboard_writer,
 )
 from ._strategy import require_strategy
-from ._tap import MeasuringTapCallback
+from ._tap_callback import MeasuringTapCallback
 
 STATS = ("mean_abs", "var_entry", "var_data", "max_abs")  # the paper's four, logged by default
 

@@ -10,7 +10,7 @@ from lnstab import validation as check
 from ._captures import HEAD_PATTERN, output_site
 from ._sites import FINAL_PATTERN, Site
 from ._strategy import require_strategy
-from ._tap import MeasuringTapCallback
+from ._tap_callback import MeasuringTapCallback
 from ._views import DEFAULT_CHUNK_ROWS
 
 STATS = ("output_log_z_mean", "output_log_z_std", "output_max_logit")
