@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from lnstab.check.subjects import HF_BLOCKS, Shape, Subject, attention_problem, dropout_off, instrument_support
-from lnstab.check.training import Sites, logits_of
+from lnstab.check.training import Sites, probe_forward
 from lnstab.errors import LNStabError
 
 
@@ -267,11 +267,7 @@ def probe_factory(model: nn.Module, spec: str, names: list[str], seq_len: int) -
     handles += [modules[n].register_forward_hook(seen(n)) for n in names]
     ids = torch.zeros(2, seq_len, dtype=torch.long)
     try:
-        with torch.no_grad():
-            out = logits_of(model.eval()(ids))
-    except Exception as exc:
-        raise LNStabError(f"--factory {spec!r}: the model failed on token ids of shape (2, {seq_len}) "
-                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+        out = probe_forward(model, ids, f"--factory {spec!r}: the model")
     finally:
         for handle in handles:
             handle.remove()

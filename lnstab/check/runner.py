@@ -20,6 +20,7 @@ from lnstab.check.criteria import overall
 from lnstab.check.protocol import GPT2_VOCAB, Protocol, compact_vocabulary, load_tokens, plan
 from lnstab.check.report import write_report
 from lnstab.check.subjects import Subject
+from lnstab.check.training import probe_forward
 from lnstab.datamodules.prepared import sha256_file
 from lnstab.errors import LNStabError
 from lnstab.precision import cpu_has_native_bf16
@@ -47,43 +48,38 @@ def load_data(protocol: Protocol, subject: Subject, seq_len: int, vocab_mode: st
     if info["source"] == "files":
         info["identity"] = file_identity(protocol.data_path)
     if not compact:
-        check_causal(subject, vocab, seq_len)
+        check_model(subject, vocab, seq_len, width=False)
         return Data(tokens, info, {"mode": "model", "size": vocab, "own": vocab}), subject
     tokens, size = compact_vocabulary(tokens)
     source_vocab = info.get("vocab_size", vocab)
     compacted = subject.with_vocab(size)
-    check_logits(compacted, size, seq_len)
-    check_causal(compacted, size, seq_len)
+    check_model(compacted, size, seq_len)
     return Data(tokens, info, {"mode": "protocol", "size": size, "own": vocab, "source": source_vocab}), compacted
 
 
-def probe_forward(model: torch.nn.Module, ids: torch.Tensor, label: str) -> Any:
-    """The logits of ``model`` (eval mode, no grad) for ``ids``, or a one-line error when its forward fails."""
-    from lnstab.check.training import logits_of
-
-    try:
-        with torch.no_grad():
-            return logits_of(model.eval()(ids))
-    except Exception as exc:
-        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")[:300]
-        raise LNStabError(f"{label} failed on token ids of shape {tuple(ids.shape)} "
-                          f"({type(exc).__name__}: {first})") from None
-
-
-def check_causal(subject: Subject, vocab_size: int, seq_len: int) -> None:
-    """Refuse, in one line, a model whose logits at a position depend on later tokens (an encoder such as BERT):
-    the check trains next-token prediction, which such a model solves by reading the answer. lnstab's own GPT is
-    causal by construction and is not probed."""
-    if subject.config is not None:
+def check_model(subject: Subject, vocab_size: int, seq_len: int, *, width: bool = True, causal: bool = True) -> None:
+    """Refuse, in one line, a subject (built once here) whose logits are not ``vocab_size`` wide (``width``), or
+    whose logits at a position depend on later tokens (``causal``; an encoder such as BERT): the check trains
+    next-token prediction, which such a model solves by reading the answer. lnstab's own GPT is causal by
+    construction and is not probed for it."""
+    causal = causal and subject.config is None
+    if not (width or causal):
         return
     torch.manual_seed(0)
     model = subject.build()
     T = max(2, seq_len)  # the length the runs use: a model need not take any other
-    half = T // 2
     ids = torch.randint(0, vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
+    a = probe_forward(model, ids, subject.label)
+    got = a.shape[-1] if isinstance(a, torch.Tensor) else None
+    if width and got != vocab_size:
+        raise LNStabError(f"{subject.label} built with vocab_size={vocab_size} returned logits over {got} tokens; "
+                          "a factory's vocab_size argument must set the width of its logits (or give --vocab model)")
+    if not causal:
+        return
+    half = T // 2
     later = ids.clone()
     later[:, half:] = (ids[:, half:] + 1) % vocab_size  # every token from the middle on changed
-    a, b = probe_forward(model, ids, subject.label), probe_forward(model, later, subject.label)
+    b = probe_forward(model, later, subject.label)
     early_a, early_b = a[:, :half].double(), b[:, :half].double()
     change = (early_a - early_b).abs().max().item()
     if not change <= 1e-5 * (1.0 + early_a.abs().max().item()):
@@ -91,17 +87,6 @@ def check_causal(subject: Subject, vocab_size: int, seq_len: int) -> None:
                           f"positions 0…{half - 1} (by up to {change:.2g}); lnstab check trains next-token "
                           "prediction, which needs a causal language model (an encoder such as BERT sees the whole "
                           "sequence)")
-
-
-def check_logits(subject: Subject, vocab_size: int, seq_len: int) -> None:
-    """Refuse, in one line, a subject built for ``vocab_size`` tokens whose logits are not that wide."""
-    torch.manual_seed(0)
-    model = subject.build()
-    out = probe_forward(model, torch.zeros(1, min(seq_len, 8), dtype=torch.long), subject.label)
-    width = out.shape[-1] if isinstance(out, torch.Tensor) else None
-    if width != vocab_size:
-        raise LNStabError(f"{subject.label} built with vocab_size={vocab_size} returned logits over {width} tokens; "
-                          "a factory's vocab_size argument must set the width of its logits (or give --vocab model)")
 
 
 def lnstab_version() -> str:

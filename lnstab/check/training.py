@@ -34,6 +34,7 @@ from lnstab.callbacks import (
     RunStatus,
     StabilityLayout,
 )
+from lnstab.errors import LNStabError
 from lnstab.model import GPT
 from lnstab.module import lr_at
 
@@ -71,6 +72,18 @@ def logits_of(out: Any) -> Any:
     if isinstance(out, dict):
         return out.get("logits", out)
     return getattr(out, "logits", out)
+
+
+def probe_forward(model: nn.Module, ids: torch.Tensor, label: str) -> Any:
+    """The logits of ``model`` (:func:`logits_of`; eval mode, no grad) for ``ids``, or a one-line error naming
+    ``label`` when its forward fails."""
+    try:
+        with torch.no_grad():
+            return logits_of(model.eval()(ids))
+    except Exception as exc:
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")[:300]
+        raise LNStabError(f"{label} failed on token ids of shape {tuple(ids.shape)} "
+                          f"({type(exc).__name__}: {first})") from None
 
 
 class StressModule(pl.LightningModule):

@@ -24,7 +24,7 @@ from typing import Any
 
 from lnstab.check.criteria import load_thresholds
 from lnstab.check.protocol import plan, run_ladder
-from lnstab.check.runner import check_logits, grade, lnstab_version, load_data, machine, public_command, public_path
+from lnstab.check.runner import check_model, grade, lnstab_version, load_data, machine, public_command, public_path
 from lnstab.check.signals import Interrupted, deferred
 from lnstab.check.subjects import Subject, context_length, hf_subject, lnstab_subject, parse_value, references
 from lnstab.check.validation import (
@@ -286,7 +286,7 @@ def with_protocol_vocab(subject: Subject, data: Any, seq_len: int) -> Subject:
     compact = subject.with_vocab(data.vocab["size"])
     if compact is None:
         raise LNStabError(f"{subject.label} cannot take the protocol vocabulary; give --vocab model")
-    check_logits(compact, data.vocab["size"], seq_len)
+    check_model(compact, data.vocab["size"], seq_len, causal=False)  # the rows are causal by their design
     return compact
 
 
