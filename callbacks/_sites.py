@@ -59,13 +59,15 @@ class Capture:
 @dataclass(frozen=True)
 class Site:
     """One watched module: ``tag`` for metric names, ``name`` in ``named_modules``, ``use_input`` for pre-hooks,
-    ``capture`` for sites that are not the module's first output (or input) tensor."""
+    ``capture`` for sites that are not the module's first output (or input) tensor, ``call`` for one call of a module
+    that runs several times in one forward (weights shared across depth; ``None``: every call, pooled)."""
 
     tag: str
     name: str
     module: nn.Module
     use_input: bool = False
     capture: Capture | None = None
+    call: int | None = None
 
 
 def _layer_tag(match: re.Match, fallback: int) -> str:

@@ -61,15 +61,19 @@ class Subscription:
         self.stats = [tuple(_stats.get(name).name for name in names) for names in stats]
         self.dtypes: list[torch.dtype | None] = [None] * len(sites)
         self.pooled: list[dict[str, Any] | None] = [None] * len(sites)
+        self.repeats: dict[int, int] = {}  # site -> calls in one micro-batch, for pooled sites that ran more than once
+        self.unexpected = False  # a module watched call by call ran more often than its sites say
 
     def reset(self) -> None:
         """Forget everything pooled (the per-site state is allocated again by the next capture)."""
         self.pooled = [None] * len(self.sites)
+        self.repeats, self.unexpected = {}, False
 
     @property
     def complete(self) -> bool:
-        """Whether every site has been captured since :meth:`reset`."""
-        return bool(self.sites) and all(p is not None for p in self.pooled)
+        """Whether every site has been captured since :meth:`reset` (and no module watched call by call ran more
+        often than its sites say)."""
+        return bool(self.sites) and not self.unexpected and all(p is not None for p in self.pooled)
 
     def missing(self) -> list[str]:
         """The module names of the sites not captured since :meth:`reset`."""
@@ -153,8 +157,22 @@ class SharedTap:
 
     def __init__(self, root: nn.Module) -> None:
         self.root = root
-        self.open = False  # in a training step's forward: TapCallback opens it at a micro-batch, shuts it at backward
+        self._open = False
         self.hooks: dict[tuple[int, bool], dict[str, Any]] = {}  # (id(module), use_input) -> handle, watchers
+
+    @property
+    def open(self) -> bool:
+        """In a training step's forward: TapCallback opens the tap at a micro-batch and shuts it at its backward.
+        Opening it starts the count of each watched module's calls afresh (a module that runs several times in one
+        forward, its weights shared across depth, is told apart call by call)."""
+        return self._open
+
+    @open.setter
+    def open(self, value: bool) -> None:
+        if value and not self._open:
+            for entry in self.hooks.values():
+                entry["calls"] = 0
+        self._open = bool(value)
 
     @classmethod
     def of(cls, root: nn.Module) -> SharedTap:
@@ -176,7 +194,7 @@ class SharedTap:
             key = (id(site.module), site.use_input, site.capture.key if site.capture is not None else None)
             entry = self.hooks.get(key)
             if entry is None:
-                entry = {"watchers": [], "module": site.module}
+                entry = {"watchers": [], "module": site.module, "calls": 0}
                 entry["handles"] = self._attach(site, entry)
                 self.hooks[key] = entry
             entry["watchers"].append((sub, i))
@@ -214,11 +232,27 @@ class SharedTap:
             # A forward inside a backward pass is activation checkpointing recomputing a micro-batch the tap has
             # already seen (torch.utils.module_tracker tells backward from forward the same way): not a new capture.
             return
+        call = entry["calls"]
+        entry["calls"] = call + 1
+        taking = []
+        for sub, i in watchers:
+            wanted = sub.sites[i].call
+            if wanted is None:  # every call, pooled
+                taking.append((sub, i))
+                if call:
+                    sub.repeats[i] = call + 1
+            elif wanted == call:
+                taking.append((sub, i))
+        for sub in {id(sub): sub for sub, i in watchers if sub.sites[i].call is not None}.values():
+            if not any(s is sub for s, _ in taking):  # a call beyond those its sites were unrolled into
+                sub.unexpected = True
+        if not taking:
+            return
         with torch.no_grad():  # statistics never enter the autograd graph
             view = build()
             if view is None:
                 return
-            for sub, i in watchers:
+            for sub, i in taking:
                 sub.add(i, view)
 
     @staticmethod

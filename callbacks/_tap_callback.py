@@ -17,6 +17,7 @@ from typing_extensions import override
 from ._sites import Site, log_metrics
 from ._strategy import distributed
 from ._tap import TAP_ATTR, SharedTap, Subscription
+from ._unroll import call_order, describe, example_of, repeated, unrolled
 
 
 def captured_everywhere(sub: Subscription | None, trainer: Any) -> bool:
@@ -44,6 +45,9 @@ class TapCallback(Callback):
     subscription: Subscription | None = None
     _open_step: int | None = None
     _told_unmeasured: bool = False
+    _told_repeats: bool = False
+    # How an instrument that can tell the calls of a repeated module apart says so in the pooled-calls warning.
+    unroll_hint: str = ""
 
     def captured_everywhere(self, trainer: pl.Trainer) -> bool:
         """Whether every site was captured on every rank (:func:`captured_everywhere`)."""
@@ -75,12 +79,51 @@ class TapCallback(Callback):
         if self._told_unmeasured or self.subscription is None or not self.subscription.sites:
             return  # no site at all was said in setup
         self._told_unmeasured = True
-        missing = self.subscription.missing()  # none here when the module was skipped on another rank only
-        what = (f"{missing[0]!r}{f' and {len(missing) - 1} more' if len(missing) > 1 else ''} did not run in it"
-                if missing else "a watched module did not run in it on another rank")
-        rank_zero_warn(f"{type(self).__name__}: step {step} was not measured: {what} (a block skipped in training, "
-                       "e.g. LayerDrop?); only steps on which every watched module runs are measured, and this is "
-                       "said once")
+        sub = self.subscription
+        missing = sub.missing()  # none here when the module was skipped on another rank only
+        if sub.unexpected:
+            what = ("a module measured call by call ran more often than when its calls were counted (a loop whose "
+                    "number of iterations changes?)")
+        else:
+            what = (f"{missing[0]!r}{f' and {len(missing) - 1} more' if len(missing) > 1 else ''} did not run in it "
+                    "(a block skipped in training, e.g. LayerDrop?)" if missing
+                    else "a watched module did not run in it on another rank")
+        rank_zero_warn(f"{type(self).__name__}: step {step} was not measured: {what}; only steps on which every "
+                       "watched module runs are measured, and this is said once")
+
+    def repeats_pooled(self) -> None:
+        """Say once per callback that a watched module ran more than once in one micro-batch, its calls pooled."""
+        sub = self.subscription
+        if self._told_repeats or sub is None or not sub.repeats:
+            return
+        self._told_repeats = True
+        names = {sub.sites[i].name: n for i, n in sub.repeats.items()}
+        rank_zero_warn(f"{type(self).__name__}: {describe(names)} ran in one micro-batch (weights shared across "
+                       "depth, or a training step that runs the model more than once); each of its sites pools all "
+                       f"its calls{self.unroll_hint}; said once")
+
+    def unroll_sites(self, pl_module: nn.Module, batch: Any) -> list[Site] | None:
+        """The subscription's sites with one site per call of every layer module that one forward (a row of
+        ``batch``, eval mode, no grad) runs more than once; ``None`` (said in a warning where it matters) when none
+        does or the calls cannot be counted."""
+        sites = self.subscription.sites if self.subscription is not None else []
+        example = example_of(batch)
+        if not sites or example is None:
+            if sites:
+                rank_zero_warn(f"{type(self).__name__}: unroll_repeats found no token ids in the batch; calls of a "
+                               "repeated module stay pooled")
+            return None
+        try:
+            order = call_order(pl_module, sites, example.to(pl_module.device))
+        except Exception as exc:  # noqa: BLE001  (a model that does not take the ids alone: pooled, and said)
+            rank_zero_warn(f"{type(self).__name__}: unroll_repeats could not run the model on a row of the batch "
+                           f"({type(exc).__name__}: {str(exc).strip()[:200]}); calls of a repeated module stay pooled")
+            return None
+        out = unrolled(sites, order)
+        if out is None and repeated(sites, order):
+            rank_zero_warn(f"{type(self).__name__}: unroll_repeats: some watched module did not run in the counting "
+                           "forward; calls of a repeated module stay pooled")
+        return out
 
     def subscribe(self, pl_module: nn.Module, sites: list[Site], stats: Sequence[Sequence[str]]) -> Subscription:
         """Watch ``sites`` of ``pl_module`` for ``stats`` (one tuple of statistic names per site); inactive."""
@@ -160,6 +203,7 @@ class MeasuringTapCallback(TapCallback):
         step, self._capture_step = self._capture_step, None
         sub = self.subscription
         sub.active = False
+        self.repeats_pooled()
         if not self.captured_everywhere(trainer):
             self.unmeasured(step)
             sub.reset()

@@ -237,6 +237,12 @@ class GrowthBoundMonitor(TapCallback):
         if sub is None or not sub.active or not self.step_ended(trainer):
             return
         sub.active = False
+        self.repeats_pooled()
+        if self.norms and sub.repeats:  # a looped block: the sum over updates would count each output norm once
+            rank_zero_warn(f"{type(self).__name__}: Theorem 4's bound is not checked: a watched module ran more "
+                           f"than once in one micro-batch, so {len(self.norms)} output norms are not one per "
+                           "residual update")
+            self.norms, self.gates = [], []
         if self.captured_everywhere(trainer):
             self.evaluate(trainer, self._step)
         else:

@@ -64,6 +64,10 @@ class HiddenStateStatistics(MeasuringTapCallback):
         series_file: File name of the series in the run directory (``None`` to skip).
         stats: One name or a list of registered residual-stream statistics to log (``None``: every one marked
             ``default``: ``mean_abs``, ``var_entry``, ``var_data`` and ``max_abs`` unless a project registers more).
+        unroll_repeats: A layer module that one forward runs several times (a looped block, weights shared across
+            depth) is measured call by call, each call a layer of its own in call order (``L00 … L03`` for one block
+            looped four times): at the first training batch one extra forward on one of its rows (eval mode, no
+            grad) counts the calls. ``False``: every call of a module is pooled into its one site, said in a warning.
 
     **Logged metrics** (``<tag>`` is ``embed``, ``L00_attn``, ``L00_mlp``, …, ``final``):
         ``hidden/mean_abs/<tag>``, ``hidden/var_entry/<tag>``, ``hidden/var_data/<tag>``, ``hidden/max_abs/<tag>``
@@ -87,6 +91,7 @@ class HiddenStateStatistics(MeasuringTapCallback):
         log_heatmap: bool = True,
         series_file: str | None = HIDDEN_SERIES_FILE,
         stats: str | list[str] | tuple[str, ...] | None = None,
+        unroll_repeats: bool = False,
     ) -> None:
         self.every_n_steps = check.positive_int("every_n_steps", every_n_steps)
         self.layer_pattern = check.regex("layer_pattern", layer_pattern)
@@ -100,6 +105,10 @@ class HiddenStateStatistics(MeasuringTapCallback):
         if not names:
             raise ConfigError(f"stats={stats!r} is not allowed; give at least one of: {', '.join(stream)}")
         self.stats: tuple[str, ...] = tuple(names)
+        self.unroll_repeats = bool(check.choice("unroll_repeats", unroll_repeats, (True, False)))
+        self.unroll_hint = "" if self.unroll_repeats else (", so depth within a loop is not resolved "
+                                                           "(unroll_repeats=True measures each call)")
+        self._unrolled = False
         self.sites: list[Site] = []
         self.steps: list[int] = []
         self.values: dict[str, dict[str, list[float]]] = {s: {} for s in self.stats}
@@ -113,7 +122,8 @@ class HiddenStateStatistics(MeasuringTapCallback):
         extra = {k: str(v) for k, v in (("module_types", [t.__qualname__ for t in self.module_types] or None),
                                         ("stats", None if self.stats == tuple(_stats.default_stats()) else self.stats),
                                         ("series_file", None if self.series_file == HIDDEN_SERIES_FILE
-                                         else self.series_file)) if v is not None}
+                                         else self.series_file),
+                                        ("unroll_repeats", self.unroll_repeats or None)) if v is not None}
         return self._generate_state_key(every_n_steps=self.every_n_steps, layer_pattern=str(self.layer_pattern),
                                         **extra)
 
@@ -135,6 +145,19 @@ class HiddenStateStatistics(MeasuringTapCallback):
         if not self.sites:
             rank_zero_warn(no_sites(type(self).__name__, self.layer_pattern, self.module_types))
         self.subscribe(pl_module, self.sites, [self.stats] * len(self.sites))
+        self._unrolled = False
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.unroll_repeats and not self._unrolled and self.subscription is not None:
+            self._unrolled = True  # counted once per fit, before the first step is measured
+            sites = self.unroll_sites(pl_module, batch)
+            if sites is not None:
+                self.sites = sites
+                self.subscribe(pl_module, self.sites, [self.stats] * len(self.sites))
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -157,6 +180,7 @@ class HiddenStateStatistics(MeasuringTapCallback):
         """As :class:`MeasuringTapCallback`'s, and the values join the series ``hidden_stats.json`` holds."""
         step, self._capture_step = self._capture_step, None
         self.subscription.active = False
+        self.repeats_pooled()
         table = self.reduce(trainer)
         if table is None:
             self.unmeasured(step)

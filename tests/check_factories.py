@@ -262,3 +262,44 @@ class OwnAttentionLM(nn.Module):
 def own_attention_lm() -> nn.Module:
     """A model whose attention and head only patterns can point at."""
     return OwnAttentionLM()
+
+
+class PeriResidual(nn.Module):
+    """``x + LN_out(f(x))`` with a causal self-attention ``f`` (Peri-LN's update without its input norm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(WIDTH, 2, batch_first=True)
+        self.ln_out = nn.LayerNorm(WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(x.size(1), device=x.device)
+        return x + self.ln_out(self.attn(x, x, x, attn_mask=mask, need_weights=False)[0])  # (B, T, C)
+
+
+class LoopedLM(nn.Module):
+    """One block run ``loops`` times (weights shared across depth), under ``block``, between an embedding and a
+    head: a looped (recurrent-depth) Transformer. ``block`` is a Pre-LN encoder layer, or with ``peri`` a
+    :class:`PeriResidual` whose output norm is ``block.ln_out``."""
+
+    def __init__(self, vocab_size: int = VOCAB, loops: int = 3, peri: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, WIDTH)
+        self.pos = nn.Embedding(64, WIDTH)
+        self.block = PeriResidual() if peri else nn.TransformerEncoderLayer(
+            WIDTH, 2, 4 * WIDTH, dropout=0.0, batch_first=True, norm_first=True)
+        self.head = nn.Linear(WIDTH, vocab_size)
+        self.loops = loops
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.size(1)
+        x = self.embed(idx) + self.pos(torch.arange(T, device=idx.device))  # (B, T, C)
+        mask = nn.Transformer.generate_square_subsequent_mask(T, device=idx.device)
+        for _ in range(self.loops):
+            x = self.block(x) if isinstance(self.block, PeriResidual) else self.block(x, src_mask=mask, is_causal=True)
+        return self.head(x)  # (B, T, V)
+
+
+def looped_lm(vocab_size: int = VOCAB) -> nn.Module:
+    """A Pre-LN block looped three times."""
+    return LoopedLM(vocab_size)

@@ -183,7 +183,7 @@ def factory_subject(
     norm_pattern, head_pattern = exact_sites["--norm-pattern"], exact_sites["--head-pattern"]
     q_exact, k_exact = exact_sites["--q-pattern"], exact_sites["--k-pattern"]
     qk_sites = (q_exact, k_exact, n_head) if q_exact else None
-    vocab, width = probe_factory(model, spec, names, seq_len)
+    vocab, width, depth = probe_factory(model, spec, names, seq_len)
     exact = exact_pattern(names)
     attention, logits = instrument_support(model, head_pattern, qk_sites)
     if qk_sites and not attention:  # the instrument's own reason, found again only on this path
@@ -207,7 +207,7 @@ def factory_subject(
     what = f"{dropped} nn.Dropout module{'s' if dropped != 1 else ''} set to p=0" if dropped else "no nn.Dropout module"
     note = (f"train mode; {what}; dropout applied functionally and any other training-only branch run as in "
             "training")
-    subject = Subject("checked", f"checked ({spec})", recipe, sites, Shape(len(names), width, None, vocab), name=name,
+    subject = Subject("checked", f"checked ({spec})", recipe, sites, Shape(depth, width, None, vocab), name=name,
                       dropout=note)
     subject.extra["probe"] = (spec, names, seq_len)
     return subject
@@ -248,11 +248,12 @@ def first_output(out: Any) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else next(o for o in out if isinstance(o, torch.Tensor))
 
 
-def probe_factory(model: nn.Module, spec: str, names: list[str], seq_len: int) -> tuple[int, int]:
+def probe_factory(model: nn.Module, spec: str, names: list[str], seq_len: int) -> tuple[int, int, int]:
     """Run ``model`` on token ids ``(2, T)``; check that logits are ``(2, T, V)`` and that every selected block
-    ran; return ``V`` and the block width."""
+    ran; return ``V``, the block width and the depth: the blocks' calls in one forward (more than the blocks where
+    one is looped, its weights shared across depth)."""
     widths: list[int] = []
-    called: set[str] = set()
+    called: dict[str, int] = {}
     modules = dict(model.named_modules())
 
     def keep(module: nn.Module, args: Any, out: Any) -> None:
@@ -261,7 +262,7 @@ def probe_factory(model: nn.Module, spec: str, names: list[str], seq_len: int) -
             widths.append(out.shape[-1])
 
     def seen(name: str) -> Any:
-        return lambda module, args, out: called.add(name)
+        return lambda module, args, out: called.__setitem__(name, called.get(name, 0) + 1)
 
     handles = [modules[names[0]].register_forward_hook(keep)]
     handles += [modules[n].register_forward_hook(seen(n)) for n in names]
@@ -286,4 +287,4 @@ def probe_factory(model: nn.Module, spec: str, names: list[str], seq_len: int) -
                           "it must return floating-point logits over at least 2 tokens")
     if not widths:
         raise LNStabError(f"--factory {spec!r}: block {names[0]!r} did not return a tensor")
-    return int(out.shape[-1]), int(widths[0])
+    return int(out.shape[-1]), int(widths[0]), sum(called.values())

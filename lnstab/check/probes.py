@@ -30,6 +30,7 @@ from lnstab import validation as check
 from lnstab.callbacks import spectral_norm
 from lnstab.callbacks._sites import find_sites, first_tensor, log_metrics, probe_input
 from lnstab.callbacks._tap import paused_taps
+from lnstab.callbacks._unroll import unrolled
 from lnstab.callbacks.jacobian import block_call
 
 
@@ -68,12 +69,14 @@ def _branch_call(block: nn.Module, args: tuple, kwargs: dict) -> Callable[[torch
 def measure_branches(root: nn.Module, blocks: list[Any], probe: torch.Tensor, n_iter: int, seed: int = 0
                      ) -> dict[str, float]:
     """``jacobian/sensitivity/<tag>`` and ``jacobian/act_scale/<tag>`` of every block site on ``probe`` (eval mode,
-    math attention, nothing written to ``.grad``, other instruments' taps paused); one host sync."""
-    inputs: dict[int, tuple[tuple, dict]] = {}
+    math attention, nothing written to ``.grad``, other instruments' taps paused); one host sync. A block that the
+    forward runs several times (weights shared across depth) is probed at each call's input, each call a layer of
+    its own in call order (tags as :func:`lnstab.callbacks._unroll.unrolled` gives them)."""
+    calls: list[tuple[int, tuple, dict]] = []  # (block, args, kwargs) in call order
 
     def keep(i: int) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            inputs.setdefault(i, (args, kwargs))
+            calls.append((i, args, kwargs))
 
         return hook
 
@@ -87,9 +90,17 @@ def measure_branches(root: nn.Module, blocks: list[Any], probe: torch.Tensor, n_
                 root(probe)
             for handle in handles:
                 handle.remove()
+            order = [i for i, _, _ in calls]
+            sites = unrolled(blocks, order)
+            if sites is None:  # each block once: its first call (a block that did not run raises, as before)
+                first = {}
+                for i, args, kwargs in calls:
+                    first.setdefault(i, (args, kwargs))
+                probed = [(site, *first[i]) for i, site in enumerate(blocks)]
+            else:
+                probed = [(site, args, kwargs) for site, (_, args, kwargs) in zip(sites, calls, strict=True)]
             with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
-                for i, site in enumerate(blocks):
-                    args, kwargs = inputs[i]
+                for site, args, kwargs in probed:
                     x = first_tensor(args).detach()
                     fn = _branch_call(site.module, args, kwargs)
                     try:
@@ -103,7 +114,7 @@ def measure_branches(root: nn.Module, blocks: list[Any], probe: torch.Tensor, n_
         root.train(was_training)
     numbers = torch.stack(values).tolist() if values else []
     metrics = {}
-    for i, site in enumerate(blocks):
+    for i, (site, _, _) in enumerate(probed):
         metrics[f"jacobian/sensitivity/{site.tag}"] = numbers[2 * i]
         metrics[f"jacobian/act_scale/{site.tag}"] = numbers[2 * i + 1]
     return metrics

@@ -47,6 +47,8 @@ def terminal(card: dict[str, Any]) -> str:
     out = [
         f"lnstab check: {card['model']['label']} — {MARK[card['status']]}",
         f"  {card['model']['description']}; {card['protocol_text']}",
+        *([f"  weights shared across depth: {repeated_text(card['model']['repeated'])}"]
+          if card["model"].get("repeated") else []),
         "",
         line(head),
         line(["-" * w for w in widths]),
@@ -78,6 +80,8 @@ def markdown(card: dict[str, Any]) -> str:
         f"- Protocol: {card['protocol_text']}",
         f"- Data: {card['data_text']}",
         f"- Training: {card['model'].get('training') or 'train mode'}",
+        *([f"- Weights shared across depth: {repeated_text(card['model']['repeated'])}"]
+          if card["model"].get("repeated") else []),
         *([f"- Made by {provenance(card['provenance'])}"] if card.get("provenance") else []),
         "",
         f"| criterion | unit | measured | {ref_cols + ' | ' if refs else ''}warn | fail | status | why |",
@@ -101,6 +105,14 @@ def markdown(card: dict[str, Any]) -> str:
                      f"{num(run['loss_final'])} | {'yes' if run['diverged'] else 'no'} | {bad} | {run['wall_s']:.1f} |")
     lines += ["", "TensorBoard logs of every run: `tensorboard --logdir " + f"{card['out']}/tb`", ""]
     return "\n".join(lines)
+
+
+def repeated_text(repeated: dict[str, int]) -> str:
+    """What the card says of blocks that one forward runs several times."""
+    runs = ", ".join(f"`{name}` runs {n} times" for name, n in repeated.items())
+    return (f"{runs} in one forward; each call is measured as a layer of its own, in call order (hidden-state growth, "
+            "the Jacobian probe), while per-layer gradient norms, which belong to parameters, and Theorem 4's bound "
+            "do not tell the calls apart")
 
 
 def provenance(p: dict[str, Any]) -> str:

@@ -187,8 +187,10 @@ def grade(subject: Subject, subjects: list[Subject], runs: dict[str, list[Any]],
     (which the card names as ``shown`` when it is written elsewhere first, to be moved there)."""
     steps = protocol.optimisation.steps
     summaries = {s.key: summarise(runs[s.key], steps) for s in subjects}
+    repeated = {name: n for run in runs["checked"] for name, n in getattr(run, "repeated", {}).items()}
     rows = build_rows(summaries, thresholds, {"norm_pattern": subject.sites.norm_pattern,
-                                              "attention": subject.sites.attention, "logits": subject.sites.logits})
+                                              "attention": subject.sites.attention, "logits": subject.sites.logits,
+                                              "repeated": repeated})
     drawn: list[str] = []
     if figures:
         from lnstab.check.figures import write_figures
@@ -205,7 +207,7 @@ def grade(subject: Subject, subjects: list[Subject], runs: dict[str, list[Any]],
         "status": verdict,
         "exit_code": 1 if verdict == "fail" else 0,
         "model": {"label": subject.label, "description": describe(subject, seq_len), "shape": vars(subject.shape),
-                  "sites": vars(subject.sites), "training": subject.dropout},
+                  "sites": vars(subject.sites), "training": subject.dropout, "repeated": repeated},
         "references": {s.key: {"label": s.label, "short": s.label.split()[0], "shape": vars(s.shape),
                                "description": describe(s, seq_len)
                                + (" (the checked model itself: its runs are reused)" if s.same_as else ""),

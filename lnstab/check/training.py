@@ -216,6 +216,7 @@ class RunResult:
     hidden: dict[str, dict[str, list[float]]]
     metrics: dict[int, dict[str, float]] = field(default_factory=dict)
     wall_s: float = 0.0
+    repeated: dict[str, int] = field(default_factory=dict)  # block module -> calls in one forward, when above 1
 
 
 def batches(tokens: torch.Tensor, seed: int, batch_size: int) -> DataLoader:
@@ -258,6 +259,7 @@ def stress_run(
         embed_pattern=sites.embed_pattern,
         final_pattern=sites.final_pattern,
         log_heatmap=False,
+        unroll_repeats=True,  # a block looped in one forward: each call a layer of its own
     )
     growth_kwargs: dict[str, Any] = {}
     if sites.norm_pattern is not None:
@@ -335,4 +337,6 @@ def stress_run(
         hidden={s: {t: list(v) for t, v in by_tag.items()} for s, by_tag in hidden.values.items()},
         metrics=dict(recorder.by_step),
         wall_s=time.perf_counter() - started,
+        repeated={name: sum(s.name == name for s in hidden.sites) for name in
+                  dict.fromkeys(s.name for s in hidden.sites if s.call is not None)},
     )
