@@ -13,8 +13,11 @@ import warnings
 import pytest
 import torch
 from check_factories import LoopedLM
-from test_callbacks_helpers import VOCAB, LitLM, StepClock, loader, trainer
+from fsdp_cpu import CPUDDPSpawnStrategy
+from lightning.pytorch.loggers import CSVLogger
+from test_callbacks_helpers import VOCAB, LitLM, StepClock, loader, tokens, trainer
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.data import DataLoader, DistributedSampler
 
 from lnstab.callbacks import GrowthBoundMonitor, HiddenStateStatistics, spectral_norm
 from lnstab.callbacks._sites import find_sites
@@ -36,6 +39,23 @@ class LoopLit(LitLM):
     def training_step(self, batch, batch_idx):
         self.model.loops = self.loops_at.get(self.global_step, self.base)
         return super().training_step(batch, batch_idx)
+
+
+class RankLoopLit(LoopLit):
+    """:class:`LoopLit` whose loop count is ``plan[(step, rank)]`` where given; each rank takes half of a batch of 8."""
+
+    def __init__(self, plan: dict[tuple[int, int], int]) -> None:
+        super().__init__()
+        self.plan = plan
+
+    def training_step(self, batch, batch_idx):
+        self.model.loops = self.plan.get((self.global_step, self.global_rank), self.base)
+        return LitLM.training_step(self, batch, batch_idx)
+
+    def train_dataloader(self) -> DataLoader:
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        sampler = DistributedSampler(tokens(16), num_replicas=world, rank=rank, shuffle=False)
+        return DataLoader(tokens(16), batch_size=8 // world, sampler=sampler)
 
 
 def record_calls(module: torch.nn.Module, clock: StepClock) -> dict[int, list[torch.Tensor]]:
@@ -104,6 +124,19 @@ def test_a_loop_that_runs_more_or_fewer_times_leaves_the_step_unmeasured(tmp_pat
     told = [m for m in said if "was not measured" in m]
     assert len(told) == 1 and "step 1" in told[0] and "ran more often than when its calls were counted" in told[0]
     assert all(len(v) == 2 for v in hss.values["mean_abs"].values())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_ddp_a_loop_that_runs_longer_on_one_rank_is_unmeasured_on_both(tmp_path):
+    torch.set_num_threads(1)
+    hss = HiddenStateStatistics(every_n_steps=1, layer_pattern=BLOCK, embed_pattern=None, final_pattern=None,
+                                log_heatmap=False, unroll_repeats=True)
+    t = trainer(tmp_path, [hss], max_steps=4, devices=2, strategy=CPUDDPSpawnStrategy(),
+                use_distributed_sampler=False, logger=CSVLogger(tmp_path, name="ddp", version=0))
+    t.fit(RankLoopLit({(1, 1): 4}))  # rank 1 loops once more at step 1: its extra call has no site
+    series = json.loads((tmp_path / "ddp" / "version_0" / "hidden_stats.json").read_text())
+    assert series["tags"] == ["L00", "L01", "L02"] and series["steps"] == [0, 2, 3]
 
 
 def test_theorem4_bound_is_not_checked_when_output_norms_repeat(tmp_path):
