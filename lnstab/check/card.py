@@ -87,7 +87,8 @@ def why(cid: str, s: dict[str, Any], refs: dict[str, dict[str, Any]], value: flo
         g = s[cid]
         when = "after training" if cid == "growth_trained" else "at initialisation"
         skipped = (f"{g['unmeasured']} run(s) not measured {when}: a block did not run at that step (a branch that "
-                   "skips blocks in training, such as LayerDrop)") if g.get("unmeasured") else ""
+                   "skips blocks in training, such as LayerDrop), or a looped one ran another number of times"
+                   ) if g.get("unmeasured") else ""
         if not math.isfinite(value):
             if cid == "growth_trained" and s["diverged"] == s["runs"]:
                 return "every run diverged"
