@@ -63,6 +63,10 @@ class Subscription:
         self.pooled: list[dict[str, Any] | None] = [None] * len(sites)
         self.repeats: dict[int, int] = {}  # site -> calls in one micro-batch, for pooled sites that ran more than once
         self.unexpected = False  # a module watched call by call ran more often than its sites say
+        self.expected: dict[int, int] = {}  # id(module) -> its calls in one forward, for modules watched call by call
+        for site in sites:
+            if site.call is not None:
+                self.expected[id(site.module)] = max(self.expected.get(id(site.module), 0), site.call + 1)
 
     def reset(self) -> None:
         """Forget everything pooled (the per-site state is allocated again by the next capture)."""
@@ -243,8 +247,8 @@ class SharedTap:
                     sub.repeats[i] = call + 1
             elif wanted == call:
                 taking.append((sub, i))
-        for sub in {id(sub): sub for sub, i in watchers if sub.sites[i].call is not None}.values():
-            if not any(s is sub for s, _ in taking):  # a call beyond those its sites were unrolled into
+        for sub, _ in watchers:  # a call beyond those the module's sites were unrolled into
+            if call >= sub.expected.get(id(entry["module"]), call + 1):
                 sub.unexpected = True
         if not taking:
             return

@@ -102,11 +102,11 @@ class TapCallback(Callback):
                        "depth, or a training step that runs the model more than once); each of its sites pools all "
                        f"its calls{self.unroll_hint}; said once")
 
-    def unroll_sites(self, pl_module: nn.Module, batch: Any) -> list[Site] | None:
-        """The subscription's sites with one site per call of every layer module that one forward (a row of
-        ``batch``, eval mode, no grad) runs more than once; ``None`` (said in a warning where it matters) when none
-        does or the calls cannot be counted."""
-        sites = self.subscription.sites if self.subscription is not None else []
+    def unroll_sites(self, pl_module: nn.Module, batch: Any, sites: list[Site], count: Sequence[nn.Module] = ()
+                     ) -> tuple[list[Site], dict[int, int]] | None:
+        """``sites`` with one site per call of every layer module that one forward (a row of ``batch``, eval mode, no
+        grad) runs more than once, and the calls of each module of ``count`` by ``id``; ``None`` (said in a warning
+        where it matters) when no layer module repeats or the calls cannot be counted."""
         example = example_of(batch)
         if not sites or example is None:
             if sites:
@@ -114,7 +114,7 @@ class TapCallback(Callback):
                                "repeated module stay pooled")
             return None
         try:
-            order = call_order(pl_module, sites, example.to(pl_module.device))
+            order, counts = call_order(pl_module, sites, example.to(pl_module.device), count)
         except Exception as exc:  # noqa: BLE001  (a model that does not take the ids alone: pooled, and said)
             rank_zero_warn(f"{type(self).__name__}: unroll_repeats could not run the model on a row of the batch "
                            f"({type(exc).__name__}: {str(exc).strip()[:200]}); calls of a repeated module stay pooled")
@@ -123,7 +123,7 @@ class TapCallback(Callback):
         if out is None and repeated(sites, order):
             rank_zero_warn(f"{type(self).__name__}: unroll_repeats: some watched module did not run in the counting "
                            "forward; calls of a repeated module stay pooled")
-        return out
+        return None if out is None else (out, counts)
 
     def subscribe(self, pl_module: nn.Module, sites: list[Site], stats: Sequence[Sequence[str]]) -> Subscription:
         """Watch ``sites`` of ``pl_module`` for ``stats`` (one tuple of statistic names per site); inactive."""

@@ -9,6 +9,7 @@ set; the shared tap hands it only that call), tagged by depth in call order.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -18,11 +19,15 @@ from ._sites import Site
 from ._tap import paused_taps
 
 
-def call_order(root: nn.Module, sites: list[Site], example: torch.Tensor) -> list[int]:
+def call_order(root: nn.Module, sites: list[Site], example: torch.Tensor, count: Sequence[nn.Module] = ()
+               ) -> tuple[list[int], dict[int, int]]:
     """The indices into ``sites`` of the layer sites (tags ``L…``) in the order one forward of ``root`` on
-    ``example`` calls them (an index appears once per call); eval mode, no grad, the taps of ``root`` paused."""
+    ``example`` calls them (an index appears once per call), and the calls of each module of ``count`` by ``id``;
+    eval mode, no grad, the taps of ``root`` paused."""
     events: list[int] = []
-    handles = []
+    calls: dict[int, int] = {id(m): 0 for m in count}
+    handles = [m.register_forward_hook(lambda mod, a, o: calls.__setitem__(id(mod), calls[id(mod)] + 1))
+               for m in {id(m): m for m in count}.values()]
     seen: set[tuple[int, bool]] = set()
     for i, site in enumerate(sites):
         key = (id(site.module), site.use_input)
@@ -42,7 +47,7 @@ def call_order(root: nn.Module, sites: list[Site], example: torch.Tensor) -> lis
         for handle in handles:
             handle.remove()
         root.train(was_training)
-    return events
+    return events, calls
 
 
 def repeated(sites: list[Site], order: list[int]) -> dict[str, int]:

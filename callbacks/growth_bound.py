@@ -83,6 +83,10 @@ class GrowthBoundMonitor(TapCallback):
         norm_pattern: Regex of the output norms, one per residual update, for models without ``output_norms()``.
         layer_pattern, module_types, embed_pattern, final_pattern: Sites, as in :class:`HiddenStateStatistics`.
         tolerance: Relative slack allowed before a violation is counted (float rounding).
+        unroll_repeats: A layer module that one forward runs several times (a looped block) is a layer per call,
+            as in :class:`HiddenStateStatistics`, and each output norm's term of ``S`` counts its calls (an update
+            per call); X_0 is then the first call's input. ``False``: the bound is not checked where a watched
+            module repeats (its calls pooled, said in a warning).
 
     **Logged metrics**:
         ``bound/ma_bound``, ``bound/ma_final``, ``bound/slack`` (min over sequences of bound − MA),
@@ -107,6 +111,7 @@ class GrowthBoundMonitor(TapCallback):
         embed_pattern: str = EMBED_PATTERN,
         final_pattern: str | None = FINAL_PATTERN,
         tolerance: float = 1e-5,
+        unroll_repeats: bool = False,
     ) -> None:
         self.every_n_steps = check.positive_int("every_n_steps", every_n_steps)
         self.residual_scale = check.optional_number("residual_scale", residual_scale, 0, low_open=True)
@@ -116,6 +121,10 @@ class GrowthBoundMonitor(TapCallback):
         self.embed_pattern = check.regex("embed_pattern", embed_pattern)  # None: X_0 is the first layer's input
         self.final_pattern = check.regex("final_pattern", final_pattern)
         self.tolerance = check.number("tolerance", tolerance, 0, 1, high_open=True)
+        self.unroll_repeats = bool(check.choice("unroll_repeats", unroll_repeats, (True, False)))
+        self._unrolled = False
+        self.norm_calls: list[int] = []  # per output norm: its calls in one forward (its updates)
+        self._base_sites: list[Site] = []
         self.violations = 0
         self.last: dict[str, float] = {}
         self.sites: list[Site] = []
@@ -128,7 +137,9 @@ class GrowthBoundMonitor(TapCallback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(every_n_steps=self.every_n_steps, norm_pattern=self.norm_pattern.pattern)
+        extra = {"unroll_repeats": "True"} if self.unroll_repeats else {}  # older checkpoints keep their key
+        return self._generate_state_key(every_n_steps=self.every_n_steps, norm_pattern=self.norm_pattern.pattern,
+                                        **extra)
 
     def find_norms(self, root: nn.Module) -> list[tuple[nn.Module, float]]:
         """``(norm, Δt)`` per residual update: the model's ``output_norms()``, else the modules ``norm_pattern``
@@ -169,23 +180,32 @@ class GrowthBoundMonitor(TapCallback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         require_strategy(trainer, type(self).__name__, reads_parameters=True)
-        self.sites = auto_sites(
+        self._base_sites = auto_sites(
             pl_module, self.layer_pattern, self.module_types, self.embed_pattern, self.final_pattern
         )
+        self._unrolled = False
+        self._layout(pl_module, list(self._base_sites))
+
+    def _layout(self, pl_module: nn.Module, sites: list[Site], norm_calls: dict[int, int] | None = None) -> None:
+        """Sites, depths and output norms from ``sites`` (unrolled or not; ``norm_calls``: calls per norm module
+        by ``id``, each call an update), then subscribe."""
+        self.sites = sites
         layers = [s for s in self.sites if s.tag.startswith("L")]
         if not layers:
             rank_zero_warn(no_sites(type(self).__name__, self.layer_pattern, self.module_types))
             self.sites = []
-        elif self.sites[0].tag != "embed":  # X_0 = the input of the first layer
-            self.sites.insert(0, Site("embed", layers[0].name, layers[0].module, use_input=True))
+        elif self.sites[0].tag != "embed":  # X_0 = the input of the first layer (of its first call)
+            self.sites.insert(0, Site("embed", layers[0].name, layers[0].module, use_input=True, call=layers[0].call))
         n_layers = len({s.tag.split("_")[0] for s in layers}) or 1
         per_layer = len(layers) / n_layers
         self.depths = [0.0] + [(k + 1) / per_layer for k in range(len(layers))]
         updates = self._find_updates(pl_module)
         self.norms, self.gates = [(m, dt) for m, dt, _ in updates], [g for _, _, g in updates]
-        if self.norms and len(self.norms) != len(layers):
-            rank_zero_warn(f"{len(self.norms)} output norms for {len(layers)} residual updates; bound not checked")
-            self.norms, self.gates = [], []
+        self.norm_calls = [(norm_calls or {}).get(id(m), 1) for m, _ in self.norms]
+        if self.norms and sum(self.norm_calls) != len(layers):
+            rank_zero_warn(f"{sum(self.norm_calls)} output-norm updates for {len(layers)} residual updates; bound not "
+                           "checked")
+            self.norms, self.gates, self.norm_calls = [], [], []
         last = len(self.sites) - 1
         stats = [
             (("mean_abs",) if s.tag != "final" else ())
@@ -211,13 +231,17 @@ class GrowthBoundMonitor(TapCallback):
         no_gate = torch.tensor([g is None for g in gates], device=device)
         gamma = maxes[:n].masked_fill(no_weight, 1.0)
         gain = maxes[2 * n :].masked_fill(no_gate, 1.0)
-        dts = torch.tensor([dt for _, dt in self.norms], device=device, dtype=maxes.dtype)
+        dts = torch.tensor([dt * c for (_, dt), c in zip(self.norms, self.norm_calls or [1] * n, strict=True)],
+                           device=device, dtype=maxes.dtype)  # a norm a looped block runs c times: c updates
         return (dts * gain * (gamma + maxes[n : 2 * n])).sum()
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if self.unroll_repeats and not self._unrolled and self.subscription is not None:
+            self._unrolled = True  # counted once per fit, before the first step is measured
+            self._unroll(pl_module, batch)
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         sub = self.subscription
         if sub is None or not self.sites or not self.step_begins(trainer):
@@ -248,6 +272,13 @@ class GrowthBoundMonitor(TapCallback):
         else:
             self.unmeasured(self._step)
         sub.reset()
+
+    def _unroll(self, pl_module: nn.Module, batch: Any) -> None:
+        """Count the calls of the layer sites and of the output norms in one forward; lay the sites out per call."""
+        norms = [m for m, _, _ in self._find_updates(pl_module)]
+        unrolled = self.unroll_sites(pl_module, batch, self._base_sites, count=norms)
+        if unrolled is not None:
+            self._layout(pl_module, *unrolled)
 
     def evaluate(self, trainer: Any, step: int) -> dict[str, float]:
         """Bound and growth law from what the tap pooled since the step began; logged at ``step`` and returned."""

@@ -153,9 +153,9 @@ class HiddenStateStatistics(MeasuringTapCallback):
     ) -> None:
         if self.unroll_repeats and not self._unrolled and self.subscription is not None:
             self._unrolled = True  # counted once per fit, before the first step is measured
-            sites = self.unroll_sites(pl_module, batch)
-            if sites is not None:
-                self.sites = sites
+            unrolled = self.unroll_sites(pl_module, batch, self.sites)
+            if unrolled is not None:
+                self.sites = unrolled[0]
                 self.subscribe(pl_module, self.sites, [self.stats] * len(self.sites))
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 

@@ -303,3 +303,8 @@ class LoopedLM(nn.Module):
 def looped_lm(vocab_size: int = VOCAB) -> nn.Module:
     """A Pre-LN block looped three times."""
     return LoopedLM(vocab_size)
+
+
+def looped_peri_lm(vocab_size: int = VOCAB) -> nn.Module:
+    """A Peri-style update ``x + LN(f(x))`` looped three times; its output norm is ``block.ln_out``."""
+    return LoopedLM(vocab_size, peri=True)

@@ -152,6 +152,28 @@ def test_theorem4_bound_is_not_checked_when_output_norms_repeat(tmp_path):
     assert not any(k.startswith("bound/") for k in bound.last) and "growth/exp_rate" in bound.last
 
 
+def test_theorem4_bound_counts_each_call_of_a_looped_output_norm(tmp_path):
+    # The same looped update, unrolled: X_0 is the first call's input, X_D the last call's output, and the sum S
+    # counts the output norm once per call (8 updates of at most γmax + βmax = 1 at initialisation).
+    lit, clock = LoopLit(peri=True, loops=8), StepClock()
+    inputs: list[torch.Tensor] = []
+    lit.model.block.register_forward_pre_hook(
+        lambda m, a: inputs.append(a[0].detach().clone()) if torch.is_grad_enabled() else None)
+    outputs = record_calls(lit.model.block, clock)
+    bound = GrowthBoundMonitor(every_n_steps=1, layer_pattern=BLOCK, norm_pattern=r"model\.block\.ln_out$",
+                               embed_pattern=None, final_pattern=None, unroll_repeats=True)
+    said = fit(tmp_path, lit, [clock, bound], steps=1)
+    assert not [m for m in said if "not checked" in m or "pools all its calls" in m]
+    assert [s.tag for s in bound.sites] == ["embed"] + [f"L{c:02d}" for c in range(8)] and bound.norm_calls == [8]
+    x0, xd = inputs[0], outputs[0][-1]  # (B, T, C) at step 0
+    rms0 = x0.square().mean(dim=(1, 2)).sqrt().double()  # per sequence
+    assert bound.last["bound/ma_bound"] == pytest.approx((rms0 + 8.0).mean().item(), rel=1e-6)
+    assert bound.last["bound/ma_final"] == pytest.approx(xd.abs().mean(dim=(1, 2)).double().mean().item(), rel=1e-6)
+    assert bound.violations == 0
+    # with the norm counted once, as before, the variance bound (RMS(X_0) + 1)² would be "violated"
+    assert bound.last["bound/var_final"] > ((rms0 + 1.0).square()).mean().item()
+
+
 def test_branch_probe_measures_every_call_at_its_own_input():
     torch.manual_seed(0)
     model = LoopedLM(VOCAB)
@@ -175,10 +197,12 @@ def test_branch_probe_measures_every_call_at_its_own_input():
     assert len({round(got[f"jacobian/act_scale/L{c:02d}"], 6) for c in range(3)}) == 3  # three depths, not one
 
 
+TINY = ["--no-reference", "--steps", "6", "--measure-every", "3", "--batch-size", "4", "--seq-len", "16", "--seeds",
+        "0", "--lrs", "1e-3", "--workers", "1", "--threads", "1", "--no-progress", "--data.source", "synthetic"]
+
+
 def test_check_card_of_a_looped_factory_measures_each_call(tmp_path):
-    args = ["check", "--factory", "check_factories:looped_lm", "--layer-pattern", "block$", "--no-reference",
-            "--steps", "6", "--measure-every", "3", "--batch-size", "4", "--seq-len", "16", "--seeds", "0",
-            "--lrs", "1e-3", "--workers", "1", "--threads", "1", "--no-progress", "--data.source", "synthetic",
+    args = ["check", "--factory", "check_factories:looped_lm", "--layer-pattern", "block$", *TINY,
             "--out", str(tmp_path / "card")]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -196,3 +220,16 @@ def test_check_card_of_a_looped_factory_measures_each_call(tmp_path):
     run = report["runs"][0]
     tags = json.loads((tmp_path / "card" / run["log_dir"] / "hidden_stats.json").read_text())["tags"]
     assert [t for t in tags if t.startswith("L")] == ["L00", "L01", "L02"]
+
+
+def test_check_grades_theorem4_on_a_looped_peri_factory(tmp_path):
+    out = tmp_path / "card"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            main(["check", "--factory", "check_factories:looped_peri_lm", "--layer-pattern", "block$",
+                  "--norm-pattern", r"block\.ln_out$", *TINY, "--out", str(out)])
+        except SystemExit as exc:
+            assert exc.code in (0, 1)
+    bound = {r["id"]: r for r in json.loads((out / "report.json").read_text())["criteria"]}["bound"]
+    assert bound["status"] == "pass" and bound["measured"] == 0  # before: n/a, "not one per residual update"

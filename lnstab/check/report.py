@@ -111,8 +111,8 @@ def repeated_text(repeated: dict[str, int]) -> str:
     """What the card says of blocks that one forward runs several times."""
     runs = ", ".join(f"`{name}` runs {n} times" for name, n in repeated.items())
     return (f"{runs} in one forward; each call is measured as a layer of its own, in call order (hidden-state growth, "
-            "the Jacobian probe), while per-layer gradient norms, which belong to parameters, and Theorem 4's bound "
-            "do not tell the calls apart")
+            "the Jacobian probe, Theorem 4's bound, whose sum counts an output norm once per call), while per-layer "
+            "gradient norms, which belong to parameters, do not tell the calls apart")
 
 
 def provenance(p: dict[str, Any]) -> str:

@@ -269,6 +269,7 @@ def stress_run(
         layer_pattern=sites.hidden_pattern,
         embed_pattern=sites.embed_pattern or r"(?!)",  # none: X_0 is the first layer's input
         final_pattern=sites.final_pattern,
+        unroll_repeats=True,  # each call of a looped block a layer, each call of its output norms an update
         **growth_kwargs,
     )
     instruments: list[Any] = [growth]
