@@ -125,6 +125,7 @@ class GrowthBoundMonitor(TapCallback):
         self._unrolled = False
         self.norm_calls: list[int] = []  # per output norm: its calls in one forward (its updates)
         self._base_sites: list[Site] = []
+        self.unchecked: str | None = None  # why located output norms do not get the bound checked
         self.violations = 0
         self.last: dict[str, float] = {}
         self.sites: list[Site] = []
@@ -202,9 +203,11 @@ class GrowthBoundMonitor(TapCallback):
         updates = self._find_updates(pl_module)
         self.norms, self.gates = [(m, dt) for m, dt, _ in updates], [g for _, _, g in updates]
         self.norm_calls = [(norm_calls or {}).get(id(m), 1) for m, _ in self.norms]
+        self.unchecked = None
         if self.norms and sum(self.norm_calls) != len(layers):
-            rank_zero_warn(f"{sum(self.norm_calls)} output-norm updates for {len(layers)} residual updates; bound not "
-                           "checked")
+            self.unchecked = (f"{sum(self.norm_calls)} output-norm updates for {len(layers)} layer sites, where it "
+                              "needs one output norm per residual update")
+            rank_zero_warn(f"{type(self).__name__}: Theorem 4's bound is not checked: {self.unchecked}")
             self.norms, self.gates, self.norm_calls = [], [], []
         last = len(self.sites) - 1
         stats = [
@@ -263,9 +266,9 @@ class GrowthBoundMonitor(TapCallback):
         sub.active = False
         self.repeats_pooled()
         if self.norms and sub.repeats:  # a looped block: the sum over updates would count each output norm once
-            rank_zero_warn(f"{type(self).__name__}: Theorem 4's bound is not checked: a watched module ran more "
-                           f"than once in one micro-batch, so {len(self.norms)} output norms are not one per "
-                           "residual update")
+            self.unchecked = (f"a watched module ran more than once in one micro-batch, so {len(self.norms)} output "
+                              "norms are not one per residual update (unroll_repeats=True counts each call)")
+            rank_zero_warn(f"{type(self).__name__}: Theorem 4's bound is not checked: {self.unchecked}")
             self.norms, self.gates = [], []
         if self.captured_everywhere(trainer):
             self.evaluate(trainer, self._step)

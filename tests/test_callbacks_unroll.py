@@ -1,8 +1,8 @@
 """A block that one forward runs several times (weights shared across depth: a looped Transformer): with
 ``unroll_repeats`` each call is a layer of its own, its statistics those of that call alone; without it the calls are
 pooled and a warning says so; a loop that later runs more or fewer times leaves those steps unmeasured; Theorem 4's
-bound is not checked with output norms that are not one per update; the check's Jacobian probe and card see each
-call."""
+bound counts each call of a looped output norm, and is not checked (and the card says why) where the norms are not
+one per update; the check's Jacobian probe and card see each call."""
 
 from __future__ import annotations
 
@@ -233,3 +233,19 @@ def test_check_grades_theorem4_on_a_looped_peri_factory(tmp_path):
             assert exc.code in (0, 1)
     bound = {r["id"]: r for r in json.loads((out / "report.json").read_text())["criteria"]}["bound"]
     assert bound["status"] == "pass" and bound["measured"] == 0  # before: n/a, "not one per residual update"
+
+
+def test_check_says_why_located_output_norms_are_not_checked(tmp_path):
+    # nn.TransformerEncoderLayer has two norms per block, the layer pattern one site per block: 4 norms, 2 sites
+    out = tmp_path / "card"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            main(["check", "--factory", "check_factories:encoder_lm", "--layer-pattern", r"layers\.(\d+)$",
+                  "--norm-pattern", r"layers\.\d+\.norm[12]$", *TINY, "--out", str(out)])
+        except SystemExit as exc:
+            assert exc.code in (0, 1)
+    bound = {r["id"]: r for r in json.loads((out / "report.json").read_text())["criteria"]}["bound"]
+    assert bound["status"] == "n/a"
+    assert bound["why"].startswith("output norms were located but not checked: 4 output-norm updates for 2 layer "
+                                   "sites")  # before: "no output norms matched …", which they had

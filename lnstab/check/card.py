@@ -118,9 +118,9 @@ def why(cid: str, s: dict[str, Any], refs: dict[str, dict[str, Any]], value: flo
         return text + tail + _refs_text(cid, refs, lambda r: f"{r['sensitivity']['slope']:+.2f}")
     if cid == "bound":
         if not math.isfinite(value):
-            if sites.get("repeated") and sites.get("norm_pattern"):
-                return ("a block runs several times in one forward (weights shared across depth), so its output norms "
-                        "are not one per residual update and Theorem 4's sum is not checked")
+            if sites.get("bound_unchecked"):
+                return (f"output norms were located but not checked: {sites['bound_unchecked']} (give a layer "
+                        "pattern at the residual updates, or norms that match them one to one)")
             where = (f"no output norms matched {sites['norm_pattern']}" if sites.get("norm_pattern") else
                      "no output norms were located (lnstab's placements with output norms, Hugging Face Gemma 2/3 and "
                      "OLMo 2, or --norm-pattern)")

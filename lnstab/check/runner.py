@@ -190,7 +190,9 @@ def grade(subject: Subject, subjects: list[Subject], runs: dict[str, list[Any]],
     repeated = {name: n for run in runs["checked"] for name, n in getattr(run, "repeated", {}).items()}
     rows = build_rows(summaries, thresholds, {"norm_pattern": subject.sites.norm_pattern,
                                               "attention": subject.sites.attention, "logits": subject.sites.logits,
-                                              "repeated": repeated})
+                                              "repeated": repeated,
+                                              "bound_unchecked": next((r.bound_unchecked for r in runs["checked"]
+                                                                       if getattr(r, "bound_unchecked", "")), "")})
     drawn: list[str] = []
     if figures:
         from lnstab.check.figures import write_figures

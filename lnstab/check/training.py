@@ -217,6 +217,7 @@ class RunResult:
     metrics: dict[int, dict[str, float]] = field(default_factory=dict)
     wall_s: float = 0.0
     repeated: dict[str, int] = field(default_factory=dict)  # block module -> calls in one forward, when above 1
+    bound_unchecked: str = ""  # why output norms that were located did not get Theorem 4's bound checked
 
 
 def batches(tokens: torch.Tensor, seed: int, batch_size: int) -> DataLoader:
@@ -340,4 +341,5 @@ def stress_run(
         wall_s=time.perf_counter() - started,
         repeated={name: sum(s.name == name for s in hidden.sites) for name in
                   dict.fromkeys(s.name for s in hidden.sites if s.call is not None)},
+        bound_unchecked=growth.unchecked or "",
     )
