@@ -7,13 +7,13 @@ Attention sites (one per self-attention layer; tag ``L07`` from the block index 
   from ``c_attn``'s output ``(B, T, 3C)``; scale ``1/√hs``.
 * Hugging Face ``GPT2Attention`` (self-attention only): q and k split from ``c_attn``'s output; scale
   ``module.scaling`` (it includes ``scale_attn_by_inverse_layer_idx``).
-* Hugging Face ``LlamaAttention`` (and ``Gemma2Attention``; ``Olmo2Attention`` from ``q_norm``/``k_norm``, its
-  QK-norm over all heads): ``q_proj``/``k_proj`` outputs ``(B, T, heads·head_dim)`` with the rotary
-  embedding applied as the module applies it, from the ``position_embeddings`` (cos, sin) its forward receives (a
-  pre-hook with kwargs); k heads shared by ``num_key_value_groups`` q heads (grouped-query attention); scale
-  ``module.scaling``. A hook on the projections alone would see pre-rotary q and k: the wrong logits. Gemma 2's
-  ``attn_logit_softcapping`` and ``sliding_window`` go to the view (entropy and collapse of the capped logits
-  within the window; the largest logit uncapped).
+* Hugging Face ``LlamaAttention`` (and ``Gemma2Attention``; ``OlmoAttention``, clamped to its ``clip_qkv`` first;
+  ``Olmo2Attention`` from ``q_norm``/``k_norm``, its QK-norm over all heads): ``q_proj``/``k_proj`` outputs ``(B, T,
+  heads·head_dim)`` with the rotary embedding applied as the module applies it, from the ``position_embeddings`` (cos,
+  sin) its forward receives (a pre-hook with kwargs); k heads shared by ``num_key_value_groups`` q heads (grouped-query
+  attention); scale ``module.scaling``. A hook on the projections alone would see pre-rotary q and k: the wrong
+  logits. Gemma 2's ``attn_logit_softcapping`` and ``sliding_window`` go to the view (entropy and collapse of the
+  capped logits within the window; the largest logit uncapped).
 * Any model, by name: ``q_pattern`` and ``k_pattern`` select projection modules whose outputs are
   ``(B, T, heads·head_size)`` and ``n_head`` gives the q heads (k heads follow from k's width: GQA). Such q and k are
   used as they leave the projections: a rotary embedding, a norm or anything else applied between the projection and
@@ -72,13 +72,15 @@ class FusedQKV(Capture):
 class SplitQK(Capture):
     """q and k from two module outputs: ``(B, heads, T, hs)`` as they are (``flat=False``), ``(B, T, heads, hs)``
     transposed (``flat=False, tokens_first=True``) or ``(B, T, heads·hs)`` split into heads of ``head_dim``
-    (``flat=True``); with ``rotary``, the ``position_embeddings`` that ``module``'s forward receives are applied by
-    ``rotary(q, k, cos, sin)`` first. ``scale`` ``None``: ``1/√head_size``."""
+    (``flat=True``); with ``clip``, clamped to ``±clip`` first; with ``rotary``, the ``position_embeddings`` that
+    ``module``'s forward receives are applied by ``rotary(q, k, cos, sin)`` then. ``scale`` ``None``:
+    ``1/√head_size``."""
 
     def __init__(self, q_src: nn.Module, k_src: nn.Module, scale: float | None, options: dict[str, Any], *,
                  flat: bool = False, head_dim: int | None = None, n_head: int | None = None,
-                 rotary: Any = None, tokens_first: bool = False) -> None:
+                 rotary: Any = None, tokens_first: bool = False, clip: float | None = None) -> None:
         self.q_src, self.k_src, self.scale, self.options = q_src, k_src, scale, options
+        self.clip = clip  # OLMo's clip_qkv: q and k clamped to ±clip as they leave the projections
         self.flat, self.head_dim, self.n_head, self.rotary = flat, head_dim, n_head, rotary
         self.tokens_first = tokens_first
         self.key = f"attn:split:{id(q_src)}:{id(k_src)}:{options.get('min_keys')}:{options.get('collapse_weight')}"
@@ -104,6 +106,8 @@ class SplitQK(Capture):
         parts, self._parts = self._parts, {}
         q = self._heads(parts["q"], self.head_dim or (parts["q"].size(-1) // self.n_head if self.flat else None))
         k = self._heads(parts["k"], q.size(-1))
+        if self.clip is not None:  # the hooks see the projections before the module clamps them in place
+            q, k = q.clamp(-self.clip, self.clip), k.clamp(-self.clip, self.clip)
         if self.rotary is not None:
             if parts["rope"] is None:
                 raise ConfigError("position_embeddings=None is not allowed; the attention module must receive "
@@ -130,6 +134,7 @@ _ROTARY_FAMILIES = {
     "Qwen2Attention": ("q_proj", "k_proj", "qwen2"),  # q and k with biases; a sliding window on some layers
     "Gemma2Attention": ("q_proj", "k_proj", "gemma2"),  # with its soft-capping and sliding windows
     "Olmo2Attention": ("q_norm", "k_norm", "olmo2"),
+    "OlmoAttention": ("q_proj", "k_proj", "olmo"),  # OLMo 1: q and k clamped to ±config.clip_qkv, then rotated
     "Gemma3Attention": ("q_norm", "k_norm", "gemma3"),  # normalised per head, (B, heads, T, hd), then rotated
     "Qwen3Attention": ("q_norm", "k_norm", "qwen3"),  # normalised per head, (B, T, heads, hd), then rotated
 }
@@ -166,9 +171,10 @@ def _auto_capture(module: nn.Module, options: dict[str, Any]) -> Capture | None:
             view_options = {**options, "softcap": getattr(module, "attn_logit_softcapping", None),
                             "window": _window(module, family)}
             flat = family not in PER_HEAD
+            clip = getattr(getattr(module, "config", None), "clip_qkv", None) if family == "OlmoAttention" else None
             return SplitQK(getattr(module, q_name), getattr(module, k_name), module.scaling, view_options, flat=flat,
                            head_dim=module.head_dim if flat else None, rotary=rotary,
-                           tokens_first=PER_HEAD.get(family, False))
+                           tokens_first=PER_HEAD.get(family, False), clip=clip)
     return None
 
 
@@ -231,9 +237,10 @@ def attention_sites(root: nn.Module, options: dict[str, Any], q_pattern: re.Patt
         raise ConfigError(
             f"model={type(root).__name__} is not allowed with {who}; no attention module whose q and k can be found "
             "(lnstab's CausalSelfAttention; Hugging Face GPT2Attention, LlamaAttention, GemmaAttention, "
-            "MistralAttention, MixtralAttention, Qwen2Attention, Qwen3Attention, Gemma2Attention, Gemma3Attention or "
-            "Olmo2Attention): name the projections with q_pattern, k_pattern and n_head (in Instruments, which has "
-            "no such arguments: attention=False, or enabled=False and these callbacks listed with them)"
+            "MistralAttention, MixtralAttention, Qwen2Attention, Qwen3Attention, Gemma2Attention, Gemma3Attention, "
+            "OlmoAttention or Olmo2Attention): name the projections with q_pattern, k_pattern and n_head (in "
+            "Instruments, which has no such arguments: attention=False, or enabled=False and these callbacks listed "
+            "with them)"
         )
     tags = [s.tag for _, _, s in found]
     if len(set(tags)) != len(tags):

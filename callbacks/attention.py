@@ -30,14 +30,15 @@ class AttentionLogitStatistics(MeasuringTapCallback):
     Rows whose query sees fewer than ``min_keys`` keys (by default only position 0, whose single weight is 1 and
     entropy 0 whatever the model does) count in ``max_logit`` only.
 
-    q and k are read where the attention product reads them, through the model's shared tap (one set of hooks per
-    layer, however many instruments watch it; :mod:`lnstab.callbacks._captures` says where, per model family):
-    lnstab's GPT (``attn.q_norm``/``attn.k_norm`` outputs, else ``c_attn``), Hugging Face GPT-2 (``c_attn``) and
-    Llama, Gemma, Mistral, Mixtral, Qwen2, Qwen3, Gemma 2, Gemma 3 and OLMo 2 (``q_proj``/``k_proj``, OLMo 2's, Qwen3's
-    and Gemma 3's ``q_norm``/``k_norm``, with the rotary embedding applied, grouped-query heads shared, sliding windows
-    and Gemma 2's soft-cap as each family's attention function receives them), or the projections a user names with
-    ``q_pattern``/``k_pattern``/``n_head`` (as they leave the projections: no rotary embedding or norm after them is
-    seen). The training step's attention (SDPA, fused kernels) is left as it is: on measuring steps
+    q and k are read where the attention product reads them, through the model's shared tap (one set of hooks per layer,
+    however many instruments watch it; :mod:`lnstab.callbacks._captures` says where, per model family): lnstab's GPT
+    (``attn.q_norm``/``attn.k_norm`` outputs, else ``c_attn``), Hugging Face GPT-2 (``c_attn``) and Llama, Gemma,
+    Mistral, Mixtral, Qwen2, Qwen3, Gemma 2, Gemma 3, OLMo and OLMo 2 (``q_proj``/``k_proj``, OLMo 2's, Qwen3's and
+    Gemma 3's ``q_norm``/``k_norm``, OLMo's clamped to its ``clip_qkv``, with the rotary embedding applied,
+    grouped-query heads shared, sliding windows and Gemma 2's soft-cap as each family's attention function receives
+    them), or the projections a user names with ``q_pattern``/``k_pattern``/``n_head`` (as they leave the projections:
+    no rotary embedding or norm after them is seen). The training step's attention (SDPA, fused kernels) is left as it
+    is: on measuring steps
     (``global_step % every_n_steps == 0``) the hooks form the logits again, one chunk of query rows at a time
     (at most ``chunk_elements`` float32 logits per chunk, in two such temporaries, and at least four chunks; keys
     after a chunk's last row are never formed), under ``no_grad`` with autocast off; on other steps they return at

@@ -85,6 +85,15 @@ def hf_model(kind: str) -> nn.Module:
                 layer.self_attn.q_norm.weight.normal_(0, 2)
                 layer.self_attn.k_norm.weight.normal_(0, 2)
         return model
+    if kind == "olmo":  # OLMo 1: q and k clamped to ±clip_qkv, a bound that binds here, then rotated
+        from transformers import OlmoConfig, OlmoForCausalLM
+
+        model = OlmoForCausalLM(OlmoConfig(**shape, clip_qkv=0.05, attn_implementation="sdpa"))
+        with torch.no_grad():  # projections well past the clip, so that leaving it out would show
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight *= 20
+                layer.self_attn.k_proj.weight *= 20
+        return model
     if kind == "olmo2":  # q and k normalised over all heads after the projections, then rotated
         from transformers import Olmo2Config, Olmo2ForCausalLM
 

@@ -1,6 +1,7 @@
-"""AttentionLogitStatistics on Hugging Face families (GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, OLMo 2):
-every statistic equals a direct computation on the q, k and weights the eager attention itself receives, with its
-scale, soft-cap and sliding window; user q/k patterns measure the projections before the rotary embedding."""
+"""AttentionLogitStatistics on Hugging Face families (GPT-2, Llama, Mistral, Mixtral, Gemma, Qwen2, Qwen3, Gemma 2,
+Gemma 3, OLMo, OLMo 2): every statistic equals a direct computation on the q, k and weights the eager attention itself
+receives, with its scale, soft-cap, sliding window and clamp; user q/k patterns measure the projections before the
+rotary embedding."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def eager_reference(hf: nn.Module, x: torch.Tensor, monkeypatch, kind: str) -> t
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "mistral", "mixtral", "gemma", "qwen2", "qwen3", "gemma2", "gemma3",
-                                  "olmo2"])
+                                  "olmo", "olmo2"])
 def test_hugging_face_models_against_eager_attention(tmp_path, monkeypatch, kind):
     hf = hf_model(kind)
     callback = AttentionLogitStatistics(every_n_steps=1)
@@ -68,6 +69,8 @@ def test_hugging_face_models_against_eager_attention(tmp_path, monkeypatch, kind
                        "gemma3": (5, None)}[kind]
             assert shape["window"] == windows[i]
         expected = direct([q], [k], scale, **shape)
+        if kind == "olmo":  # the clip binds: q and k as the projections left them would give other logits
+            assert q[:, :, 0].abs().max().item() == pytest.approx(0.05)  # position 0 is not rotated: clamped
         if shape["window"]:  # the window binds at T = 16: leaving it out would show
             assert direct([q], [k], scale)["entropy_mean"] != pytest.approx(expected["entropy_mean"], rel=1e-3)
         p = p.double()[..., 1:, :]  # the rows that count (min_keys=2)

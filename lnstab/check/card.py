@@ -141,7 +141,7 @@ def why(cid: str, s: dict[str, Any], refs: dict[str, dict[str, Any]], value: flo
         if not math.isfinite(value):
             if not sites.get("attention", True):
                 return ("q and k were not found (lnstab's GPT, Hugging Face GPT-2, Llama, Gemma, Mistral, Mixtral, "
-                        "Qwen2/3, Gemma 2/3 and OLMo 2 are recognised; name a factory model's with --q-pattern, "
+                        "Qwen2/3, Gemma 2/3, OLMo and OLMo 2 are recognised; name a factory model's with --q-pattern, "
                         "--k-pattern and --n-head), so the attention logits were not measured")
             return "every run diverged" if s["diverged"] == s["runs"] else "no attention logits were measured"
         text = (f"largest |q·k|/√d {value:.3g} at lr {a['lr']:g} (from {fmt(a['init'])} at initialisation); largest "
