@@ -88,6 +88,19 @@ def unrolled(sites: list[Site], order: list[int]) -> list[Site] | None:
                                                            not s.tag.startswith("L")]
 
 
+def per_call(blocks: list[Site], calls: list[tuple[int, tuple, dict]]) -> list[tuple[Site, tuple, dict]]:
+    """``(site, args, kwargs)`` to probe, from the calls ``(block index, args, kwargs)`` one forward made of
+    ``blocks`` in order: each block at its first call, or, where a block ran more than once, every call as a layer
+    of its own (tags as :func:`unrolled` gives them). A block that did not run raises ``KeyError``."""
+    sites = unrolled(blocks, [i for i, _, _ in calls])
+    if sites is None:
+        first: dict[int, tuple[tuple, dict]] = {}
+        for i, args, kwargs in calls:
+            first.setdefault(i, (args, kwargs))
+        return [(site, *first[i]) for i, site in enumerate(blocks)]
+    return [(site, args, kwargs) for site, (_, args, kwargs) in zip(sites, calls, strict=True)]
+
+
 def describe(names: dict[str, int]) -> str:
     """``'blocks.0' (4 calls)`` and ``N more``: the modules that ran more than once."""
     items = [f"{name!r} ({n} calls)" for name, n in names.items()]

@@ -19,6 +19,7 @@ from lnstab.errors import ConfigError
 from ._sites import BLOCK_PATTERN, Site, find_sites, first_tensor, log_metrics, probe_input
 from ._strategy import distributed, require_strategy, unsharded
 from ._tap import paused_taps
+from ._unroll import per_call
 
 
 def spectral_norm(
@@ -66,9 +67,11 @@ class JacobianSensitivity(Callback):
     * ``jacobian/sensitivity/<L>`` = ‖∇_X (B(X) − X)‖₂ = Δt‖∇_X f‖₂ (the residual branch alone);
     * ``jacobian/act_scale/<L>`` = mean |X| at the block's input (Proposition 7/8: sensitivity ∝ 1/scale).
 
-    Both norms come from power iteration (:func:`spectral_norm`). The module is put in eval mode (no dropout) and
-    restored afterwards; attention runs with the math SDPA kernel (forward-mode AD); nothing is written to ``.grad``.
-    The probe is the first ``probe_size`` rows of the first training batch's input (``batch[0]``,
+    A block that the probe's forward runs several times (a looped block, its weights shared across depth) is measured
+    at every call's input, each call a layer of its own in call order (``L00 … L03`` for one block looped four
+    times). Both norms come from power iteration (:func:`spectral_norm`). The module is put in eval mode (no
+    dropout) and restored afterwards; attention runs with the math SDPA kernel (forward-mode AD); nothing is written
+    to ``.grad``. The probe is the first ``probe_size`` rows of the first training batch's input (``batch[0]``,
     ``batch["input_ids"]`` or the batch tensor) of rank 0, broadcast to every rank, or ``probe``; the forward is
     ``pl_module(probe)``. It is measured once per optimizer step, before the step's first micro-batch; under FSDP
     with the full parameters gathered (:func:`lnstab.callbacks.unsharded`), every rank taking part.
@@ -154,11 +157,11 @@ class JacobianSensitivity(Callback):
             return self._measure(module)
 
     def _measure(self, pl_module: nn.Module) -> dict[str, float]:
-        inputs: dict[int, tuple[tuple, dict]] = {}
+        calls: list[tuple[int, tuple, dict]] = []  # (block, args, kwargs) in call order
 
         def keep(i: int) -> Callable:
             def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-                inputs.setdefault(i, (args, kwargs))
+                calls.append((i, args, kwargs))
 
             return hook
 
@@ -171,9 +174,9 @@ class JacobianSensitivity(Callback):
             for handle in handles:
                 handle.remove()
             values = []
+            probed = per_call(self.blocks, calls)  # a looped block: every call, a layer of its own
             with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
-                for i, site in enumerate(self.blocks):
-                    args, kwargs = inputs[i]
+                for site, args, kwargs in probed:
                     x = first_tensor(args).detach()
                     fn = block_call(site.module, args, kwargs)
                     full = spectral_norm(fn, x, self.n_iter, self.seed)
@@ -185,7 +188,7 @@ class JacobianSensitivity(Callback):
             pl_module.train(was_training)
         numbers = torch.stack(values).tolist() if values else []
         metrics = {}
-        for i, site in enumerate(self.blocks):
+        for i, (site, _, _) in enumerate(probed):
             full, branch, scale = numbers[3 * i : 3 * i + 3]
             metrics[f"jacobian/residual/{site.tag}"] = full
             metrics[f"jacobian/sensitivity/{site.tag}"] = branch

@@ -30,7 +30,7 @@ from lnstab import validation as check
 from lnstab.callbacks import spectral_norm
 from lnstab.callbacks._sites import find_sites, first_tensor, log_metrics, probe_input
 from lnstab.callbacks._tap import paused_taps
-from lnstab.callbacks._unroll import unrolled
+from lnstab.callbacks._unroll import per_call
 from lnstab.callbacks.jacobian import block_call
 
 
@@ -71,7 +71,7 @@ def measure_branches(root: nn.Module, blocks: list[Any], probe: torch.Tensor, n_
     """``jacobian/sensitivity/<tag>`` and ``jacobian/act_scale/<tag>`` of every block site on ``probe`` (eval mode,
     math attention, nothing written to ``.grad``, other instruments' taps paused); one host sync. A block that the
     forward runs several times (weights shared across depth) is probed at each call's input, each call a layer of
-    its own in call order (tags as :func:`lnstab.callbacks._unroll.unrolled` gives them)."""
+    its own in call order (:func:`lnstab.callbacks._unroll.per_call`)."""
     calls: list[tuple[int, tuple, dict]] = []  # (block, args, kwargs) in call order
 
     def keep(i: int) -> Callable:
@@ -90,15 +90,7 @@ def measure_branches(root: nn.Module, blocks: list[Any], probe: torch.Tensor, n_
                 root(probe)
             for handle in handles:
                 handle.remove()
-            order = [i for i, _, _ in calls]
-            sites = unrolled(blocks, order)
-            if sites is None:  # each block once: its first call (a block that did not run raises, as before)
-                first = {}
-                for i, args, kwargs in calls:
-                    first.setdefault(i, (args, kwargs))
-                probed = [(site, *first[i]) for i, site in enumerate(blocks)]
-            else:
-                probed = [(site, args, kwargs) for site, (_, args, kwargs) in zip(sites, calls, strict=True)]
+            probed = per_call(blocks, calls)
             with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
                 for site, args, kwargs in probed:
                     x = first_tensor(args).detach()
