@@ -46,6 +46,7 @@ class TapCallback(Callback):
     _open_step: int | None = None
     _told_unmeasured: bool = False
     _told_repeats: bool = False
+    _unrolled: bool = False
     # How an instrument that can tell the calls of a repeated module apart says so in the pooled-calls warning.
     unroll_hint: str = ""
 
@@ -62,6 +63,7 @@ class TapCallback(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        self.unroll_once(pl_module, batch)
         self._shut(pl_module, False)
 
     @override
@@ -101,6 +103,17 @@ class TapCallback(Callback):
         rank_zero_warn(f"{type(self).__name__}: {describe(names)} ran in one micro-batch (weights shared across "
                        "depth, or a training step that runs the model more than once); each of its sites pools all "
                        f"its calls{self.unroll_hint}; said once")
+
+    def unroll_once(self, pl_module: nn.Module, batch: Any) -> None:
+        """With ``unroll_repeats``, :meth:`unroll` once per fit (reset ``_unrolled`` in ``setup``), at the start of
+        the first training batch, before its step is measured (``on_train_batch_start`` calls it)."""
+        if getattr(self, "unroll_repeats", False) and not self._unrolled and self.subscription is not None:
+            self._unrolled = True
+            self.unroll(pl_module, batch)
+
+    def unroll(self, pl_module: nn.Module, batch: Any) -> None:
+        """Lay the sites out per call of a looped block (:meth:`unroll_sites`); instruments that can do so override
+        it."""
 
     def unroll_sites(self, pl_module: nn.Module, batch: Any, sites: list[Site], count: Sequence[nn.Module] = ()
                      ) -> tuple[list[Site], dict[int, int]] | None:

@@ -242,10 +242,7 @@ class GrowthBoundMonitor(TapCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self.unroll_repeats and not self._unrolled and self.subscription is not None:
-            self._unrolled = True  # counted once per fit, before the first step is measured
-            self._unroll(pl_module, batch)
-        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)  # unrolls first, where asked
         sub = self.subscription
         if sub is None or not self.sites or not self.step_begins(trainer):
             return
@@ -276,7 +273,8 @@ class GrowthBoundMonitor(TapCallback):
             self.unmeasured(self._step)
         sub.reset()
 
-    def _unroll(self, pl_module: nn.Module, batch: Any) -> None:
+    @override
+    def unroll(self, pl_module: nn.Module, batch: Any) -> None:
         """Count the calls of the layer sites and of the output norms in one forward; lay the sites out per call."""
         norms = [m for m, _, _ in self._find_updates(pl_module)]
         unrolled = self.unroll_sites(pl_module, batch, self._base_sites, count=norms)

@@ -9,6 +9,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+from torch import nn
 from typing_extensions import override
 
 from lnstab import validation as check
@@ -148,16 +149,11 @@ class HiddenStateStatistics(MeasuringTapCallback):
         self._unrolled = False
 
     @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if self.unroll_repeats and not self._unrolled and self.subscription is not None:
-            self._unrolled = True  # counted once per fit, before the first step is measured
-            unrolled = self.unroll_sites(pl_module, batch, self.sites)
-            if unrolled is not None:
-                self.sites = unrolled[0]
-                self.subscribe(pl_module, self.sites, [self.stats] * len(self.sites))
-        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+    def unroll(self, pl_module: nn.Module, batch: Any) -> None:
+        unrolled = self.unroll_sites(pl_module, batch, self.sites)
+        if unrolled is not None:
+            self.sites = unrolled[0]
+            self.subscribe(pl_module, self.sites, [self.stats] * len(self.sites))
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
