@@ -19,7 +19,7 @@ from test_callbacks_helpers import VOCAB, LitLM, StepClock, loader, tokens, trai
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lnstab.callbacks import GrowthBoundMonitor, HiddenStateStatistics, spectral_norm
+from lnstab.callbacks import GrowthBoundMonitor, HiddenStateStatistics, JacobianSensitivity, spectral_norm
 from lnstab.callbacks._sites import find_sites
 from lnstab.check.probes import _branch_call, measure_branches
 from lnstab.cli import main
@@ -195,6 +195,15 @@ def test_branch_probe_measures_every_call_at_its_own_input():
         assert got[f"jacobian/sensitivity/L{c:02d}"] == pytest.approx(reference, rel=1e-4)
         assert got[f"jacobian/act_scale/L{c:02d}"] == pytest.approx(x.abs().mean().item(), rel=1e-6)
     assert len({round(got[f"jacobian/act_scale/L{c:02d}"], 6) for c in range(3)}) == 3  # three depths, not one
+    full = JacobianSensitivity(probe=probe, n_iter=6, layer_pattern=r"block$")  # the callback's own probe, as well
+    lit = LitLM(model)
+    full.blocks = find_sites(lit, re.compile(r"block$"))
+    measured = full.measure(lit)
+    assert {k.rsplit("/", 1)[1] for k in measured} == {"L00", "L01", "L02"}  # before: L00 only, the first call
+    for c in range(3):
+        for metric in ("sensitivity", "act_scale"):
+            key = f"jacobian/{metric}/L{c:02d}"
+            assert measured[key] == pytest.approx(got[key], rel=1e-4)
 
 
 TINY = ["--no-reference", "--steps", "6", "--measure-every", "3", "--batch-size", "4", "--seq-len", "16", "--seeds",
