@@ -47,6 +47,7 @@ class TapCallback(Callback):
     _told_unmeasured: bool = False
     _told_repeats: bool = False
     _unrolled: bool = False
+    unroll_repeats: bool = False  # instruments that can lay a looped block out per call take it as an argument
     # How an instrument that can tell the calls of a repeated module apart says so in the pooled-calls warning.
     unroll_hint: str = ""
 
@@ -107,7 +108,7 @@ class TapCallback(Callback):
     def unroll_once(self, pl_module: nn.Module, batch: Any) -> None:
         """With ``unroll_repeats``, :meth:`unroll` once per fit (reset ``_unrolled`` in ``setup``), at the start of
         the first training batch, before its step is measured (``on_train_batch_start`` calls it)."""
-        if getattr(self, "unroll_repeats", False) and not self._unrolled and self.subscription is not None:
+        if self.unroll_repeats and not self._unrolled and self.subscription is not None:
             self._unrolled = True
             self.unroll(pl_module, batch)
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._sites import Site
+from ._sites import Site, probe_input
 from ._tap import paused_taps
 
 
@@ -84,8 +84,8 @@ def unrolled(sites: list[Site], order: list[int]) -> list[Site] | None:
         calls[i] = call + 1
         tag = f"L{layer:02d}" + (f"_{suffix}" if suffix else "")
         out.append(Site(tag, site.name, site.module, site.use_input, site.capture, call=call))
-    return [s for s in sites if s.tag == "embed"] + out + [s for s in sites if s.tag not in ("embed",) and
-                                                           not s.tag.startswith("L")]
+    return ([s for s in sites if s.tag == "embed"] + out
+            + [s for s in sites if s.tag != "embed" and not s.tag.startswith("L")])
 
 
 def per_call(blocks: list[Site], calls: list[tuple[int, tuple, dict]]) -> list[tuple[Site, tuple, dict]]:
@@ -109,8 +109,6 @@ def describe(names: dict[str, int]) -> str:
 
 def example_of(batch: Any, size: int = 1) -> torch.Tensor | None:
     """The model input of a training batch, ``size`` rows, or ``None`` when it cannot be found."""
-    from ._sites import probe_input
-
     try:
         return probe_input(batch, size)
     except Exception:  # noqa: BLE001  (an unknown batch: the instrument says it cannot unroll)

@@ -187,12 +187,11 @@ def grade(subject: Subject, subjects: list[Subject], runs: dict[str, list[Any]],
     (which the card names as ``shown`` when it is written elsewhere first, to be moved there)."""
     steps = protocol.optimisation.steps
     summaries = {s.key: summarise(runs[s.key], steps) for s in subjects}
-    repeated = {name: n for run in runs["checked"] for name, n in getattr(run, "repeated", {}).items()}
+    repeated = {name: n for run in runs["checked"] for name, n in run.repeated.items()}
     rows = build_rows(summaries, thresholds, {"norm_pattern": subject.sites.norm_pattern,
                                               "attention": subject.sites.attention, "logits": subject.sites.logits,
-                                              "repeated": repeated,
                                               "bound_unchecked": next((r.bound_unchecked for r in runs["checked"]
-                                                                       if getattr(r, "bound_unchecked", "")), "")})
+                                                                       if r.bound_unchecked), "")})
     drawn: list[str] = []
     if figures:
         from lnstab.check.figures import write_figures

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -339,7 +340,6 @@ def stress_run(
         hidden={s: {t: list(v) for t, v in by_tag.items()} for s, by_tag in hidden.values.items()},
         metrics=dict(recorder.by_step),
         wall_s=time.perf_counter() - started,
-        repeated={name: sum(s.name == name for s in hidden.sites) for name in
-                  dict.fromkeys(s.name for s in hidden.sites if s.call is not None)},
+        repeated=dict(Counter(s.name for s in hidden.sites if s.call is not None)),  # a site per call
         bound_unchecked=growth.unchecked or "",
     )
