@@ -69,8 +69,7 @@ class DivergenceMonitor(TapCallback):
 
     The attention and output-logit checks run only every ``stats_every_n_steps`` optimizer steps (``0``, the default:
     never), on lnstab's GPT and Hugging Face GPT-2, Llama, Gemma, Mistral, Mixtral, Qwen2/3, Gemma 2/3, OLMo and OLMo 2,
-    or on
-    any model whose q and k projections and output head are named by ``q_pattern``/``k_pattern``/``n_head`` and
+    or on any model whose q and k projections and output head are named by ``q_pattern``/``k_pattern``/``n_head`` and
     ``head_pattern`` (found as :class:`AttentionLogitStatistics` and :class:`OutputLogitStatistics` find them; on the
     same steps they share those instruments' hooks and views, so nothing is computed twice): their hooks are no-ops on
     other steps, and on those steps their values, reduced over ranks (a few more collectives and, with several ranks,
