@@ -327,6 +327,8 @@ def test_a_card_names_no_path_of_this_machine_and_says_where_it_was_made(tmp_pat
     made = report["provenance"]
     assert made["lnstab"].startswith("0.") and made["machine"]["cpu"] and made["machine"]["threads_per_worker"] == 1
     assert isinstance(made["machine"]["native_bf16"], bool | None)
+    assert made["machine"]["isa"] == torch.backends.cpu.get_cpu_capability()
+    assert f"cores, {made['machine']['isa']}, " in (out / "report.md").read_text()
     assert "Made by lnstab" in (out / "report.md").read_text()
     assert "train mode" in report["model"]["training"] and "precision 32-true" in report["protocol_text"]
     shown = public_command(["--data.path", "/srv/x/owt.jsonl.gz", "--out=/srv/y/card", "--steps", "3"])

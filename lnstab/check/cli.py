@@ -7,12 +7,14 @@
     lnstab check --factory mypkg.models:build --layer-pattern 'blocks\\.(\\d+)$' --lrs 1e-3,1e-2
 
     lnstab check --validate --data.path owt-sample.jsonl.gz      # the validation set: docs/check/validation
+    lnstab check --compare runs/check/old runs/check/new         # what changed between two cards (or validations)
 
 Exit status: 0 when no criterion fails, 1 when one does, 2 for a usage error (one line on stderr, nothing
 written), 3 when the checked model or the check itself fails (a stress run raised: one line on stderr naming the
 run, the traceback in ``<out>/error.txt``), so a CI gate never reads a crash as a verdict; ``128 + signal`` when
 SIGINT (Ctrl-C), SIGTERM or SIGHUP ended it (one line, no verdict, :mod:`lnstab.check.signals`). With ``--validate``:
-0 when every row of the validation set agrees with the published outcome, 1 when one does not.
+0 when every row of the validation set agrees with the published outcome, 1 when one does not. With ``--compare``:
+0 when the two sides have the same cards with the same verdicts, 1 when not (:mod:`lnstab.check.compare`).
 """
 
 from __future__ import annotations
@@ -137,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--supplement", help="With --validate: run one supplement of the main set (lnstab.check."
                                           "validation.SUPPLEMENTS): its rows and arguments, its protocol's expected "
                                           "verdicts (--out default docs/check/validation/supplements/ID).")
+    out.add_argument("--compare", nargs=2, metavar=("OLD", "NEW"),
+                     help="Compare two cards, or two --validate directories, already made (e.g. on two machines): "
+                          "changed verdicts, changed criterion statuses, how far the measurements moved; trains "
+                          "nothing.")
     return p
 
 
@@ -263,6 +269,9 @@ def main(argv: list[str] | None = None) -> None:
     typed = list(argv)  # what the user typed, before a supplement's own arguments are added
     model_args, rest = split_model_args(argv)
     args = build_parser().parse_args(rest)
+    if args.compare:
+        compare(args, model_args, rest)
+        return
     if args.workers is not None:
         validation.positive_int("--workers", args.workers)
     if args.overwrite and not args.validate:
@@ -307,6 +316,20 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.write(terminal(card))
     if card["exit_code"]:
         raise SystemExit(card["exit_code"])
+
+
+def compare(args: argparse.Namespace, model_args: dict[str, Any], rest: list[str]) -> None:
+    """``--compare OLD NEW``: print the report; exit 1 when a verdict (or the set of cards) differs."""
+    from lnstab.check.compare import compare as report
+
+    others = [a for a in rest if a.startswith("--") and a.split("=", 1)[0] != "--compare"]
+    if model_args or others:
+        first = f"--model.{next(iter(model_args))}" if model_args else others[0].split("=", 1)[0]
+        raise LNStabError(f"{first} is not used with --compare, which reads two finished cards and trains nothing")
+    text, code = report(*args.compare)
+    sys.stdout.write(text + "\n")
+    if code:
+        raise SystemExit(code)
 
 
 def run_check(args: argparse.Namespace, model_args: dict[str, Any], command: str) -> dict[str, Any]:

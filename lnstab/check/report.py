@@ -116,12 +116,14 @@ def repeated_text(repeated: dict[str, int]) -> str:
 
 
 def provenance(p: dict[str, Any]) -> str:
-    """``lnstab 0.1.0 (commit …) on AMD EPYC (2 cores, native bf16), 2 workers × 1 thread, torch 2.13``."""
+    """``lnstab 0.1.0 (commit …) on AMD EPYC (2 cores, AVX512, native bf16), 2 workers × 1 thread, torch 2.13``
+    (a card made before the ISA was recorded names none)."""
     m = p.get("machine", {})
     bf16 = {True: "native bf16", False: "no native bf16", None: "bf16 support unknown"}[m.get("native_bf16")]
     workers = m.get("workers", 1)
     threads = m.get("threads_per_worker", 1)
-    return (f"lnstab {p.get('lnstab', '?')} on {m.get('cpu', '?')} ({m.get('cores', '?')} cores, {bf16}), "
+    isa = f"{m['isa']}, " if m.get("isa") else ""
+    return (f"lnstab {p.get('lnstab', '?')} on {m.get('cpu', '?')} ({m.get('cores', '?')} cores, {isa}{bf16}), "
             f"{workers} worker{'s' if workers != 1 else ''} × {threads} thread{'s' if threads != 1 else ''}, "
             f"torch {m.get('torch', '?')}")
 

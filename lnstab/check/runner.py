@@ -119,9 +119,12 @@ def cpu_model() -> str:
 
 
 def machine(workers: int, threads: int) -> dict[str, Any]:
-    """The machine kind a card was made on: CPU model, cores, native bf16, threads and workers, torch."""
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "native_bf16": cpu_has_native_bf16(), "workers": workers,
-            "threads_per_worker": threads, "torch": torch.__version__, "os": platform.system()}
+    """The machine kind a card was made on: CPU model, cores, the vector instructions torch's CPU kernels use
+    (``isa``: ``AVX512``, ``AVX2``, ``DEFAULT`` …; fp32 runs at high learning rates round differently from one to
+    another, see docs/check/validation/across-machines.md), native bf16, threads and workers, torch."""
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "isa": torch.backends.cpu.get_cpu_capability(),
+            "native_bf16": cpu_has_native_bf16(), "workers": workers, "threads_per_worker": threads,
+            "torch": torch.__version__, "os": platform.system()}
 
 
 def public_path(text: str) -> str:

@@ -1,0 +1,136 @@
+"""``lnstab check --compare OLD NEW``: what changed between two cards, or two validation runs, made elsewhere.
+
+Each side is a card directory (``report.json``) or a validation directory (``summary.json`` and a card per row, as
+``--validate`` writes them). Cards are matched by row id and criteria by id. The report, in Markdown on stdout,
+gives where each side was made (paths shown as cards show them: no absolute path of this machine), every verdict
+that changed, every criterion whose status changed (with both sides' values and the thresholds they were graded
+against, which move with the references), and how far the measurements moved. It reads JSON only and trains
+nothing. Exit status 0 when every common card has the same verdict and both sides have the same cards, 1 otherwise
+(a gate: "did this card change against the last one?"), 2 for a usage error.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from lnstab.check.report import cell, provenance
+from lnstab.check.runner import public_path
+from lnstab.check.validation_notes import display
+from lnstab.errors import LNStabError
+
+SHORT = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "n/a": "n/a"}
+TOLERANCES = (1e-3, 1e-2, 1e-1)  # the relative moves the measurement summary counts within
+LARGEST = 10  # measurements listed by how far they moved
+
+
+def load_cards(path: str) -> tuple[str, dict[str, dict[str, Any]]]:
+    """``(kind, {row id: card})`` of a card directory (one card, id ``card``) or a validation directory."""
+    where = Path(path)
+    try:
+        if (where / "report.json").is_file():
+            return "card", {"card": _read(where / "report.json", path)}
+        if (where / "summary.json").is_file():
+            rows = _read(where / "summary.json", path).get("rows")
+            if not isinstance(rows, dict) or not rows:
+                raise LNStabError(f"--compare {path}: its summary.json lists no rows")
+            missing = [r for r in rows if not (where / r / "report.json").is_file()]
+            if missing:
+                raise LNStabError(f"--compare {path}: row {missing[0]} of its summary.json has no {missing[0]}/"
+                                  "report.json")
+            return "validation", {r: _read(where / r / "report.json", path) for r in rows}
+    except OSError as exc:
+        raise LNStabError(f"--compare {path} cannot be read ({exc.strerror or type(exc).__name__})") from None
+    raise LNStabError(f"--compare {path} is not allowed: give a card directory (report.json) or a validation "
+                      "directory (summary.json), as lnstab check writes them")
+
+
+def _read(file: Path, path: str) -> dict[str, Any]:
+    try:
+        data = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise LNStabError(f"--compare {path}: {file.name} is not JSON") from None
+    if not isinstance(data, dict) or file.name == "report.json" and not isinstance(data.get("criteria"), list):
+        raise LNStabError(f"--compare {path}: {file.name} is not lnstab check's (no criteria)")
+    return data
+
+
+def moved(a: Any, b: Any) -> float | None:
+    """The relative move from ``a`` to ``b`` (``|a − b| / max(|a|, |b|)``); 0 when both are the same non-finite
+    value or missing alike, ``inf`` when only one is finite, ``None`` when either is not a number."""
+    if a is None and b is None:
+        return 0.0
+    if not (isinstance(a, int | float) and isinstance(b, int | float)) or isinstance(a, bool) or isinstance(b, bool):
+        return None if a is not None and b is not None else math.inf
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return 0.0 if repr(float(a)) == repr(float(b)) else math.inf
+    scale = max(abs(a), abs(b))
+    return 0.0 if scale == 0 else abs(a - b) / scale
+
+
+def _value(cid: str, c: dict[str, Any]) -> str:
+    bands = [f"{level} {display(cid, c.get(level))}" for level in ("warn", "fail") if c.get(level) is not None]
+    return f"{SHORT.get(c.get('status'), c.get('status'))} {display(cid, c.get('measured'))}" + (
+        f" ({', '.join(bands)})" if bands else "")
+
+
+def compare(old: str, new: str) -> tuple[str, int]:
+    """The Markdown report of ``old`` against ``new`` and the exit status (0: the same verdicts on the same cards)."""
+    kind_a, a = load_cards(old)
+    kind_b, b = load_cards(new)
+    if kind_a != kind_b:
+        raise LNStabError(f"--compare {old} is a {kind_a} and {new} a {kind_b}: compare a card with a card, or a "
+                          "validation with a validation")
+    common = [r for r in a if r in b]
+    only = [f"only in {side}: {', '.join(rows)}" for side, rows in
+            (("OLD", [r for r in a if r not in b]), ("NEW", [r for r in b if r not in a])) if rows]
+    verdicts = [(r, a[r].get("status"), b[r].get("status")) for r in common
+                if a[r].get("status") != b[r].get("status")]
+    cells, moves = [], []
+    n_criteria = 0
+    for r in common:
+        by_id = {c.get("id"): c for c in b[r]["criteria"] if isinstance(c, dict)}
+        for ca in a[r]["criteria"]:
+            cb = by_id.get(ca.get("id")) if isinstance(ca, dict) else None
+            if cb is None or ca.get("id") is None:
+                continue
+            n_criteria += 1
+            if ca.get("status") != cb.get("status"):
+                cells.append((r, ca["id"], _value(ca["id"], ca), _value(ca["id"], cb)))
+            m = moved(ca.get("measured"), cb.get("measured"))
+            if m is not None:
+                moves.append((m, r, ca["id"], ca.get("measured"), cb.get("measured")))
+    made = [f"- OLD `{public_path(old)}`: {_made(a)}", f"- NEW `{public_path(new)}`: {_made(b)}"]
+    lines = [f"# `lnstab check --compare`: {len(common)} {'card' if kind_a == 'card' else 'row'}"
+             f"{'s' if len(common) != 1 else ''} in common", "", *made, "",
+             f"**Verdicts: {len(common) - len(verdicts)} of {len(common)} the same**"
+             + (f"; {'; '.join(only)}" if only else "") + ".", ""]
+    if verdicts:
+        lines += ["| row | OLD | NEW |", "|---|---|---|",
+                  *[f"| {r} | {SHORT.get(x, x)} | {SHORT.get(y, y)} |" for r, x, y in verdicts], ""]
+    lines += [f"**Criterion statuses: {n_criteria - len(cells)} of {n_criteria} the same.** A status may change "
+              "because the measurement moved or because its thresholds did (most are set by the references' "
+              "measurements, which move too).", ""]
+    if cells:
+        lines += ["| row | criterion | OLD | NEW |", "|---|---|---|---|",
+                  *[f"| {r} | `{cid}` | {cell(x)} | {cell(y)} |" for r, cid, x, y in cells], ""]
+    finite = [m for m in moves if math.isfinite(m[0])]
+    within = ", ".join(f"{sum(m[0] <= t for m in moves)} within {t:.1%}".replace(".0%", "%") for t in TOLERANCES)
+    lines += [f"**Measurements: {len(moves)} compared**: {within}"
+              + (f", {len(moves) - len(finite)} finite on one side only" if len(finite) < len(moves) else "")
+              + (f"; median move {sorted(m[0] for m in finite)[len(finite) // 2]:.2%}" if finite else "") + ".", ""]
+    largest = sorted((m for m in moves if m[0] > 0), key=lambda m: -m[0])[:LARGEST]
+    if largest:
+        lines += ["Largest moves:", "", "| row | criterion | OLD | NEW | moved |", "|---|---|---|---|---|",
+                  *[f"| {r} | `{cid}` | {display(cid, x)} | {display(cid, y)} | "
+                    f"{'one side not finite' if not math.isfinite(m) else f'{m:.1%}'} |"
+                    for m, r, cid, x, y in largest], ""]
+    return "\n".join(lines), int(bool(verdicts or only))
+
+
+def _made(cards: dict[str, dict[str, Any]]) -> str:
+    where = {provenance(c["provenance"]) if c.get("provenance") else "provenance not recorded"
+             for c in cards.values()}
+    return "; ".join(sorted(where))

@@ -1,0 +1,134 @@
+"""``lnstab check --compare``: two finished cards, or two validation runs, against each other. The fixtures are the
+committed validation set (docs/check/validation), copied and changed where a test needs a difference."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from lnstab.check.compare import compare, moved
+from lnstab.cli import main
+
+VALIDATION = Path(__file__).resolve().parents[1] / "docs" / "check" / "validation"
+
+
+def copy_set(where: Path) -> Path:
+    summary = json.loads((VALIDATION / "summary.json").read_text())
+    where.mkdir()
+    shutil.copy(VALIDATION / "summary.json", where / "summary.json")
+    for row in summary["rows"]:
+        shutil.copytree(VALIDATION / row, where / row)
+    return where
+
+
+def edit(card: Path, change) -> None:
+    data = json.loads(card.read_text())
+    change(data)
+    card.write_text(json.dumps(data))
+
+
+def criterion(data: dict, cid: str) -> dict:
+    return next(c for c in data["criteria"] if c["id"] == cid)
+
+
+def test_a_set_against_itself_changes_nothing_and_exits_0(tmp_path, capsys) -> None:
+    copy = copy_set(tmp_path / "copy")
+    rows = json.loads((VALIDATION / "summary.json").read_text())["rows"]
+    n_criteria = sum(len(json.loads((VALIDATION / r / "report.json").read_text())["criteria"]) for r in rows)
+    main(["check", "--compare", str(VALIDATION), str(copy)])  # no SystemExit: status 0
+    out = capsys.readouterr().out
+    assert f"**Verdicts: {len(rows)} of {len(rows)} the same**" in out
+    assert f"**Criterion statuses: {n_criteria} of {n_criteria} the same.**" in out
+    compared = int(out.split("**Measurements: ")[1].split(" compared")[0])
+    assert 0 < compared <= n_criteria and f"{compared} within 0.1%" in out and "Largest moves" not in out
+
+
+def test_a_changed_verdict_status_and_measurement_are_each_reported_and_exit_1(tmp_path) -> None:
+    new = copy_set(tmp_path / "new")
+    old_pre = json.loads((VALIDATION / "pre-ln" / "report.json").read_text())
+    spread = criterion(old_pre, "grad_spread")
+
+    def fail_on_spread(data: dict) -> None:  # Pre-LN's gradient spread doubled and now beyond its fail band
+        data["status"] = "fail"
+        c = criterion(data, "grad_spread")
+        c["measured"], c["status"] = 2 * c["measured"], "fail"
+
+    edit(new / "pre-ln" / "report.json", fail_on_spread)
+    edit(new / "peri-ln" / "report.json", lambda d: criterion(d, "loss").update(measured=math.nan))
+    text, code = compare(str(VALIDATION), str(new))
+    assert code == 1
+    assert "| pre-ln | WARN | FAIL |" in text
+    assert "**Verdicts: 11 of 12 the same**" in text
+    assert "| pre-ln | `grad_spread` | PASS ×" in text and "| FAIL ×" in text
+    largest = text.split("Largest moves:")[1]
+    assert "| pre-ln | `grad_spread` |" in largest and "| 50.0% |" in largest
+    assert "| peri-ln | `loss` |" in largest and "one side not finite" in largest
+    assert "1 finite on one side only" in text
+    assert spread["status"] == "pass"  # the fixture's premise: Pre-LN passes on gradient spread
+
+
+def test_cards_missing_on_one_side_are_named_and_exit_1(tmp_path) -> None:
+    new = copy_set(tmp_path / "new")
+    summary = json.loads((new / "summary.json").read_text())
+    del summary["rows"]["rezero"]
+    (new / "summary.json").write_text(json.dumps(summary))
+    text, code = compare(str(VALIDATION), str(new))
+    assert code == 1 and "**Verdicts: 11 of 11 the same**; only in OLD: rezero." in text
+
+
+def test_two_single_cards_compare(tmp_path) -> None:
+    shutil.copytree(VALIDATION / "olmo2", tmp_path / "a")
+    shutil.copytree(VALIDATION / "olmo2", tmp_path / "b")
+    edit(tmp_path / "b" / "report.json", lambda d: d["provenance"]["machine"].update(cpu="Another CPU", isa="AVX2"))
+    text, code = compare(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert code == 0 and "1 card in common" in text and "**Verdicts: 1 of 1 the same**" in text
+    assert "NEW `" in text and "Another CPU (2 cores, AVX2, " in text
+
+
+@pytest.mark.parametrize(
+    ("setup", "expected"),
+    [
+        ("empty", "is not allowed: give a card directory (report.json) or a validation directory (summary.json)"),
+        ("garbage", "report.json is not JSON"),
+        ("foreign", "report.json is not lnstab check's (no criteria)"),
+        ("row-missing", "row deepnorm of its summary.json has no deepnorm/report.json"),
+        ("card-vs-set", "is a card and"),
+        ("model-arg", "--model.n_layer is not used with --compare"),
+        ("other-arg", "--steps is not used with --compare"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, setup, expected) -> None:
+    side = tmp_path / "side"
+    side.mkdir()
+    old = str(VALIDATION)
+    extra: list[str] = []
+    if setup == "garbage":
+        (side / "report.json").write_text("{not json")
+    elif setup == "foreign":
+        (side / "report.json").write_text('{"status": "pass"}')
+    elif setup == "row-missing":
+        side = copy_set(tmp_path / "set")
+        shutil.rmtree(side / "deepnorm")
+    elif setup == "card-vs-set":
+        old = str(VALIDATION / "olmo2")
+        side = VALIDATION
+    elif setup == "model-arg":
+        extra = ["--model.n_layer", "8"]
+    elif setup == "other-arg":
+        extra = ["--steps", "6"]
+    with pytest.raises(SystemExit) as info:
+        main(["check", "--compare", old, str(side if setup not in ("model-arg", "other-arg") else VALIDATION), *extra])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and err.startswith("lnstab: error: ") and expected in err and "\n" not in err, err
+
+
+def test_moved_is_relative_and_says_what_cannot_be_compared() -> None:
+    assert moved(2.0, 1.0) == 0.5 and moved(-1.0, 1.0) == 2.0 and moved(0.0, 0.0) == 0.0
+    assert moved(None, None) == 0.0 and moved(1.0, None) == math.inf
+    assert moved(math.inf, math.inf) == 0.0 and moved(math.nan, math.nan) == 0.0
+    assert moved(math.inf, 1.0) == math.inf and moved(math.nan, 1.0) == math.inf
+    assert moved("n/a", 1.0) is None and moved(True, 1.0) is None
