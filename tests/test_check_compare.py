@@ -132,3 +132,19 @@ def test_moved_is_relative_and_says_what_cannot_be_compared() -> None:
     assert moved(math.inf, math.inf) == 0.0 and moved(math.nan, math.nan) == 0.0
     assert moved(math.inf, 1.0) == math.inf and moved(math.nan, 1.0) == math.inf
     assert moved("n/a", 1.0) is None and moved(True, 1.0) is None
+
+
+def test_a_row_made_of_another_model_protocol_or_data_is_said_to_be_another_check(tmp_path) -> None:
+    new = copy_set(tmp_path / "new")
+    edit(new / "olmo2" / "report.json",
+         lambda d: d["model"].update(description=d["model"]["description"].replace("z_loss 1e-05", "z_loss 0.0001")))
+    edit(new / "rezero" / "report.json",
+         lambda d: d.update(protocol_text=d["protocol_text"].replace("30 steps", "60 steps")))
+    text, code = compare(str(VALIDATION), str(new))
+    assert code == 0  # the verdicts are the same; the report says the check is not
+    table = text.split("**Not the same check**")[1].split("**Criterion statuses")[0]
+    assert "| olmo2 | model | checked (output" in table and "z_loss 0.0001" in table
+    assert "| rezero | protocol | 18 stress runs" in table and "60 steps" in table
+    assert table.count("\n| ") == 3  # the header and the two rows: nothing else differs
+    same, _ = compare(str(VALIDATION), str(copy_set(tmp_path / "same")))
+    assert "Not the same check" not in same

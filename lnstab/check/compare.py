@@ -2,11 +2,12 @@
 
 Each side is a card directory (``report.json``) or a validation directory (``summary.json`` and a card per row, as
 ``--validate`` writes them). Cards are matched by row id and criteria by id. The report, in Markdown on stdout,
-gives where each side was made (paths shown as cards show them: no absolute path of this machine), every verdict
-that changed, every criterion whose status changed (with both sides' values and the thresholds they were graded
-against, which move with the references), and how far the measurements moved. It reads JSON only and trains
-nothing. Exit status 0 when every common card has the same verdict and both sides have the same cards, 1 otherwise
-(a gate: "did this card change against the last one?"), 2 for a usage error.
+gives where each side was made (paths shown as cards show them: no absolute path of this machine), the rows whose
+model, protocol or data differ (then what moved is not only the machine's), every verdict that changed, every
+criterion whose status changed (with both sides' values and the thresholds they were graded against, which move
+with the references), and how far the measurements moved. It reads JSON only and trains nothing. Exit status 0
+when every common card has the same verdict and both sides have the same cards, 1 otherwise (a gate: "did this
+card change against the last one?"), 2 for a usage error.
 """
 
 from __future__ import annotations
@@ -103,10 +104,15 @@ def compare(old: str, new: str) -> tuple[str, int]:
             if m is not None:
                 moves.append((m, r, ca["id"], ca.get("measured"), cb.get("measured")))
     made = [f"- OLD `{public_path(old)}`: {_made(a)}", f"- NEW `{public_path(new)}`: {_made(b)}"]
+    inputs = [(r, what, x, y) for r in common for what, x, y in _inputs(a[r], b[r])]
     lines = [f"# `lnstab check --compare`: {len(common)} {'card' if kind_a == 'card' else 'row'}"
              f"{'s' if len(common) != 1 else ''} in common", "", *made, "",
              f"**Verdicts: {len(common) - len(verdicts)} of {len(common)} the same**"
              + (f"; {'; '.join(only)}" if only else "") + ".", ""]
+    if inputs:
+        lines += ["**Not the same check**: these cards were made of another model, protocol or data, so what moved is "
+                  "not only the machine's:", "", "| row | what | OLD | NEW |", "|---|---|---|---|",
+                  *[f"| {r} | {what} | {cell(x)} | {cell(y)} |" for r, what, x, y in inputs], ""]
     if verdicts:
         lines += ["| row | OLD | NEW |", "|---|---|---|",
                   *[f"| {r} | {SHORT.get(x, x)} | {SHORT.get(y, y)} |" for r, x, y in verdicts], ""]
@@ -128,6 +134,15 @@ def compare(old: str, new: str) -> tuple[str, int]:
                     f"{'one side not finite' if not math.isfinite(m) else f'{m:.1%}'} |"
                     for m, r, cid, x, y in largest], ""]
     return "\n".join(lines), int(bool(verdicts or only))
+
+
+INPUTS = (("model", lambda c: (c.get("model") or {}).get("description")),
+          ("protocol", lambda c: c.get("protocol_text")), ("data", lambda c: c.get("data_text")))
+
+
+def _inputs(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """What a card was made of (the model, the protocol, the data) where the two cards differ."""
+    return [(what, get(a), get(b)) for what, get in INPUTS if get(a) != get(b)]
 
 
 def _made(cards: dict[str, dict[str, Any]]) -> str:
