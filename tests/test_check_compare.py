@@ -80,6 +80,17 @@ def test_cards_missing_on_one_side_are_named_and_exit_1(tmp_path) -> None:
     assert code == 1 and "**Verdicts: 11 of 11 the same**; only in OLD: rezero." in text
 
 
+def test_a_non_finite_measurement_as_cards_store_it_is_read_back_as_a_number(tmp_path) -> None:
+    # report.json stores NaN as {"$float": "nan"} (strict JSON); Pre-LN's bound is one (n/a: no output norms)
+    assert criterion(json.loads((VALIDATION / "pre-ln" / "report.json").read_text()), "bound")["measured"] == {
+        "$float": "nan"}
+    shutil.copytree(VALIDATION / "pre-ln", tmp_path / "a")
+    shutil.copytree(VALIDATION / "olmo2", tmp_path / "b")  # its bound is measured: a number on one side only
+    text, code = compare(str(tmp_path / "a"), str(tmp_path / "b"))  # before: a TypeError on the tagged object
+    assert code == 0  # both cards warn
+    assert "| card | `bound` | n/a " in text and "one side not finite" in text
+
+
 def test_two_single_cards_compare(tmp_path) -> None:
     shutil.copytree(VALIDATION / "olmo2", tmp_path / "a")
     shutil.copytree(VALIDATION / "olmo2", tmp_path / "b")
@@ -93,7 +104,7 @@ def test_two_single_cards_compare(tmp_path) -> None:
     ("setup", "expected"),
     [
         ("empty", "is not allowed: give a card directory (report.json) or a validation directory (summary.json)"),
-        ("garbage", "report.json is not JSON"),
+        ("garbage", "report.json is damaged: not valid JSON at line 1"),
         ("foreign", "report.json is not lnstab check's (no criteria)"),
         ("row-missing", "row deepnorm of its summary.json has no deepnorm/report.json"),
         ("card-vs-set", "is a card and"),

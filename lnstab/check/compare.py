@@ -12,7 +12,6 @@ card change against the last one?"), 2 for a usage error.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from lnstab.check.report import cell, provenance
 from lnstab.check.runner import public_path
 from lnstab.check.validation_notes import display
 from lnstab.errors import LNStabError
+from lnstab.rundir import read_json
 
 SHORT = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "n/a": "n/a"}
 TOLERANCES = (1e-3, 1e-2, 1e-1)  # the relative moves the measurement summary counts within
@@ -49,10 +49,9 @@ def load_cards(path: str) -> tuple[str, dict[str, dict[str, Any]]]:
 
 
 def _read(file: Path, path: str) -> dict[str, Any]:
-    try:
-        data = json.loads(file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise LNStabError(f"--compare {path}: {file.name} is not JSON") from None
+    """A card's or summary's JSON, read within lnstab's bounds for files from outside (size, depth, UTF-8), its
+    tagged non-finite numbers (``{"$float": "nan"}``) back as floats; a damaged file is a one-line error."""
+    data = read_json(file)
     if not isinstance(data, dict) or file.name == "report.json" and not isinstance(data.get("criteria"), list):
         raise LNStabError(f"--compare {path}: {file.name} is not lnstab check's (no criteria)")
     return data
@@ -71,9 +70,14 @@ def moved(a: Any, b: Any) -> float | None:
     return 0.0 if scale == 0 else abs(a - b) / scale
 
 
+def shown(cid: str, value: Any) -> str:
+    """A value as the card reads it (:func:`~lnstab.check.validation_notes.display`), anything else as text."""
+    return display(cid, value) if isinstance(value, int | float) and not isinstance(value, bool) else str(value)
+
+
 def _value(cid: str, c: dict[str, Any]) -> str:
-    bands = [f"{level} {display(cid, c.get(level))}" for level in ("warn", "fail") if c.get(level) is not None]
-    return f"{SHORT.get(c.get('status'), c.get('status'))} {display(cid, c.get('measured'))}" + (
+    bands = [f"{level} {shown(cid, c.get(level))}" for level in ("warn", "fail") if c.get(level) is not None]
+    return f"{SHORT.get(c.get('status'), c.get('status'))} {shown(cid, c.get('measured'))}" + (
         f" ({', '.join(bands)})" if bands else "")
 
 
@@ -130,7 +134,7 @@ def compare(old: str, new: str) -> tuple[str, int]:
     largest = sorted((m for m in moves if m[0] > 0), key=lambda m: -m[0])[:LARGEST]
     if largest:
         lines += ["Largest moves:", "", "| row | criterion | OLD | NEW | moved |", "|---|---|---|---|---|",
-                  *[f"| {r} | `{cid}` | {display(cid, x)} | {display(cid, y)} | "
+                  *[f"| {r} | `{cid}` | {shown(cid, x)} | {shown(cid, y)} | "
                     f"{'one side not finite' if not math.isfinite(m) else f'{m:.1%}'} |"
                     for m, r, cid, x, y in largest], ""]
     return "\n".join(lines), int(bool(verdicts or only))
