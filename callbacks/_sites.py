@@ -9,7 +9,9 @@ order: ``embed``, ``L00_attn``, ``L00_mlp``, ``L01_attn`` …, ``final``.
 from __future__ import annotations
 
 import importlib
+import math
 import re
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -183,12 +185,86 @@ def first_tensor(obj: Any) -> torch.Tensor | None:
     return None
 
 
-def log_metrics(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
-    """Send ``metrics`` to every logger at ``step`` (loggers write on rank zero only)."""
+def log_metrics(trainer: pl.Trainer, metrics: dict[str, float], step: int, owner: LogsMetrics | None = None) -> None:
+    """Send ``metrics`` to every logger at ``step`` (loggers write on rank zero only); an ``owner``'s names carry its
+    ``metric_prefix``, and a name that another owner logged at the same step with another value is warned of, once
+    per pair of owners (:class:`LogsMetrics`)."""
     if not metrics:
         return
+    if owner is not None:
+        metrics = {owner.prefixed(name): value for name, value in metrics.items()}
+        _claim(trainer, owner, metrics, step)
     for logger in getattr(trainer, "loggers", []):
         logger.log_metrics(metrics, step=step)
+
+
+class LogsMetrics:
+    """What lnstab's logging instruments share: ``metric_prefix`` (``None``: the names as each documents them;
+    ``"mlp"``: ``mlp/hidden/mean_abs/L00`` …), kept in the state key only when set, so a default instance keeps the
+    key its checkpoints were saved under; and :meth:`log_step`. Two instances of one instrument on other sites may
+    tag them alike (blocks matched by one ``layer_pattern``, their attention modules by another: ``L00`` … both):
+    their metrics would then share names, and a logger would keep both values under one; the first step on which
+    that happens is said in a warning naming both and ``metric_prefix``. Overlapping names with equal values (the
+    same site watched by both) are not warned of."""
+
+    metric_prefix: str | None = None
+
+    def prefixed(self, name: str) -> str:
+        """``name`` as this instance logs it."""
+        return f"{self.metric_prefix}/{name}" if self.metric_prefix else name
+
+    def log_step(self, trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
+        """:func:`log_metrics` with this instance as the owner."""
+        log_metrics(trainer, metrics, step, owner=self)
+
+    def _generate_state_key(self, **kwargs: Any) -> str:
+        if self.metric_prefix is not None:
+            kwargs["metric_prefix"] = self.metric_prefix
+        return super()._generate_state_key(**kwargs)  # type: ignore[misc]  # Lightning's Callback's
+
+
+# Per trainer: the last owner, step and value of every metric name an instrument logged, and the pairs told of.
+_LOGGED: weakref.WeakKeyDictionary[Any, dict[str, tuple[LogsMetrics, int, float]]] = weakref.WeakKeyDictionary()
+_TOLD: weakref.WeakKeyDictionary[Any, set[tuple[int, int]]] = weakref.WeakKeyDictionary()
+
+
+def _same(a: float, b: float) -> bool:
+    if not (isinstance(a, float | int) and isinstance(b, float | int)):
+        return a == b
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return a == b or abs(a - b) <= 1e-6 * max(abs(a), abs(b))
+
+
+def _claim(trainer: pl.Trainer, owner: LogsMetrics, metrics: dict[str, float], step: int) -> None:
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    try:
+        seen = _LOGGED.setdefault(trainer, {})
+        told = _TOLD.setdefault(trainer, set())
+    except TypeError:  # a stand-in trainer that cannot be weakly referenced or hashed: nothing to compare with
+        return
+    for name, value in metrics.items():
+        before = seen.get(name)
+        if before is not None and before[0] is not owner and before[1] == step and not _same(before[2], value):
+            pair = (id(before[0]), id(owner))
+            if pair not in told:
+                told.add(pair)
+                rank_zero_warn(
+                    f"{before[0].state_key} and {owner.state_key} both log {name!r} at step {step}, with other values "
+                    f"({_num(before[2])} and {_num(value)}): a logger keeps both under one name. Give one of them its own "
+                    f"metric_prefix (e.g. metric_prefix='{_suggest(owner)}') so that each logs apart")
+        seen[name] = (owner, step, value)
+
+
+def _num(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float | int) else str(value)
+
+
+def _suggest(owner: LogsMetrics) -> str:
+    pattern = getattr(getattr(owner, "layer_pattern", None), "pattern", None) or ""
+    words = re.findall(r"[A-Za-z_]{2,}", pattern.split(")")[-1] if ")" in pattern else pattern)
+    return words[-1] if words else "other"
 
 
 def tensorboard_writer(trainer: pl.Trainer) -> Any | None:

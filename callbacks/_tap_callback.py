@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from ._sites import Site, log_metrics
+from ._sites import LogsMetrics, Site
 from ._strategy import distributed
 from ._tap import TAP_ATTR, SharedTap, Subscription
 from ._unroll import call_order, describe, example_of, repeated, unrolled
@@ -30,7 +30,7 @@ def captured_everywhere(sub: Subscription | None, trainer: Any) -> bool:
     return complete
 
 
-class TapCallback(Callback):
+class TapCallback(LogsMetrics, Callback):
     """A callback that reads the residual stream through its model's :class:`SharedTap` and knows the optimizer-step
     boundary: :meth:`step_begins` is true on the first micro-batch of an optimizer step, :meth:`step_ended` once its
     last micro-batch has run (the optimizer stepped). Subscribes in ``setup`` (:meth:`subscribe`), closes in
@@ -231,7 +231,7 @@ class MeasuringTapCallback(TapCallback):
             for stat, row in zip(self.stats, values, strict=True)
             for site, value in zip(sub.sites, row, strict=True)
         }
-        log_metrics(trainer, self.last, step)
+        self.log_step(trainer, self.last, step)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -61,6 +61,8 @@ class AttentionLogitStatistics(MeasuringTapCallback):
         chunk_elements: Logits per chunk of query rows (at least one row per chunk).
         min_keys: Rows that see fewer keys count in ``max_logit`` only (``1``: every row counts).
         collapse_weight: A row whose largest weight exceeds this is collapsed.
+        metric_prefix: Log every metric as ``<metric_prefix>/<name>`` (``None``: the names below), for a second
+            instance whose sites share tags with another's (:class:`~lnstab.callbacks._sites.LogsMetrics`).
 
     **Logged metrics** (``Lxx`` is the block index, zero-padded):
         ``attn/max_logit/Lxx``, ``attn/entropy_mean/Lxx``, ``attn/entropy_min/Lxx``, ``attn/collapsed/Lxx``.
@@ -86,9 +88,11 @@ class AttentionLogitStatistics(MeasuringTapCallback):
         chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
         min_keys: int = 2,
         collapse_weight: float = COLLAPSE_WEIGHT,
+        metric_prefix: str | None = None,
     ) -> None:
         super().__init__()
         self.every_n_steps = check.positive_int("every_n_steps", every_n_steps)
+        self.metric_prefix = check.metric_prefix("metric_prefix", metric_prefix)
         self.q_pattern, self.k_pattern, self.n_head, self.scale = qk_arguments(q_pattern, k_pattern, n_head, scale)
         self.options = {
             "chunk_elements": check.positive_int("chunk_elements", chunk_elements),

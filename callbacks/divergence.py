@@ -18,7 +18,7 @@ from lnstab.errors import ConfigError
 from lnstab.rundir import EVENTS_FILE, atomic_write_text, json_safe, run_dir, update_summary
 
 from ._captures import HEAD_PATTERN, qk_arguments
-from ._sites import Site, auto_sites, log_metrics, no_sites
+from ._sites import Site, auto_sites, no_sites
 from ._stat_checks import StatChecks
 from ._strategy import all_reduce_, count_nonfinite, distributed, params_sharded, require_strategy
 from ._tap_callback import TapCallback
@@ -108,6 +108,8 @@ class DivergenceMonitor(TapCallback):
             in :class:`OutputLogitStatistics`; default: Hugging Face's ``lm_head``).
         q_pattern, k_pattern, n_head, scale: The q and k projections of a model whose attention is not recognised,
             as in :class:`AttentionLogitStatistics` (``None``: found automatically).
+        metric_prefix: Log every metric as ``<metric_prefix>/<name>`` (``None``: the names below), for a second
+            instance whose sites share tags with another's (:class:`~lnstab.callbacks._sites.LogsMetrics`).
 
     **Logged metrics**:
         ``divergence/events`` (cumulative count, at each step with an event).
@@ -141,9 +143,11 @@ class DivergenceMonitor(TapCallback):
         k_pattern: str | None = None,
         n_head: int | None = None,
         scale: float | None = None,
+        metric_prefix: str | None = None,
     ) -> None:
         self.policy = check.choice("policy", policy, POLICIES)
         self.every_n_steps = check.positive_int("every_n_steps", every_n_steps)
+        self.metric_prefix = check.metric_prefix("metric_prefix", metric_prefix)
         self.window = check.positive_int("window", window)
         self.spike_k = check.number("spike_k", spike_k, 0, low_open=True)
         self.grad_norm_threshold = check.optional_number("grad_norm_threshold", grad_norm_threshold, 0, low_open=True)
@@ -364,7 +368,7 @@ class DivergenceMonitor(TapCallback):
         if not new:
             return
         self.events.extend(new)
-        log_metrics(trainer, {"divergence/events": float(len(self.events))}, step)
+        self.log_step(trainer, {"divergence/events": float(len(self.events))}, step)
         self._write_events(trainer)
 
     @rank_zero_only

@@ -11,7 +11,7 @@ from typing_extensions import override
 
 from lnstab import validation as check
 
-from ._sites import PARAM_LAYER_PATTERN, clean_name, log_metrics
+from ._sites import PARAM_LAYER_PATTERN, LogsMetrics, clean_name
 from ._strategy import reduce_over_shards_, require_strategy
 
 
@@ -30,7 +30,7 @@ def group_norms(tensors: list[torch.Tensor], groups: torch.Tensor, n_groups: int
     return norms[:-1], norms[-1]
 
 
-class GradientStatistics(Callback):
+class GradientStatistics(LogsMetrics, Callback):
     """Per-layer L2 norms of the gradients and of the weights, and the total gradient norm.
 
     Computed in ``on_before_optimizer_step`` — once per optimizer step, after the last micro-batch's backward, DDP's
@@ -44,6 +44,8 @@ class GradientStatistics(Callback):
         every_n_steps: Log on optimizer steps ``0, N, 2N, …``.
         layer_pattern: Regex with one capture group, the layer index; default matches ``h.<i>.`` (lnstab, Hugging
             Face GPT-2) and ``layers.<i>.`` (``nn.TransformerEncoder``).
+        metric_prefix: Log every metric as ``<metric_prefix>/<name>`` (``None``: the names below), for a second
+            instance whose sites share tags with another's (:class:`~lnstab.callbacks._sites.LogsMetrics`).
 
     **Logged metrics**:
         ``grad/norm/L07``, ``weight/norm/L07`` (each layer), ``grad/norm/total``, ``weight/norm/total``.
@@ -56,8 +58,10 @@ class GradientStatistics(Callback):
         trainer = Trainer(callbacks=[GradientStatistics(every_n_steps=100)])
     """
 
-    def __init__(self, every_n_steps: int = 100, layer_pattern: str = PARAM_LAYER_PATTERN) -> None:
+    def __init__(self, every_n_steps: int = 100, layer_pattern: str = PARAM_LAYER_PATTERN,
+                 metric_prefix: str | None = None) -> None:
         self.every_n_steps = check.positive_int("every_n_steps", every_n_steps)
+        self.metric_prefix = check.metric_prefix("metric_prefix", metric_prefix)
         self.layer_pattern = check.regex("layer_pattern", layer_pattern, optional=False, groups=1)
         self.params: list[torch.nn.Parameter] = []
         self.layers: list[str] = []
@@ -118,4 +122,4 @@ class GradientStatistics(Callback):
         metrics.update({f"weight/norm/{tag}": v for tag, v in zip(self.layers, weight_layers, strict=True)})
         metrics["grad/norm/total"], metrics["weight/norm/total"] = grad_total, weight_total
         self.last = metrics
-        log_metrics(trainer, metrics, step)
+        self.log_step(trainer, metrics, step)

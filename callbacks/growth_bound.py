@@ -20,7 +20,6 @@ from ._sites import (
     Site,
     auto_sites,
     clean_name,
-    log_metrics,
     no_sites,
     resolve_types,
 )
@@ -87,6 +86,8 @@ class GrowthBoundMonitor(TapCallback):
             as in :class:`HiddenStateStatistics`, and each output norm's term of ``S`` counts its calls (an update
             per call); X_0 is then the first call's input. ``False``: the bound is not checked where a watched
             module repeats (its calls pooled, said in a warning).
+        metric_prefix: Log every metric as ``<metric_prefix>/<name>`` (``None``: the names below), for a second
+            instance whose sites share tags with another's (:class:`~lnstab.callbacks._sites.LogsMetrics`).
 
     **Logged metrics**:
         ``bound/ma_bound``, ``bound/ma_final``, ``bound/slack`` (min over sequences of bound − MA),
@@ -112,8 +113,10 @@ class GrowthBoundMonitor(TapCallback):
         final_pattern: str | None = FINAL_PATTERN,
         tolerance: float = 1e-5,
         unroll_repeats: bool = False,
+        metric_prefix: str | None = None,
     ) -> None:
         self.every_n_steps = check.positive_int("every_n_steps", every_n_steps)
+        self.metric_prefix = check.metric_prefix("metric_prefix", metric_prefix)
         self.residual_scale = check.optional_number("residual_scale", residual_scale, 0, low_open=True)
         self.norm_pattern = check.regex("norm_pattern", norm_pattern, optional=False)
         self.layer_pattern = check.regex("layer_pattern", layer_pattern)
@@ -327,7 +330,7 @@ class GrowthBoundMonitor(TapCallback):
             {"growth/linear_slope": slope, "growth/linear_r2": r2, "growth/exp_rate": rate, "growth/exp_r2": r2_exp}
         )
         self.last = metrics
-        log_metrics(trainer, metrics, step)
+        self.log_step(trainer, metrics, step)
         return metrics
 
     @override

@@ -22,7 +22,6 @@ from ._sites import (
     FINAL_PATTERN,
     Site,
     auto_sites,
-    log_metrics,
     no_sites,
     resolve_types,
     tensorboard_writer,
@@ -69,6 +68,8 @@ class HiddenStateStatistics(MeasuringTapCallback):
             depth) is measured call by call, each call a layer of its own in call order (``L00 … L03`` for one block
             looped four times): at the first training batch one extra forward on one of its rows (eval mode, no
             grad) counts the calls. ``False``: every call of a module is pooled into its one site, said in a warning.
+        metric_prefix: Log every metric as ``<metric_prefix>/<name>`` (``None``: the names below), for a second
+            instance whose sites share tags with another's (:class:`~lnstab.callbacks._sites.LogsMetrics`).
 
     **Logged metrics** (``<tag>`` is ``embed``, ``L00_attn``, ``L00_mlp``, …, ``final``):
         ``hidden/mean_abs/<tag>``, ``hidden/var_entry/<tag>``, ``hidden/var_data/<tag>``, ``hidden/max_abs/<tag>``
@@ -93,8 +94,10 @@ class HiddenStateStatistics(MeasuringTapCallback):
         series_file: str | None = HIDDEN_SERIES_FILE,
         stats: str | list[str] | tuple[str, ...] | None = None,
         unroll_repeats: bool = False,
+        metric_prefix: str | None = None,
     ) -> None:
         self.every_n_steps = check.positive_int("every_n_steps", every_n_steps)
+        self.metric_prefix = check.metric_prefix("metric_prefix", metric_prefix)
         self.layer_pattern = check.regex("layer_pattern", layer_pattern)
         self.module_types = resolve_types("module_types", module_types)
         self.embed_pattern = check.regex("embed_pattern", embed_pattern)
@@ -190,7 +193,7 @@ class HiddenStateStatistics(MeasuringTapCallback):
             for tag, value in zip(self.tags, row, strict=True):
                 self.values[stat].setdefault(tag, []).append(value)
                 self.last[self.metric_name(stat, tag)] = value
-        log_metrics(trainer, self.last, step)
+        self.log_step(trainer, self.last, step)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -234,7 +237,8 @@ class HiddenStateStatistics(MeasuringTapCallback):
         writer = tensorboard_writer(trainer)
         if self.log_heatmap and writer is not None:
             for stat in self.stats:
-                writer.add_figure(f"hidden/heatmap/{stat}", self.heatmap(stat), global_step=trainer.global_step)
+                writer.add_figure(self.prefixed(f"hidden/heatmap/{stat}"), self.heatmap(stat),
+                                  global_step=trainer.global_step)
 
     def heatmap(self, stat: str) -> Any:
         """A matplotlib figure: sites (rows, depth downwards) × logged steps (columns), log colour scale."""

@@ -16,7 +16,7 @@ from typing_extensions import override
 from lnstab import validation as check
 from lnstab.errors import ConfigError
 
-from ._sites import BLOCK_PATTERN, Site, find_sites, first_tensor, log_metrics, probe_input
+from ._sites import BLOCK_PATTERN, LogsMetrics, Site, find_sites, first_tensor, probe_input
 from ._strategy import distributed, require_strategy, unsharded
 from ._tap import paused_taps
 from ._unroll import per_call
@@ -57,7 +57,7 @@ def block_call(block: nn.Module, args: tuple, kwargs: dict) -> Callable[[torch.T
     return fn
 
 
-class JacobianSensitivity(Callback):
+class JacobianSensitivity(LogsMetrics, Callback):
     """Spectral norms of every block's Jacobian on a small fixed probe batch, beside the block's activation scale.
 
     For a block ``B`` (the map of one layer, ``X ↦ X + Δt·f(X)`` for a residual block; the whole sequence
@@ -83,6 +83,8 @@ class JacobianSensitivity(Callback):
         n_iter: Power iterations per norm.
         layer_pattern: Regex of the blocks, first capture group the layer index.
         seed: Seed of the power iteration's start vector.
+        metric_prefix: Log every metric as ``<metric_prefix>/<name>`` (``None``: the names below), for a second
+            instance whose sites share tags with another's (:class:`~lnstab.callbacks._sites.LogsMetrics`).
 
     **Logged metrics**:
         ``jacobian/residual/L07``, ``jacobian/sensitivity/L07``, ``jacobian/act_scale/L07``.
@@ -104,8 +106,10 @@ class JacobianSensitivity(Callback):
         n_iter: int = 20,
         layer_pattern: str = BLOCK_PATTERN,
         seed: int = 0,
+        metric_prefix: str | None = None,
     ) -> None:
         self.every_n_steps = check.positive_int("every_n_steps", every_n_steps)
+        self.metric_prefix = check.metric_prefix("metric_prefix", metric_prefix)
         self.probe_size = check.positive_int("probe_size", probe_size)
         if probe is not None and not isinstance(probe, torch.Tensor):
             raise ConfigError(f"probe={type(probe).__name__} is not allowed; give a tensor or None")
@@ -148,7 +152,7 @@ class JacobianSensitivity(Callback):
         if self.blocks and step % self.every_n_steps == 0 and step != self._measured_step:
             self._measured_step = step  # once per optimizer step, whatever the accumulation
             self.last = self.measure(pl_module, trainer)
-            log_metrics(trainer, self.last, step)
+            self.log_step(trainer, self.last, step)
 
     def measure(self, pl_module: nn.Module, trainer: pl.Trainer | None = None) -> dict[str, float]:
         """All three metrics of every block on the probe (one host sync); other instruments' taps are paused.

@@ -43,6 +43,8 @@ class OutputLogitStatistics(MeasuringTapCallback):
         head_pattern: Regex of the output head.
         vocab_size: Logit columns that are real tokens (``None``: lnstab's ``config.vocab_size``, else all).
         chunk_rows: Tokens per chunk (a chunk holds ``chunk_rows × V`` float32 logits).
+        metric_prefix: Log every metric as ``<metric_prefix>/<name>`` (``None``: the names below), for a second
+            instance whose sites share tags with another's (:class:`~lnstab.callbacks._sites.LogsMetrics`).
 
     **Logged metrics**:
         ``output/log_z_mean``, ``output/log_z_std``, ``output/max_logit``.
@@ -66,9 +68,11 @@ class OutputLogitStatistics(MeasuringTapCallback):
         head_pattern: str = HEAD_PATTERN,
         vocab_size: int | None = None,
         chunk_rows: int = DEFAULT_CHUNK_ROWS,
+        metric_prefix: str | None = None,
     ) -> None:
         super().__init__()
         self.every_n_steps = check.positive_int("every_n_steps", every_n_steps)
+        self.metric_prefix = check.metric_prefix("metric_prefix", metric_prefix)
         self.source = check.choice("source", source, SOURCES)
         self.final_pattern = check.regex("final_pattern", final_pattern, optional=False)
         self.head_pattern = check.regex("head_pattern", head_pattern, optional=False)

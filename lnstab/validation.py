@@ -120,3 +120,16 @@ def file_name(field: str, value: Any, *, optional: bool = True, error: type[LNSt
     if not isinstance(value, str) or not value or "/" in value or value in (".", ".."):
         raise _fail(field, value, "give a plain file name" + (" or None" if optional else ""), error)
     return value
+
+
+METRIC_PREFIX = re.compile(r"[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*")
+
+
+def metric_prefix(field: str, value: Any, *, error: type[LNStabError] = ConfigError) -> str | None:
+    """``None``, or a prefix for logged metric names: parts of letters, digits, ``_``, ``.``, ``-`` joined by ``/``."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not METRIC_PREFIX.fullmatch(value):
+        raise _fail(field, value, "give None or a name of letters, digits, '_', '.' and '-' (parts joined by '/', "
+                    "e.g. 'mlp' or 'probe/mlp')", error)
+    return value

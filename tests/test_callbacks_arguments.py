@@ -73,6 +73,51 @@ def test_two_hidden_state_instruments_on_other_sites_coexist_and_a_default_keeps
     assert len(norms.tags) > len(default.tags)  # every LayerNorm of the model, not its blocks
 
 
+def sublayer_pair(prefix: str | None) -> tuple[HiddenStateStatistics, HiddenStateStatistics]:
+    """Attention outputs and MLP outputs of lnstab's GPT, watched apart: both tagged L00, L01 … by their patterns."""
+    kw = dict(every_n_steps=1, embed_pattern=None, final_pattern=None)
+    return (HiddenStateStatistics(layer_pattern=r"h\.(\d+)\.attn$", series_file="attn.json", **kw),
+            HiddenStateStatistics(layer_pattern=r"h\.(\d+)\.mlp$", series_file="mlp.json", metric_prefix=prefix, **kw))
+
+
+def test_two_instances_whose_sites_share_tags_are_told_and_a_metric_prefix_keeps_them_apart(tmp_path) -> None:
+    import csv
+
+    attn, mlp = sublayer_pair(None)
+    with pytest.warns(UserWarning, match=r"both log 'hidden/mean_abs/L00' at step 0, with other values .* "
+                                         r"metric_prefix='mlp'"):  # before: nothing said, one name for both
+        trainer(tmp_path / "shared", [attn, mlp], max_steps=2).fit(lit("gpt"), loader(8))
+    assert attn.tags == mlp.tags and attn.tags[0] == "L00"
+    attn, mlp = sublayer_pair("mlp")
+    assert "'metric_prefix': 'mlp'" in mlp.state_key and "metric_prefix" not in attn.state_key
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer(tmp_path / "apart", [attn, mlp], max_steps=2).fit(lit("gpt"), loader(8))
+    assert not [w for w in seen if "both log" in str(w.message)]
+    rows = list(csv.DictReader((tmp_path / "apart" / "csv" / "version_0" / "metrics.csv").open()))
+    last = {k: float(v) for r in rows if r["step"] == "1" for k, v in r.items() if v and k != "step"}
+    assert last["hidden/mean_abs/L00"] == pytest.approx(attn.last["hidden/mean_abs/L00"], rel=1e-6)
+    assert last["mlp/hidden/mean_abs/L00"] == pytest.approx(mlp.last["hidden/mean_abs/L00"], rel=1e-6)
+    assert attn.last["hidden/mean_abs/L00"] != pytest.approx(mlp.last["hidden/mean_abs/L00"], rel=1e-3)
+
+
+def test_the_same_site_logged_by_two_instances_alike_is_not_warned_of(tmp_path) -> None:
+    one = HiddenStateStatistics(every_n_steps=1, stats="mean_abs", series_file="one.json")
+    both = HiddenStateStatistics(every_n_steps=1, stats=["mean_abs", "max_abs"])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer(tmp_path, [one, both], max_steps=2).fit(lit("gpt"), loader(8))
+    assert set(one.last) < set(both.last) and not [w for w in seen if "both log" in str(w.message)]
+    for bad in ("a b", "/x", "x/", 3):
+        with pytest.raises(ConfigError, match=rf"^metric_prefix={bad!r} is not allowed; give None or a name"):
+            HiddenStateStatistics(metric_prefix=bad)
+    from lnstab.callbacks import GradientStatistics, JacobianSensitivity
+
+    assert GradientStatistics(metric_prefix="probe/mlp").prefixed("grad/norm/L00") == "probe/mlp/grad/norm/L00"
+    assert JacobianSensitivity().state_key == JacobianSensitivity(metric_prefix=None).state_key
+    assert "'metric_prefix': 'b'" in JacobianSensitivity(metric_prefix="b").state_key
+
+
 def test_instruments_that_find_no_block_say_how_to_name_them(tmp_path) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
