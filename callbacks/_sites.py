@@ -223,8 +223,10 @@ class LogsMetrics:
         return super()._generate_state_key(**kwargs)  # type: ignore[misc]  # Lightning's Callback's
 
 
-# Per trainer: the last owner, step and value of every metric name an instrument logged, and the pairs told of.
-_LOGGED: weakref.WeakKeyDictionary[Any, dict[str, tuple[LogsMetrics, int, float]]] = weakref.WeakKeyDictionary()
+# Per trainer: the last owner, step and value of every metric name an instrument logged, and the pairs told of. The
+# owner is held weakly too: a callback may reach its trainer (through its module), and a value that reaches its own
+# weak key keeps both alive for good.
+_LOGGED: weakref.WeakKeyDictionary[Any, dict[str, tuple[weakref.ref, int, float]]] = weakref.WeakKeyDictionary()
 _TOLD: weakref.WeakKeyDictionary[Any, set[tuple[int, int]]] = weakref.WeakKeyDictionary()
 
 
@@ -244,17 +246,19 @@ def _claim(trainer: pl.Trainer, owner: LogsMetrics, metrics: dict[str, float], s
         told = _TOLD.setdefault(trainer, set())
     except TypeError:  # a stand-in trainer that cannot be weakly referenced or hashed: nothing to compare with
         return
+    mine = weakref.ref(owner)
     for name, value in metrics.items():
         before = seen.get(name)
-        if before is not None and before[0] is not owner and before[1] == step and not _same(before[2], value):
-            pair = (id(before[0]), id(owner))
+        other = before[0]() if before is not None else None
+        if other is not None and other is not owner and before[1] == step and not _same(before[2], value):
+            pair = (id(other), id(owner))
             if pair not in told:
                 told.add(pair)
                 rank_zero_warn(
-                    f"{before[0].state_key} and {owner.state_key} both log {name!r} at step {step}, with other values "
-                    f"({_num(before[2])} and {_num(value)}): a logger keeps both under one name. Give one of them its own "
-                    f"metric_prefix (e.g. metric_prefix='{_suggest(owner)}') so that each logs apart")
-        seen[name] = (owner, step, value)
+                    f"{other.state_key} and {owner.state_key} both log {name!r} at step {step}, with other values "
+                    f"({_num(before[2])} and {_num(value)}): a logger keeps both under one name. Give one of them "
+                    f"its own metric_prefix (e.g. metric_prefix='{_suggest(owner)}') so that each logs apart")
+        seen[name] = (mine, step, value)
 
 
 def _num(value: Any) -> str:
