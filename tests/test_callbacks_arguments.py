@@ -118,6 +118,21 @@ def test_the_same_site_logged_by_two_instances_alike_is_not_warned_of(tmp_path) 
     assert "'metric_prefix': 'b'" in JacobianSensitivity(metric_prefix="b").state_key
 
 
+def test_a_finished_trainer_is_not_kept_alive_by_the_metric_names_it_logged(tmp_path) -> None:
+    import gc
+    import weakref
+
+    from lnstab.callbacks import _sites
+
+    t = trainer(tmp_path, [HiddenStateStatistics(every_n_steps=1)], max_steps=2)
+    t.fit(lit("gpt"), loader(8))
+    gone = weakref.ref(t)
+    assert t in _sites._LOGGED  # its names were registered
+    del t
+    gc.collect()
+    assert gone() is None  # before (the owner held strongly): the callback reached the trainer, which stayed alive
+
+
 def test_instruments_that_find_no_block_say_how_to_name_them(tmp_path) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
