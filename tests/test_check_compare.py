@@ -107,6 +107,7 @@ def test_two_single_cards_compare(tmp_path) -> None:
         ("garbage", "report.json is damaged: not valid JSON at line 1"),
         ("foreign", "report.json is not lnstab check's (no criteria)"),
         ("row-missing", "row deepnorm of its summary.json has no deepnorm/report.json"),
+        ("row-path", "its summary.json names row '../olmo2', which is not a row id"),
         ("card-vs-set", "is a card and"),
         ("model-arg", "--model.n_layer is not used with --compare"),
         ("other-arg", "--steps is not used with --compare"),
@@ -124,6 +125,11 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, setup, expected) -> 
     elif setup == "row-missing":
         side = copy_set(tmp_path / "set")
         shutil.rmtree(side / "deepnorm")
+    elif setup == "row-path":
+        side = copy_set(tmp_path / "set")
+        summary = json.loads((side / "summary.json").read_text())
+        summary["rows"]["../olmo2"] = summary["rows"].pop("olmo2")
+        (side / "summary.json").write_text(json.dumps(summary))
     elif setup == "card-vs-set":
         old = str(VALIDATION / "olmo2")
         side = VALIDATION

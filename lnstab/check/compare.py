@@ -37,6 +37,9 @@ def load_cards(path: str) -> tuple[str, dict[str, dict[str, Any]]]:
             rows = _read(where / "summary.json", path).get("rows")
             if not isinstance(rows, dict) or not rows:
                 raise LNStabError(f"--compare {path}: its summary.json lists no rows")
+            odd = [r for r in rows if not r or "/" in r or "\\" in r or r in (".", "..")]
+            if odd:  # a row is a directory beside summary.json, never a path elsewhere
+                raise LNStabError(f"--compare {path}: its summary.json names row {odd[0]!r}, which is not a row id")
             missing = [r for r in rows if not (where / r / "report.json").is_file()]
             if missing:
                 raise LNStabError(f"--compare {path}: row {missing[0]} of its summary.json has no {missing[0]}/"
