@@ -31,9 +31,11 @@ def charts() -> dict[str, list[str]]:
 
 
 def stability_layout() -> dict[str, dict[str, list[Any]]]:
-    """The layout for ``SummaryWriter.add_custom_scalars``: category → chart → ``["Multiline", [regex]]``."""
+    """The layout for ``SummaryWriter.add_custom_scalars``: category → chart → ``["Multiline", [regex]]``; an
+    instrument's ``metric_prefix`` (``mlp/hidden/mean_abs/L00``) puts its lines in the same chart, named by their
+    tags."""
     return {
-        category: {chart: ["Multiline", [rf"^{chart}(/.*|_.*)?$"]] for chart in prefixes}
+        category: {chart: ["Multiline", [rf"^(?:[\w.-]+/)*{chart}(/.*|_.*)?$"]] for chart in prefixes}
         for category, prefixes in charts().items()
     }
 

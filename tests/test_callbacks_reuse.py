@@ -79,6 +79,9 @@ def test_layout_charts_each_statistic_per_layer():
     assert chart[0] == "Multiline"
     assert re.match(chart[1][0], "hidden/mean_abs/L07_attn") and not re.match(chart[1][0], "hidden/max_abs/L07")
     assert re.match(layout["bound"]["bound/ma"][1][0], "bound/ma_bound")
+    for prefixed in ("mlp/hidden/mean_abs/L07", "probe/mlp/hidden/mean_abs/L07"):  # metric_prefix: the same chart
+        assert re.match(chart[1][0], prefixed) and not re.match(chart[1][0], prefixed.replace("mean_abs", "max_abs"))
+    assert not re.match(chart[1][0], "xhidden/mean_abs/L07")
 
 
 class ShardedLM(LitLM):
