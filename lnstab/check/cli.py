@@ -270,7 +270,9 @@ def main(argv: list[str] | None = None) -> None:
     model_args, rest = split_model_args(argv)
     args = build_parser().parse_args(rest)
     if args.compare:
-        compare(args, model_args, rest)
+        from lnstab.check.compare import main as compare
+
+        compare(args.compare, model_args, rest)
         return
     if args.workers is not None:
         validation.positive_int("--workers", args.workers)
@@ -316,20 +318,6 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.write(terminal(card))
     if card["exit_code"]:
         raise SystemExit(card["exit_code"])
-
-
-def compare(args: argparse.Namespace, model_args: dict[str, Any], rest: list[str]) -> None:
-    """``--compare OLD NEW``: print the report; exit 1 when a verdict (or the set of cards) differs."""
-    from lnstab.check.compare import compare as report
-
-    others = [a for a in rest if a.startswith("--") and a.split("=", 1)[0] != "--compare"]
-    if model_args or others:
-        first = f"--model.{next(iter(model_args))}" if model_args else others[0].split("=", 1)[0]
-        raise LNStabError(f"{first} is not used with --compare, which reads two finished cards and trains nothing")
-    text, code = report(*args.compare)
-    sys.stdout.write(text + "\n")
-    if code:
-        raise SystemExit(code)
 
 
 def run_check(args: argparse.Namespace, model_args: dict[str, Any], command: str) -> dict[str, Any]:

@@ -16,13 +16,12 @@ import math
 from pathlib import Path
 from typing import Any
 
-from lnstab.check.report import cell, provenance
+from lnstab.check.report import MARK, cell, provenance
 from lnstab.check.runner import public_path
 from lnstab.check.validation_notes import display
 from lnstab.errors import LNStabError
 from lnstab.rundir import read_json
 
-SHORT = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "n/a": "n/a"}
 TOLERANCES = (1e-3, 1e-2, 1e-1)  # the relative moves the measurement summary counts within
 LARGEST = 10  # measurements listed by how far they moved
 
@@ -80,8 +79,23 @@ def shown(cid: str, value: Any) -> str:
 
 def _value(cid: str, c: dict[str, Any]) -> str:
     bands = [f"{level} {shown(cid, c.get(level))}" for level in ("warn", "fail") if c.get(level) is not None]
-    return f"{SHORT.get(c.get('status'), c.get('status'))} {shown(cid, c.get('measured'))}" + (
+    return f"{MARK.get(c.get('status'), c.get('status'))} {shown(cid, c.get('measured'))}" + (
         f" ({', '.join(bands)})" if bands else "")
+
+
+def main(pairs: list[str], model_args: dict[str, Any], rest: list[str]) -> None:
+    """``lnstab check --compare OLD NEW`` (``pairs``): print the report; exit 1 when a verdict (or the set of cards)
+    differs. ``model_args`` and ``rest`` are the other arguments given, refused: a comparison trains nothing."""
+    import sys
+
+    others = [a for a in rest if a.startswith("--") and a.split("=", 1)[0] != "--compare"]
+    if model_args or others:
+        first = f"--model.{next(iter(model_args))}" if model_args else others[0].split("=", 1)[0]
+        raise LNStabError(f"{first} is not used with --compare, which reads two finished cards and trains nothing")
+    text, code = compare(*pairs)
+    sys.stdout.write(text + "\n")
+    if code:
+        raise SystemExit(code)
 
 
 def compare(old: str, new: str) -> tuple[str, int]:
@@ -122,7 +136,7 @@ def compare(old: str, new: str) -> tuple[str, int]:
                   *[f"| {r} | {what} | {cell(x)} | {cell(y)} |" for r, what, x, y in inputs], ""]
     if verdicts:
         lines += ["| row | OLD | NEW |", "|---|---|---|",
-                  *[f"| {r} | {SHORT.get(x, x)} | {SHORT.get(y, y)} |" for r, x, y in verdicts], ""]
+                  *[f"| {r} | {MARK.get(x, x)} | {MARK.get(y, y)} |" for r, x, y in verdicts], ""]
     lines += [f"**Criterion statuses: {n_criteria - len(cells)} of {n_criteria} the same.** A status may change "
               "because the measurement moved or because its thresholds did (most are set by the references' "
               "measurements, which move too).", ""]

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lnstab.check.criteria import CRITERIA, DEFAULT_THRESHOLDS, load_thresholds
+from lnstab.check.report import MARK as SHORT  # a status as the README tables show it
 from lnstab.check.validation import HELDOUT, HELDOUT_PREDICTION, STABLE, SUPPLEMENTS, Row, Supplement
 from lnstab.check.validation_notes import (
     HELDOUT_NOTES,
@@ -27,7 +28,6 @@ from lnstab.rundir import read_json
 HELDOUT_DIR = "heldout"  # the held-out set's directory under the main set's
 
 
-SHORT = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "n/a": "n/a"}
 
 
 def reference_text(cards: list[dict[str, Any]]) -> str:
