@@ -230,12 +230,10 @@ _LOGGED: weakref.WeakKeyDictionary[Any, dict[str, tuple[weakref.ref, int, float]
 _TOLD: weakref.WeakKeyDictionary[Any, set[tuple[int, int]]] = weakref.WeakKeyDictionary()
 
 
-def _same(a: float, b: float) -> bool:
-    if not (isinstance(a, float | int) and isinstance(b, float | int)):
-        return a == b
-    if math.isnan(a) or math.isnan(b):
-        return math.isnan(a) and math.isnan(b)
-    return a == b or abs(a - b) <= 1e-6 * max(abs(a), abs(b))
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float | int) and isinstance(b, float | int):
+        return math.isclose(a, b, rel_tol=1e-6) or (math.isnan(a) and math.isnan(b))
+    return a == b
 
 
 def _claim(trainer: pl.Trainer, owner: LogsMetrics, metrics: dict[str, float], step: int) -> None:

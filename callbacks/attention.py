@@ -61,8 +61,7 @@ class AttentionLogitStatistics(MeasuringTapCallback):
         chunk_elements: Logits per chunk of query rows (at least one row per chunk).
         min_keys: Rows that see fewer keys count in ``max_logit`` only (``1``: every row counts).
         collapse_weight: A row whose largest weight exceeds this is collapsed.
-        metric_prefix: Log every metric as ``<metric_prefix>/<name>`` (``None``: the names below), for a second
-            instance whose sites share tags with another's (:class:`~lnstab.callbacks._sites.LogsMetrics`).
+        metric_prefix: Log as ``<metric_prefix>/<name>`` (``None``: the names below; see ``_sites.LogsMetrics``).
 
     **Logged metrics** (``Lxx`` is the block index, zero-padded):
         ``attn/max_logit/Lxx``, ``attn/entropy_mean/Lxx``, ``attn/entropy_min/Lxx``, ``attn/collapsed/Lxx``.

@@ -44,8 +44,7 @@ class GradientStatistics(LogsMetrics, Callback):
         every_n_steps: Log on optimizer steps ``0, N, 2N, …``.
         layer_pattern: Regex with one capture group, the layer index; default matches ``h.<i>.`` (lnstab, Hugging
             Face GPT-2) and ``layers.<i>.`` (``nn.TransformerEncoder``).
-        metric_prefix: Log every metric as ``<metric_prefix>/<name>`` (``None``: the names below), for a second
-            instance whose sites share tags with another's (:class:`~lnstab.callbacks._sites.LogsMetrics`).
+        metric_prefix: Log as ``<metric_prefix>/<name>`` (``None``: the names below; see ``_sites.LogsMetrics``).
 
     **Logged metrics**:
         ``grad/norm/L07``, ``weight/norm/L07`` (each layer), ``grad/norm/total``, ``weight/norm/total``.

@@ -86,8 +86,7 @@ class GrowthBoundMonitor(TapCallback):
             as in :class:`HiddenStateStatistics`, and each output norm's term of ``S`` counts its calls (an update
             per call); X_0 is then the first call's input. ``False``: the bound is not checked where a watched
             module repeats (its calls pooled, said in a warning).
-        metric_prefix: Log every metric as ``<metric_prefix>/<name>`` (``None``: the names below), for a second
-            instance whose sites share tags with another's (:class:`~lnstab.callbacks._sites.LogsMetrics`).
+        metric_prefix: Log as ``<metric_prefix>/<name>`` (``None``: the names below; see ``_sites.LogsMetrics``).
 
     **Logged metrics**:
         ``bound/ma_bound``, ``bound/ma_final``, ``bound/slack`` (min over sequences of bound − MA),

@@ -68,8 +68,7 @@ class HiddenStateStatistics(MeasuringTapCallback):
             depth) is measured call by call, each call a layer of its own in call order (``L00 … L03`` for one block
             looped four times): at the first training batch one extra forward on one of its rows (eval mode, no
             grad) counts the calls. ``False``: every call of a module is pooled into its one site, said in a warning.
-        metric_prefix: Log every metric as ``<metric_prefix>/<name>`` (``None``: the names below), for a second
-            instance whose sites share tags with another's (:class:`~lnstab.callbacks._sites.LogsMetrics`).
+        metric_prefix: Log as ``<metric_prefix>/<name>`` (``None``: the names below; see ``_sites.LogsMetrics``).
 
     **Logged metrics** (``<tag>`` is ``embed``, ``L00_attn``, ``L00_mlp``, …, ``final``):
         ``hidden/mean_abs/<tag>``, ``hidden/var_entry/<tag>``, ``hidden/var_data/<tag>``, ``hidden/max_abs/<tag>``

@@ -83,8 +83,7 @@ class JacobianSensitivity(LogsMetrics, Callback):
         n_iter: Power iterations per norm.
         layer_pattern: Regex of the blocks, first capture group the layer index.
         seed: Seed of the power iteration's start vector.
-        metric_prefix: Log every metric as ``<metric_prefix>/<name>`` (``None``: the names below), for a second
-            instance whose sites share tags with another's (:class:`~lnstab.callbacks._sites.LogsMetrics`).
+        metric_prefix: Log as ``<metric_prefix>/<name>`` (``None``: the names below; see ``_sites.LogsMetrics``).
 
     **Logged metrics**:
         ``jacobian/residual/L07``, ``jacobian/sensitivity/L07``, ``jacobian/act_scale/L07``.

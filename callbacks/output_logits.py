@@ -43,8 +43,7 @@ class OutputLogitStatistics(MeasuringTapCallback):
         head_pattern: Regex of the output head.
         vocab_size: Logit columns that are real tokens (``None``: lnstab's ``config.vocab_size``, else all).
         chunk_rows: Tokens per chunk (a chunk holds ``chunk_rows × V`` float32 logits).
-        metric_prefix: Log every metric as ``<metric_prefix>/<name>`` (``None``: the names below), for a second
-            instance whose sites share tags with another's (:class:`~lnstab.callbacks._sites.LogsMetrics`).
+        metric_prefix: Log as ``<metric_prefix>/<name>`` (``None``: the names below; see ``_sites.LogsMetrics``).
 
     **Logged metrics**:
         ``output/log_z_mean``, ``output/log_z_std``, ``output/max_logit``.
