@@ -150,13 +150,3 @@ def count_nonfinite(params: Any) -> torch.Tensor:
     if not params:
         return torch.zeros(())
     return (~torch.stack(torch._foreach_norm(params)).isfinite()).sum()
-
-
-def params_finite(module: nn.Module, trainer: Any = None) -> bool:
-    """Whether every parameter of ``module`` is finite (one fused norm, one host sync; shards summed over ranks under
-    FSDP)."""
-    bad = count_nonfinite(module.parameters()).float().reshape(1)
-    if params_sharded(trainer):
-        all_reduce_(bad, "sum", trainer)
-    return bad.item() == 0
-

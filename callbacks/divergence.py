@@ -20,7 +20,7 @@ from lnstab.rundir import EVENTS_FILE, atomic_write_text, json_safe, run_dir, up
 from ._captures import HEAD_PATTERN, qk_arguments
 from ._sites import Site, auto_sites, no_sites
 from ._stat_checks import StatChecks
-from ._strategy import all_reduce_, count_nonfinite, distributed, params_finite, params_sharded, require_strategy
+from ._strategy import all_reduce_, count_nonfinite, distributed, params_sharded, require_strategy
 from ._tap_callback import TapCallback
 
 POLICIES = ("stop", "skip", "continue")
@@ -108,7 +108,8 @@ class DivergenceMonitor(TapCallback):
             in :class:`OutputLogitStatistics`; default: Hugging Face's ``lm_head``).
         q_pattern, k_pattern, n_head, scale: The q and k projections of a model whose attention is not recognised,
             as in :class:`AttentionLogitStatistics` (``None``: found automatically).
-        metric_prefix: Log as ``<metric_prefix>/<name>`` (``None``: the names below; see ``_sites.LogsMetrics``).
+        metric_prefix: Log every metric as ``<metric_prefix>/<name>`` (``None``: the names below), for a second
+            instance whose sites share tags with another's (:class:`~lnstab.callbacks._sites.LogsMetrics`).
 
     **Logged metrics**:
         ``divergence/events`` (cumulative count, at each step with an event).
@@ -337,10 +338,18 @@ class DivergenceMonitor(TapCallback):
         mean = math.fsum(self.losses) / n
         return mean + self.spike_k * math.sqrt(math.fsum((v - mean) ** 2 for v in self.losses) / n)
 
+    @staticmethod
+    def params_finite(pl_module: pl.LightningModule, trainer: Any = None) -> bool:
+        """Whether every parameter is finite (one fused norm, one host sync; shards summed over ranks under FSDP)."""
+        bad = count_nonfinite(pl_module.parameters()).float().reshape(1)
+        if params_sharded(trainer):
+            all_reduce_(bad, "sum", trainer)
+        return bad.item() == 0
+
     def _check_last_update(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
         """Whether the weights are finite now (one host sync); records ``nonfinite_param`` for the newest update
         unless a decision has already checked the weights it left."""
-        finite = params_finite(pl_module, trainer)
+        finite = self.params_finite(pl_module, trainer)
         step = trainer.global_step - 1
         if step > self._checked_through:
             self._checked_through = step

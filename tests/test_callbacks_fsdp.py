@@ -24,7 +24,6 @@ from lnstab.callbacks import (
     RunStatus,
     unsharded,
 )
-from lnstab.callbacks._strategy import params_finite
 from lnstab.model import Block
 from lnstab.rundir import read_summary, run_dir
 
@@ -144,7 +143,7 @@ class NaNOnRankOne(pl.Callback):
         self.at = (trainer.global_step, batch_idx % 2)
 
     def on_train_end(self, trainer, pl_module):
-        finite = params_finite(pl_module, trainer)  # every rank's shard, reduced
+        finite = DivergenceMonitor.params_finite(pl_module, trainer)  # every rank's shard, reduced
         if trainer.is_global_zero:
             (run_dir(trainer) / "finite.json").write_text(json.dumps(finite))
 
