@@ -108,8 +108,7 @@ class DivergenceMonitor(TapCallback):
             in :class:`OutputLogitStatistics`; default: Hugging Face's ``lm_head``).
         q_pattern, k_pattern, n_head, scale: The q and k projections of a model whose attention is not recognised,
             as in :class:`AttentionLogitStatistics` (``None``: found automatically).
-        metric_prefix: Log every metric as ``<metric_prefix>/<name>`` (``None``: the names below), for a second
-            instance whose sites share tags with another's (:class:`~lnstab.callbacks._sites.LogsMetrics`).
+        metric_prefix: Log as ``<metric_prefix>/<name>`` (``None``: the names below; see ``_sites.LogsMetrics``).
 
     **Logged metrics**:
         ``divergence/events`` (cumulative count, at each step with an event).
