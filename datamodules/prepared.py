@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -19,17 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from lnstab.datamodules.text import DataError
+from lnstab.rundir import sha256_file  # noqa: F401  (this module's API since lnstab prepare)
 
 META_FORMAT = "lnstab-prepared/1"
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 24) -> str:
-    """Hex sha256 of a file, read in chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def read_meta(directory: str | os.PathLike) -> dict:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any
 
@@ -19,20 +18,9 @@ from lnstab.callbacks.run_status import trained_steps
 from lnstab.errors import ConfigError
 from lnstab.evaluation.core import safe_exp
 from lnstab.flops import training_flops
-from lnstab.model import GPT, GPTConfig
+from lnstab.model import GPT
+from lnstab.moduleargs import MODEL_ARGS, gpt_config  # noqa: F401  (MODEL_ARGS: lnstab.module's API)
 from lnstab.rundir import update_summary
-
-# GPTModule arguments that are GPTConfig fields (the rest are optimisation settings).
-MODEL_ARGS = ("norm_placement", "norm_type", "residual_scale", "block_size", "n_layer", "n_head", "n_embd",
-              "vocab_size", "pad_vocab_multiple", "bias", "dropout", "qk_norm", "z_loss", "dyt_alpha_init",
-              "residual_gate", "layerscale_init")
-
-
-def gpt_config(hparams: dict[str, Any]) -> GPTConfig:
-    """The :class:`GPTConfig` that ``GPTModule(**hparams)`` builds; missing arguments take the signature's defaults."""
-    defaults = inspect.signature(GPTModule.__init__).parameters
-    get = {k: hparams.get(k, defaults[k].default) for k in ("preset", *MODEL_ARGS)}
-    return GPTConfig.preset(get["preset"], **{k: get[k] for k in MODEL_ARGS})
 
 
 def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int) -> float:

@@ -36,6 +36,7 @@ in one line; callers count such a run as damaged and go on with the others.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import math
 import os
@@ -325,3 +326,12 @@ def check_writable(run_dir: str | os.PathLike, option: str = "--run_dir") -> Non
             pass
     except OSError as exc:
         raise ConfigError(f"{option} {run_dir} is not allowed; {probe} is not writable ({exc.strerror})") from None
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 24) -> str:
+    """Hex sha256 of a file, read in chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

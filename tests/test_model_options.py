@@ -3,6 +3,8 @@ trains, that the default is untouched, and that bad values are refused in one li
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 
 import pytest
@@ -17,6 +19,7 @@ from lnstab.layers import DyT, Gate, cait_layerscale_init
 from lnstab.memory import estimate_memory, total_params
 from lnstab.model import GPT, PLACEMENTS, GPTConfig
 from lnstab.module import MODEL_ARGS, GPTModule, gpt_config
+from lnstab.moduleargs import MODEL_DEFAULTS, MODULE_ARGS
 
 VOCAB = 97
 
@@ -299,6 +302,15 @@ def test_module_exposes_every_option() -> None:
     module = GPTModule(preset="tiny", vocab_size=VOCAB, block_size=16, **values)
     assert all(getattr(module.config, k) == v for k, v in values.items())
     assert gpt_config(dict(module.hparams)) == module.config  # what a checkpoint's hyperparameters rebuild
+
+
+def test_the_lightning_free_copy_of_the_modules_arguments_is_its_signature() -> None:
+    """``lnstab.moduleargs`` (read by ``lnstab check``'s parent, which never imports Lightning) names GPTModule's
+    arguments in order, with the same defaults, and tells which build the model."""
+    params = {k: p.default for k, p in inspect.signature(GPTModule.__init__).parameters.items() if k != "self"}
+    assert tuple(params) == MODULE_ARGS
+    assert {k: params[k] for k in MODEL_DEFAULTS} == MODEL_DEFAULTS
+    assert set(MODEL_ARGS) == {f.name for f in dataclasses.fields(GPTConfig)} & set(params)
 
 
 @pytest.mark.parametrize("name", list(OPTIONS))

@@ -8,8 +8,20 @@ activation scale (Propositions 7/8), Theorem 4's bound and gradient spread. Entr
 :mod:`lnstab.check.validation` (run by ``lnstab check --validate``, :mod:`lnstab.check.validate`).
 """
 
+from typing import Any
+
 from lnstab.check.criteria import CRITERIA, DEFAULT_THRESHOLDS, load_thresholds
 from lnstab.check.protocol import Protocol
-from lnstab.check.training import Optimisation, Sites, StressModule
+from lnstab.check.runspec import Optimisation, Sites
 
 __all__ = ["CRITERIA", "DEFAULT_THRESHOLDS", "Optimisation", "Protocol", "Sites", "StressModule", "load_thresholds"]
+
+
+def __getattr__(name: str) -> Any:
+    # StressModule is a LightningModule: imported when asked for, so that the check's parent process (which never
+    # trains) starts without Lightning.
+    if name == "StressModule":
+        from lnstab.check.training import StressModule
+
+        return StressModule
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,7 +13,7 @@ import math
 import statistics
 from typing import Any
 
-from lnstab.check.training import RunResult
+from lnstab.check.runspec import RunResult
 
 FP16_MAX = 65504.0
 BF16_MAX = 3.3895313892515355e38

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lnstab.check.runspec import Sites, probe_forward
 from lnstab.check.subjects import HF_BLOCKS, Shape, Subject, attention_problem, dropout_off, instrument_support
-from lnstab.check.training import Sites, probe_forward
 from lnstab.errors import LNStabError
 
 

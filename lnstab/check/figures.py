@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from lnstab.check.training import RunResult
+from lnstab.check.runspec import RunResult
 
 COLORS = {"checked": "tab:red", "pre-ln": "tab:blue", "peri-ln": "tab:green"}
 # The checked model is drawn last, dashed / hollow, so it stays visible on top of a reference identical to it.

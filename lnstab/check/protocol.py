@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from lnstab import validation
+from lnstab.check.runspec import Optimisation, RunResult
 from lnstab.check.subjects import Subject
-from lnstab.check.training import Optimisation, RunResult
 from lnstab.errors import LNStabError
 
 GPT2_VOCAB = 50257

@@ -3,7 +3,7 @@ Pre-LN and Peri-LN references of the same width, depth and context.
 
 A :class:`Subject` builds a fresh ``nn.Module`` mapping token ids ``(B, T)`` to logits ``(B, T, V)`` (seeded by the
 caller) from a picklable *recipe* (so a worker process builds the same model), says where lnstab's instruments find
-its residual stream, blocks, parameters and output norms (:class:`~lnstab.check.training.Sites`), whether it can be
+its residual stream, blocks, parameters and output norms (:class:`~lnstab.check.runspec.Sites`), whether it can be
 built with the protocol's smaller vocabulary (:meth:`Subject.with_vocab`), and how its dropout was switched off: the
 stress runs train in train mode, so training-only branches other than dropout run as in training. Every user mistake
 is an :class:`~lnstab.errors.LNStabError` in one line.
@@ -12,7 +12,6 @@ is an :class:`~lnstab.errors.LNStabError` in one line.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import os
 import re
@@ -22,10 +21,10 @@ from typing import Any
 from torch import nn
 
 from lnstab.check import hf
-from lnstab.check.training import Sites
+from lnstab.check.runspec import Sites
 from lnstab.errors import LNStabError
 from lnstab.model import GPT, GPTConfig
-from lnstab.module import MODEL_ARGS, GPTModule, gpt_config
+from lnstab.moduleargs import MODEL_ARGS, MODULE_ARGS, gpt_config
 
 # Where the instruments look in lnstab's GPT (and, with defaults, in Hugging Face GPT-2): half-step residual modules.
 LNSTAB_SITES = Sites(
@@ -201,7 +200,7 @@ def lnstab_subject(args: dict[str, Any]) -> tuple[Subject, dict[str, Any]]:
     ``warmup_steps``; ``learning_rate`` is handed back too, as a one-rung ladder). Dropout is switched off in the
     config (the runs train in train mode).
     """
-    allowed = [p for p in inspect.signature(GPTModule.__init__).parameters if p != "self"]
+    allowed = MODULE_ARGS
     for key in args:
         if key not in allowed:
             raise LNStabError(f"--model.{key} is not allowed; GPTModule takes: {', '.join(allowed)}")

@@ -1,0 +1,116 @@
+"""What a stress run of the check is given and gives back, in plain torch (no Lightning).
+
+The parent process of ``lnstab check`` plans the runs, checks each model's forward, reads the results its workers
+send back (:class:`RunResult`, pickled by this module's name) and grades them; only the workers train
+(:mod:`lnstab.check.training`), so only they import Lightning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lnstab.errors import LNStabError
+
+
+@dataclass(frozen=True)
+class Optimisation:
+    """The stress run's optimiser settings (shared by every subject and rung of the ladder).
+
+    Attributes:
+        steps: Optimizer updates per run; the hidden states and Jacobians are measured once more after the last.
+        warmup_steps: Linear warmup to the rung's learning rate, then cosine to ``min_lr_ratio`` of it at ``steps``.
+        min_lr_ratio: End of the cosine as a fraction of the peak learning rate.
+        weight_decay: AdamW decoupled decay on ≥ 2-D weights.
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        grad_clip: Gradient-norm clipping (``0`` for none).
+    """
+
+    steps: int = 30
+    warmup_steps: int = 3
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+
+def logits_of(out: Any) -> Any:
+    """The logits in a model's output: the tensor itself, the first item of a tuple or list (``(logits, aux_loss)``),
+    or ``logits`` of a dict or of an object that has it (a Hugging Face ``ModelOutput``); else ``out`` unchanged."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, tuple | list) and out:
+        return out[0]
+    if isinstance(out, dict):
+        return out.get("logits", out)
+    return getattr(out, "logits", out)
+
+
+def probe_forward(model: nn.Module, ids: torch.Tensor, label: str) -> Any:
+    """The logits of ``model`` (:func:`logits_of`; eval mode, no grad) for ``ids``, or a one-line error naming
+    ``label`` when its forward fails."""
+    try:
+        with torch.no_grad():
+            return logits_of(model.eval()(ids))
+    except Exception as exc:
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")[:300]
+        raise LNStabError(f"{label} failed on token ids of shape {tuple(ids.shape)} "
+                          f"({type(exc).__name__}: {first})") from None
+
+
+@dataclass(frozen=True)
+class Sites:
+    """Where the instruments look in one model (regexes searched in module/parameter names; see lnstab.callbacks).
+
+    Attributes:
+        hidden_pattern: Residual-stream sites (half-steps or blocks); the first group, if any, is the layer index
+            (without groups the matches are numbered in module order).
+        embed_pattern: The module whose output is X_0 (``None``: the first block's input).
+        final_pattern: The module whose input is X_D (``None``: the last block's output).
+        block_pattern: Whole blocks for the Jacobian probe, first group the layer index.
+        param_pattern: Parameters of one block, first group the layer index (``None``: no per-layer gradients).
+        norm_pattern: Output norms of Theorem 4, one per residual update (``None``: none; a model's own
+            ``output_norms()`` wins, as in :class:`~lnstab.callbacks.GrowthBoundMonitor`).
+        head_pattern: The output head whose output is the logits (``None``: ``lm_head``, or lnstab's chunked head).
+        attention: Whether the attention-logit instrument finds q and k (lnstab's GPT, HF GPT-2, Llama,
+            Gemma, Mistral, Mixtral, Qwen2/3, Gemma 2/3, OLMo 2, or the projections named by ``qk``).
+        logits: Whether the output-logit instrument finds the logits.
+        qk: ``(q_pattern, k_pattern, n_head)`` of a model whose attention is not recognised (``None``: automatic).
+    """
+
+    hidden_pattern: str
+    embed_pattern: str | None = None
+    final_pattern: str | None = None
+    block_pattern: str | None = None
+    param_pattern: str | None = None
+    norm_pattern: str | None = None
+    head_pattern: str | None = None
+    attention: bool = True
+    logits: bool = True
+    qk: tuple[str, str, int] | None = None
+
+
+@dataclass
+class RunResult:
+    """What one stress run measured (plain numbers, JSON-ready)."""
+
+    subject: str
+    lr: float
+    seed: int
+    log_dir: str
+    losses: list[float]
+    diverged: bool
+    diverged_step: int | None
+    events: list[dict[str, Any]]
+    hidden_tags: list[str]
+    hidden_steps: list[int]
+    hidden: dict[str, dict[str, list[float]]]
+    metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    wall_s: float = 0.0
+    repeated: dict[str, int] = field(default_factory=dict)  # block module -> calls in one forward, when above 1
+    bound_unchecked: str = ""  # why output norms that were located did not get Theorem 4's bound checked
