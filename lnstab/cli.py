@@ -1,43 +1,19 @@
-"""``lnstab``: LightningCLI for fit/validate/test/predict/evaluate, plus lnstab's own subcommands.
+"""The ``lnstab`` command: LightningCLI's fit/validate/test/predict/evaluate (:mod:`lnstab.lightning_cli`) and lnstab's
+own subcommands (``prepare``, ``sweep``, ``report``, ``check``), each imported only when it is run.
 
-``lnstab fit --config experiments/gpt2_peri_dt1.yaml`` trains one paper experiment. An experiment YAML names the file
-it builds on with ``extends: base.yaml`` (relative to itself); the CLI expands that chain into ordinary, composable
-``--config`` arguments, so later ``--config`` files and ``--key value`` overrides still win. Beside ``model``,
-``data`` and ``trainer`` a config has three groups: ``checkpoint`` (:class:`~lnstab.callbacks.RunCheckpoint`),
-``evaluation`` (:class:`~lnstab.callbacks.FinalEvaluation`) and ``instruments``
-(:class:`~lnstab.callbacks.Instruments`). Where a run lives and which checkpoint resumes it is :mod:`lnstab.runs`'
-business (``--run_dir``, ``--ckpt_path last|auto``). The saved ``config.yaml`` is resolved (no ``extends``, the
-precision and data source actually used) and describes the experiment, not the place it ran, so
-``lnstab fit --config runs/<exp>/version_0/config.yaml`` reruns it as a new run anywhere. Any user mistake ends with
-one line on stderr and exit status 2.
+Lightning is imported by the trainer subcommands only: ``lnstab check`` (whose parent process never trains),
+``lnstab report``, ``lnstab --help`` and every usage error of those start without it, seconds sooner on a slow CPU.
+The names of :mod:`lnstab.lightning_cli` (``cli_main``, ``LNStabCLI``) are reachable from here, as before.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-import signal
 import sys
-from pathlib import Path
 from typing import Any
 
-from lightning.pytorch import LightningDataModule
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-
-from lnstab import runlock, runs
-from lnstab.callbacks import FinalEvaluation, Instruments, RunCheckpoint, RunStatus
-from lnstab.callbacks.run_status import RunInterrupted
-from lnstab.checkpoint import load_checkpoint
-from lnstab.configfiles import expand_extends, experiment_name
-from lnstab.errors import ConfigError, MachineError, find_user_error, one_line
-from lnstab.module import GPTModule
-from lnstab.precision import precision_warning, resolve_precision
-from lnstab.runconfig import CKPT_SUBCOMMANDS, UNNAMED, LNStabArgumentParser, SaveRunConfig, logger_args
-from lnstab.rundir import CONFIG_FILE, check_writable
-from lnstab.rundir import run_dir as trainer_run_dir
-from lnstab.safeload import load_yaml
-from lnstab.trainer import LNStabTrainer
+from lnstab.errors import MachineError, find_user_error, one_line
 
 # Subcommands that are not Trainer methods: name -> "module:function" taking argv (imported only when used).
 EXTRA_COMMANDS: dict[str, str] = {
@@ -54,230 +30,6 @@ COMMAND_HELP = {
     "evaluate": "Final evaluation of a checkpoint: loss, perplexities, ROUGE, BERTScore into eval.json",
     "prepare": "Tokenize OpenWebText (hub or files) once into uint16 bins with nanoGPT's split",
 }
-
-
-class LNStabCLI(LightningCLI):
-    """LightningCLI with lnstab's trainer, config groups, run directories and strict resumption (module docstring)."""
-
-    experiment: str | None = None
-    argv: list[str] = []
-    run_status: RunStatus | None = None  # the RunStatus of the trainer being run
-
-    @staticmethod
-    def subcommands() -> dict[str, set[str]]:
-        return {**LightningCLI.subcommands(), "evaluate": {"model", "datamodule"}}
-
-    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.add_argument("--extends", type=str | None, default=None, help="Base YAML this config builds on.")
-        parser.add_argument("--run_dir", type=str | None, default=None,
-                            help="Directory of this run (default: <logger save_dir>/<experiment>/version_N).")
-        parser.link_arguments("model.block_size", "data.init_args.block_size")
-        parser.add_lightning_class_args(RunCheckpoint, "checkpoint")
-        parser.add_lightning_class_args(FinalEvaluation, "evaluation")
-        parser.add_class_arguments(Instruments, "instruments")
-
-    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
-        super().parse_arguments(parser, args)
-        if self.config.get("subcommand"):
-            self._resolve_run(self.config.subcommand)
-
-    def _resolve_run(self, sub: str) -> None:
-        """Name, directory and checkpoint of the run; refuse what would overwrite or silently ignore input."""
-        c = self.config[sub]
-        loggers = logger_args(c.trainer.logger)
-        for logger in loggers:
-            if logger.get("name") in UNNAMED and not c.run_dir:
-                logger["name"] = self.experiment or "lnstab"
-        if sub == "fit" and (c.trainer.max_steps == 0 or c.trainer.max_steps < -1):
-            raise ConfigError(f"trainer.max_steps={c.trainer.max_steps} is not allowed; it must be >= 1, or -1 "
-                              f"for no step limit")
-        run_dir, ckpt = c.run_dir, c.get("ckpt_path")
-        if ckpt in runs.RESUME_KEYWORDS:
-            root = None
-            if loggers:
-                first = loggers[0]
-                root = str(Path(first["save_dir"]) / (first.get("name") or ""))
-                if first.get("version") not in (None, ""):
-                    run_dir = run_dir or str(Path(root) / str(first["version"]))
-            found = runs.resolve_resume(ckpt, run_dir, root)
-            ckpt = str(found) if found is not None else None
-            run_dir = run_dir or (str(runs.run_of_checkpoint(found)) if found is not None else None)
-        elif ckpt:
-            if not Path(ckpt).is_dir():
-                load_checkpoint(ckpt, field="--ckpt_path", mmap=True)  # missing, truncated or unsafe: one line
-            owner = runs.run_of_checkpoint(ckpt)
-            run_dir = run_dir or (str(owner) if owner is not None else None)
-        if sub == "fit" and ckpt is None and run_dir:
-            runs.check_fresh_run_dir(run_dir)
-        if sub == "fit" and not run_dir and loggers:  # Lightning will make save_dir/name/version_N: can it?
-            check_writable(Path(loggers[0]["save_dir"]) / (loggers[0].get("name") or ""))
-        if sub == "evaluate" and ckpt is None:
-            raise ConfigError("ckpt_path=None is not allowed; lnstab evaluate needs --ckpt_path CHECKPOINT (or last)")
-        if run_dir:
-            check_writable(run_dir)
-            save_dir, name, version = runs.split_run_dir(run_dir)
-            if c.trainer.logger in (None, True):  # Lightning's default logger, placed in the run directory
-                tensorboard = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                               "init_args": {"save_dir": save_dir, "name": name, "version": version}}
-                self.config = self.parser.parse_object({sub: {"trainer": {"logger": tensorboard}}}, self.config)
-                c = self.config[sub]
-                loggers = logger_args(c.trainer.logger)
-            for logger in loggers:
-                if Path(logger["save_dir"]) / (logger.get("name") or "") == Path(save_dir):
-                    logger["version"] = version  # a version of this experiment: keep its save_dir and name
-                else:
-                    logger["save_dir"], logger["name"], logger["version"] = save_dir, name, version
-            c.trainer.default_root_dir = run_dir
-            if ckpt is not None:  # the run logged its hyperparameters when it started: don't rewrite hparams.yaml
-                c.trainer.enable_autolog_hparams = False
-        c.run_dir, c.ckpt_path = run_dir, ckpt
-        if ckpt and not Path(ckpt).is_dir():
-            # The checkpoint's hyperparameters win over the parsed model settings (LightningCLI reads them from
-            # ckpt_path): refused where they differ. A resumed fit compares every source (--config files, a
-            # grid's overrides, flags); validate/test/evaluate, which score the checkpoint's model under any
-            # config, compare the explicit --model.* flags.
-            explicit = runs.explicit_keys(self.argv, "model")
-            model = c.model.as_dict() if sub == "fit" else {k: c.model[k] for k in explicit if k in c.model}
-            runs.check_against_checkpoint(load_checkpoint(ckpt, mmap=True), model, ckpt, explicit)
-        if sub == "fit" and ckpt is not None and run_dir:
-            runs.check_resumable(run_dir)
-        if sub in CKPT_SUBCOMMANDS and run_dir and not runs.explicit_keys(self.argv, "data"):
-            self._data_from_run(sub, Path(run_dir))
-
-    def _data_from_run(self, sub: str, run_dir: Path) -> None:
-        """Evaluate a checkpoint on the data its run trained on (its saved config), unless ``--data.*`` is given."""
-        saved = run_dir / CONFIG_FILE
-        if not saved.is_file():
-            return
-        data = (load_yaml(saved) or {}).get("data")  # bounded: a run directory is data from outside
-        if not isinstance(data, dict):
-            return
-        data.get("init_args", {}).pop("block_size", None)  # linked from the model
-        self.config = self.parser.parse_object({sub: {"data": data}}, self.config)
-        args = data.get("init_args") or {}
-        shown = ", ".join(f"{k}={args[k]}" for k in ("source", "path", "dataset") if args.get(k) is not None)
-        rank_zero_info(f"lnstab: data of the checkpoint's run ({saved}): {data.get('class_path')} {shown}; pass "
-                       f"--data.* to use other data")
-
-    def _check_evaluation(self) -> None:
-        """Fail in one line before anything is written: an evaluation that cannot run on this model."""
-        from lnstab.evaluation import metrics
-
-        for cb in self.trainer.callbacks:
-            if isinstance(cb, FinalEvaluation) and cb.run_on["test"]:
-                cb.settings.check_model(self.model.config)
-                metrics.load_bertscore(cb.settings.bertscore_model, cb.settings.bertscore_layers)
-
-    def before_test(self) -> None:
-        self._check_evaluation()
-
-    def before_evaluate(self) -> None:
-        self._check_evaluation()
-
-    def before_fit(self) -> None:
-        self._evaluate_if_owed()
-
-    def _evaluate_if_owed(self) -> None:
-        """A run whose final evaluation a signal interrupted resumes at its last step; with nothing left to train
-        Lightning skips the whole training loop, the end-of-fit evaluation included, so evaluate it here (through
-        ``test``, like ``lnstab evaluate``, recorded as the fit's evaluation). A signal meanwhile leaves the run
-        ``interrupted``: the next resume tries again."""
-        c = self.config[self.subcommand]
-        evaluators = [cb for cb in self.trainer.callbacks if isinstance(cb, FinalEvaluation) and cb.run_on["fit"]]
-        ckpt, run = c.get("ckpt_path"), c.get("run_dir")
-        if not evaluators or not runs.final_evaluation_owed(ckpt, run, self.trainer.max_steps):
-            return
-        rank_zero_info(f"lnstab: {run} trained all its steps; its final evaluation was interrupted: evaluating")
-        saved = [(cb, dict(cb.run_on), cb.test_stage) for cb in evaluators]
-        for cb in evaluators:
-            cb.run_on["test"], cb.test_stage = True, "fit"
-        try:
-            self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path=ckpt, weights_only=True)
-        finally:
-            for cb, run_on, stage in saved:
-                cb.run_on, cb.test_stage = run_on, stage
-
-    def before_instantiate_classes(self) -> None:
-        c = self.config[self.subcommand] if self.subcommand else self.config
-        if c.trainer.precision == "auto":
-            value, reason = resolve_precision("auto", str(c.trainer.accelerator))
-            c.trainer.precision = value
-            rank_zero_info(f"lnstab: precision auto -> {value} ({reason}); recorded in the run's config.yaml")
-        elif warning := precision_warning(c.trainer.precision, str(c.trainer.accelerator)):
-            rank_zero_warn(f"lnstab: {warning}")
-        if self.subcommand and "weights_only" in c and c.weights_only is None:
-            c.weights_only = True  # checkpoints are data, never code
-
-    def instantiate_trainer(self, **kwargs: Any) -> Any:
-        c = self.config_init[self.subcommand] if self.subcommand else self.config_init
-        callbacks = list(c["trainer"].get("callbacks") or [])
-        suite = c.get("instruments")
-        callbacks += suite.callbacks() if suite is not None else []
-        LNStabCLI.run_status = RunStatus()
-        callbacks.append(LNStabCLI.run_status)
-        return super().instantiate_trainer(callbacks=callbacks, **kwargs)
-
-    def after_instantiate_classes(self) -> None:
-        c = self.config[self.subcommand] if self.subcommand else self.config
-        hp = getattr(self.datamodule, "hparams", {})
-        if hp.get("resolved_source") and c.get("data.init_args.source") == "auto":
-            c.data.init_args.source = hp["resolved_source"]  # the saved config names the data actually used
-            for key in ("dataset", "dataset_config", "revision"):
-                if key in hp and key in c.data.init_args:
-                    c.data.init_args[key] = hp[key]
-        needed = getattr(self.datamodule, "token_id_limit", None)
-        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
-        if callable(needed) and vocab is not None and needed() > vocab:
-            raise ConfigError(
-                f"model.vocab_size={vocab} is not allowed with this data: its token ids go up to {needed() - 1}; "
-                f"it must be >= {needed()}"
-            )
-        if self.subcommand == "fit" and runlock.launched_as_rank_zero():
-            # one owner per run directory, taken once every class is built and checked (a bad setting has failed
-            # by now, leaving nothing behind) and before the trainer's setup, where the logger creates its event
-            # file (RunStatus.setup takes it too, for Trainers used without this CLI)
-            note = runlock.hold(trainer_run_dir(self.trainer))
-            if note:
-                rank_zero_info(note)
-
-
-def _default_config(argv: list[str]) -> list[str]:
-    """``validate|test|predict|evaluate --ckpt_path FILE`` without ``--config``: the checkpoint's run config."""
-    if not argv or argv[0] not in CKPT_SUBCOMMANDS or any(a == "--config" or a.startswith("--config=") for a in argv):
-        return argv
-    values = dict(zip(argv, argv[1:], strict=False))
-    run_dir = values.get("--run_dir")
-    ckpt = values.get("--ckpt_path")
-    if run_dir is None and ckpt and ckpt not in runs.RESUME_KEYWORDS:
-        run_dir = runs.run_of_checkpoint(ckpt)
-    if run_dir is None or not (Path(run_dir) / CONFIG_FILE).is_file():
-        raise ConfigError(f"lnstab {argv[0]} needs --config, or a --ckpt_path/--run_dir inside a run directory that "
-                          f"holds {CONFIG_FILE}")
-    return [argv[0], "--config", str(Path(run_dir) / CONFIG_FILE), *argv[1:]]
-
-
-def cli_main(args: list[str] | None = None, run: bool = True) -> LNStabCLI:
-    """Build (and by default run) the CLI; ``args`` as on the command line, without the program name."""
-    raw = list(sys.argv[1:] if args is None else args)
-    raw = _default_config(raw)
-    expanded = expand_extends(raw)
-    argv, sys.argv = sys.argv, sys.argv[:1]  # LightningCLI warns when it sees both sys.argv and args
-    LNStabCLI.experiment, LNStabCLI.argv = experiment_name(raw), raw
-    LNStabArgumentParser.experiment = LNStabCLI.experiment
-    LNStabCLI.run_status = None
-    try:
-        return LNStabCLI(
-            GPTModule,
-            LightningDataModule,
-            subclass_mode_data=True,
-            trainer_class=LNStabTrainer,
-            args=expanded,
-            run=run,
-            save_config_callback=SaveRunConfig,
-            parser_class=LNStabArgumentParser,
-        )
-    finally:
-        sys.argv = argv
 
 
 def print_help() -> None:
@@ -303,32 +55,33 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print_help()
         return
-    if argv[0] == "fit":
-        from lnstab.sweep.runner import follow_parent
+    if argv[0] not in EXTRA_COMMANDS:
+        from lnstab.lightning_cli import run
 
-        follow_parent()  # a sweep's child ends with its sweep
+        run(argv)
+        return
+    module, func = EXTRA_COMMANDS[argv[0]].split(":")
     try:
-        if argv[0] in EXTRA_COMMANDS:
-            module, func = EXTRA_COMMANDS[argv[0]].split(":")
-            getattr(importlib.import_module(module), func)(argv[1:])
-            return
-        cli = cli_main(argv)
-    except RunInterrupted as exc:  # a signal during the final evaluation, or a second Ctrl-C
-        raise SystemExit(128 + exc.signum) from None
+        getattr(importlib.import_module(module), func)(argv[1:])
     except Exception as exc:
-        status = LNStabCLI.run_status
-        if status is not None and status.signal is not None:  # an error after a signal: the run is interrupted
-            print(f"lnstab: the run was stopping on {signal.Signals(status.signal).name} when "
-                  f"{type(exc).__name__}: {one_line(exc)[:300]}; recorded as interrupted", file=sys.stderr)
-            raise SystemExit(128 + int(status.signal)) from None
         user_error = find_user_error(exc)
         if user_error is None or os.environ.get("LNSTAB_DEBUG"):
             raise
         print(f"lnstab: error: {one_line(user_error)}", file=sys.stderr)
         raise SystemExit(1 if isinstance(user_error, MachineError) else 2) from None
-    status = next((cb for cb in getattr(cli.trainer, "callbacks", []) if isinstance(cb, RunStatus)), None)
-    if status is not None and status.exit_code:
-        raise SystemExit(status.exit_code)
+
+
+def __getattr__(name: str) -> Any:
+    # cli_main, LNStabCLI and the rest of the LightningCLI side, from their own module (imported on first use);
+    # never for a dunder such as __path__, which every ``from lnstab.cli import main`` asks for
+    if name.startswith("__"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from lnstab import lightning_cli
+
+    try:
+        return getattr(lightning_cli, name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
 
 
 if __name__ == "__main__":

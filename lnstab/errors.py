@@ -1,5 +1,7 @@
 """User-facing errors. The CLI prints any :class:`LNStabError` as one line and exits non-zero, no traceback."""
 
+import sys
+
 
 class LNStabError(ValueError):
     """Bad input from the user; the message is one line naming the field, the value and what is allowed."""
@@ -22,8 +24,10 @@ def one_line(exc: BaseException) -> str:
 def find_user_error(exc: BaseException) -> BaseException | None:
     """The user's mistake behind ``exc``: an :class:`LNStabError` or Lightning's ``MisconfigurationException``,
     itself or one that jsonargparse wrapped while instantiating."""
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
-
+    # Lightning's class only if Lightning is imported (nothing else raises it), so that the commands that never import
+    # it (lnstab check, report, --help) do not for their errors either
+    lightning = sys.modules.get("lightning.fabric.utilities.exceptions")
+    user = (LNStabError, lightning.MisconfigurationException) if lightning else (LNStabError,)
     seen: set[int] = set()
     stack = [exc]
     while stack:
@@ -31,7 +35,7 @@ def find_user_error(exc: BaseException) -> BaseException | None:
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, LNStabError | MisconfigurationException):
+        if isinstance(e, user):
             return e
         stack += [e.__cause__, e.__context__]
     return None
