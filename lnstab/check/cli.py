@@ -36,9 +36,9 @@ from lnstab.check.criteria import load_thresholds
 from lnstab.check.protocol import Protocol, RunFailed, plan, run_ladder
 from lnstab.check.report import terminal
 from lnstab.check.runner import VOCAB_MODES, grade, lnstab_version, load_data, machine, public_command
+from lnstab.check.runspec import Optimisation
 from lnstab.check.signals import Interrupted, interruptible
 from lnstab.check.subjects import Subject, context_length, hf_subject, lnstab_subject, parse_value, references
-from lnstab.check.training import Optimisation
 from lnstab.check.validation import supplement_argv
 from lnstab.check.workers import RunPool, auto_workers
 from lnstab.errors import LNStabError
@@ -331,9 +331,9 @@ def run_check(args: argparse.Namespace, model_args: dict[str, Any], command: str
     n_runs = len(plan([subject] + ([] if args.no_reference else references(subject, seq_len)), protocol))
     workers, per_worker = worker_counts(args, n_runs)
     out: Path | None = None
-    with RunPool(workers, per_worker) as pool:  # the workers import lnstab while the data loads
+    with RunPool(workers, per_worker) as pool:  # the workers start importing now; one of them then reads the data
         try:
-            data, subject = load_data(protocol, subject, seq_len, args.vocab)
+            data, subject = load_data(protocol, subject, seq_len, args.vocab, pool)
             subjects = [subject] + ([] if args.no_reference else references(subject, seq_len))
             out = run_directory(args, args.name or subject.name)  # only now: a usage error leaves nothing behind
             provenance = {"lnstab": lnstab_version(), "machine": machine(workers, per_worker)}

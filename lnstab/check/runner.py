@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from lnstab.check.analysis import first_bad, summarise
@@ -19,11 +20,12 @@ from lnstab.check.card import build_rows
 from lnstab.check.criteria import overall
 from lnstab.check.protocol import GPT2_VOCAB, Protocol, compact_vocabulary, load_tokens, plan
 from lnstab.check.report import write_report
+from lnstab.check.runspec import probe_forward
 from lnstab.check.subjects import Subject
-from lnstab.check.training import probe_forward
-from lnstab.datamodules.prepared import sha256_file
+from lnstab.check.workers import RunPool
 from lnstab.errors import LNStabError
 from lnstab.precision import cpu_has_native_bf16
+from lnstab.rundir import sha256_file
 
 VOCAB_MODES = ("protocol", "model")
 
@@ -37,14 +39,17 @@ class Data:
     vocab: dict[str, Any]
 
 
-def load_data(protocol: Protocol, subject: Subject, seq_len: int, vocab_mode: str) -> tuple[Data, Subject]:
+def load_data(protocol: Protocol, subject: Subject, seq_len: int, vocab_mode: str, pool: RunPool | None = None
+              ) -> tuple[Data, Subject]:
     """The windows and the subject to train on them: with ``vocab_mode='protocol'`` and a subject that allows it
     (:meth:`Subject.with_vocab`), the windows are relabelled onto the distinct tokens they hold and the subject is
-    built with that many outputs; else the model's own vocabulary (``files`` then needs GPT-2's)."""
+    built with that many outputs; else the model's own vocabulary (``files`` then needs GPT-2's). With ``pool``, the
+    text is read and tokenised in one of its workers (:func:`windows`), which import Lightning anyway."""
     probe = subject.with_vocab(2) if vocab_mode == "protocol" else None
     compact = probe is not None
     vocab = subject.shape.vocab_size
-    tokens, info = load_tokens(protocol, vocab, seq_len, own_vocab=not compact)
+    array, info = (pool.call if pool else _call)(windows, protocol, vocab, seq_len, not compact)
+    tokens = torch.from_numpy(array)
     if info["source"] == "files":
         info["identity"] = file_identity(protocol.data_path)
     if not compact:
@@ -55,6 +60,16 @@ def load_data(protocol: Protocol, subject: Subject, seq_len: int, vocab_mode: st
     compacted = subject.with_vocab(size)
     check_model(compacted, size, seq_len)
     return Data(tokens, info, {"mode": "protocol", "size": size, "own": vocab, "source": source_vocab}), compacted
+
+
+def windows(protocol: Protocol, vocab: int, seq_len: int, own_vocab: bool) -> tuple[np.ndarray, dict[str, Any]]:
+    """:func:`~lnstab.check.protocol.load_tokens` with the windows as a numpy array (what a worker sends back)."""
+    tokens, info = load_tokens(protocol, vocab, seq_len, own_vocab=own_vocab)
+    return tokens.numpy(), info
+
+
+def _call(fn: Any, *args: Any) -> Any:
+    return fn(*args)
 
 
 def check_model(subject: Subject, vocab_size: int, seq_len: int, *, width: bool = True, causal: bool = True) -> None:

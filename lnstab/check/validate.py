@@ -192,7 +192,7 @@ def validate_rows(args: argparse.Namespace, argv: list[str], typed: list[str], s
         estimate = len(plan([checked[0][0], *references(checked[0][0], seq_len)], protocol)) * len(rows)
         workers, per_worker = worker_counts(args, estimate)
         with RunPool(workers, per_worker) as pool:
-            data, first = load_data(protocol, checked[0][0], seq_len, args.vocab)
+            data, first = load_data(protocol, checked[0][0], seq_len, args.vocab, pool)
             subjects = [first] + [with_protocol_vocab(s, data, seq_len) for s, _ in checked[1:]]
             registry, keys = unique_runs(rows, subjects, seq_len)
             runs = run_ladder(list(registry.values()), protocol, data.tokens, work / "tb",

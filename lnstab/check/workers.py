@@ -2,10 +2,11 @@
 
 The models of a check are small (4 × 128 by default): a run's matrix products are too small to keep two threads of
 one process busy, so two single-threaded processes finish a ladder about twice as fast as one process on two
-threads. Workers are spawned (never forked: the parent's OpenMP state must not be inherited), import lnstab while the
-parent loads the data, and rebuild each model from its subject's picklable recipe; a run is seeded the same way in
-either place, so its weights and batches are the same (its floating-point sums may differ in the last bits with the
-thread count).
+threads. Workers are spawned (never forked: the parent's OpenMP state must not be inherited) as soon as the arguments
+are checked, import the training side (Lightning and lnstab's callbacks: seconds of CPU), one of them reads the data
+(:meth:`RunPool.call`), and each rebuilds every model from its subject's picklable recipe; a run is seeded the same
+way in either place, so its weights and batches are the same (its floating-point sums may differ in the last bits
+with the thread count). The parent itself never imports Lightning: it plans, waits and grades.
 
 Only the parent acts on signals. The workers are spawned with SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 blocked
 and keep them blocked (so neither a Ctrl-C to the terminal's process group nor a ``kill`` of the whole group reaches
@@ -103,7 +104,12 @@ def _start_worker(path: list[str], threads: int, parent: int) -> None:
         if entry not in sys.path:
             sys.path.insert(0, entry)
     torch.set_num_threads(threads)
-    import lnstab.check.training  # noqa: F401  (the heavy imports, while the parent loads the data)
+    from tqdm.std import TqdmDefaultWriteLock
+
+    # tqdm (the data module's Hugging Face reader uses it) would create a named multiprocessing semaphore here, which a
+    # worker killed on a failed check leaks (a resource_tracker warning at the parent's exit); threads-only locking
+    TqdmDefaultWriteLock.mp_lock = None
+    import lnstab.check.training  # noqa: F401  (the heavy imports, at once)
 
 
 def _ready() -> int:
@@ -163,6 +169,20 @@ class RunPool:
         for process in self.processes:
             with contextlib.suppress(OSError, ValueError):
                 process.join(timeout=10)
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` in a worker (in this process when there is none): its result, or what it raised.
+
+        For work that needs the workers' imports and not the parent's: the parent of a check never trains, so it
+        never imports Lightning, and the data module that reads the check's text is a LightningDataModule.
+        ``fn`` must return something that pickles by value (no tensors: numpy arrays).
+        """
+        if self.executor is None:
+            return fn(*args, **kwargs)
+        future = self.executor.submit(fn, *args, **kwargs)
+        while not future.done():  # a signal's handler runs between waits, as in run()
+            wait([future], timeout=1.0)
+        return future.result()
 
     def run(self, jobs: list[Job], done: Callable[[Job, Any], None]) -> list[Any]:
         """Every job's result in job order; ``done(job, result)`` after each (e.g. a progress bar). The first
