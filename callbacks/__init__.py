@@ -9,22 +9,21 @@ patterns. The activation instruments share one tap per model and read the statis
 strategy.
 """
 
-from ._stats import SiteView, Statistic
-from ._stats import register as register_statistic
-from ._strategy import unsharded
-from .attention import AttentionLogitStatistics
-from .checkpoint import RunCheckpoint
-from .divergence import DivergenceMonitor, NonFiniteCheckpointError
-from .grad_stats import GradientStatistics
-from .growth_bound import GrowthBoundMonitor
-from .hidden_stats import HiddenStateStatistics
-from .jacobian import JacobianSensitivity, spectral_norm
-from .layout import StabilityLayout, stability_layout
-from .output_logits import OutputLogitStatistics
-from .progress import StepProgressBar
-from .run_status import RunStatus
-from .suite import Instruments
-from .throughput import Throughput
+import importlib
+from typing import Any
+
+# Each public name and the module that defines it, imported on first use: a process that needs only the site-finding
+# helpers (``lnstab check``'s parent, which never trains) imports them without Lightning.
+_EXPORTS = {
+    "SiteView": "._stats", "Statistic": "._stats", "register_statistic": "._stats", "unsharded": "._strategy",
+    "AttentionLogitStatistics": ".attention", "RunCheckpoint": ".checkpoint", "DivergenceMonitor": ".divergence",
+    "NonFiniteCheckpointError": ".divergence", "GradientStatistics": ".grad_stats",
+    "GrowthBoundMonitor": ".growth_bound", "HiddenStateStatistics": ".hidden_stats",
+    "JacobianSensitivity": ".jacobian", "spectral_norm": ".jacobian", "StabilityLayout": ".layout",
+    "stability_layout": ".layout", "OutputLogitStatistics": ".output_logits", "StepProgressBar": ".progress",
+    "RunStatus": ".run_status", "Instruments": ".suite", "Throughput": ".throughput",
+}
+_RENAMED = {"register_statistic": "register"}
 
 __all__ = [
     "AttentionLogitStatistics",
@@ -51,11 +50,18 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    # FinalEvaluation scores lnstab's own GPT (it imports the model and the metric packages), so it is loaded only
-    # when asked for: the instruments above stay free of lnstab's model.
+def __getattr__(name: str) -> Any:
+    # FinalEvaluation scores lnstab's own GPT (it imports the model and the metric packages), so it comes from
+    # lnstab.evaluation; the rest from their modules (_EXPORTS). Each is cached as an attribute once loaded.
     if name == "FinalEvaluation":
-        from lnstab.evaluation.callback import FinalEvaluation
+        from lnstab.evaluation.callback import FinalEvaluation as value
+    elif name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name], __name__), _RENAMED.get(name, name))
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
-        return FinalEvaluation
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

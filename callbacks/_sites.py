@@ -14,13 +14,15 @@ import re
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
 import torch
 from torch import nn
 
 from lnstab.errors import ConfigError
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 # lnstab's GPT: the parameter-free Residual modules after every attention / MLP half-step.
 LNSTAB_RESIDUALS = r"(?:^|\.)h\.(\d+)\.resid_(attn|mlp)$"

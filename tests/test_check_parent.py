@@ -21,9 +21,13 @@ TESTS = Path(__file__).parent
 ROOT = TESTS.parent
 HEAVY = ("lightning", "lightning.pytorch", "torchmetrics", "transformers", "lnstab.lightning_cli",
          "lnstab.datamodules", "lnstab.check.training", "lnstab.module")
-TINY = ["--model.preset", "tiny", "--model.vocab_size", "128", "--model.block_size", "32", "--model.norm_placement",
-        "output", "--lrs", "1e-2", "--seeds", "0,1", "--steps", "4", "--measure-every", "2", "--batch-size", "4",
-        "--seq-len", "16", "--no-progress", "--workers", "2", "--threads", "2"]
+MODEL = ["--model.preset", "tiny", "--model.vocab_size", "128", "--model.block_size", "32", "--model.norm_placement",
+         "output"]
+FACTORY = ["--factory", "check_factories:encoder_lm", "--layer-pattern", r"layers\.(\d+)$"]  # finds its sites in
+# the parent through lnstab.callbacks' site helpers
+PROTOCOL = ["--lrs", "1e-2", "--seeds", "0,1", "--steps", "4", "--measure-every", "2", "--batch-size", "4", "--seq-len",
+            "16", "--no-progress", "--workers", "2", "--threads", "2"]
+TINY = [*MODEL, *PROTOCOL]
 SCRIPT = """
 import json, sys
 from lnstab.cli import main
@@ -65,11 +69,12 @@ def test_help_compare_and_usage_errors_start_without_lightning(tmp_path) -> None
     assert got["heavy"] == []
 
 
-@pytest.mark.parametrize("source", ["synthetic", "files"])
-def test_a_check_with_workers_trains_and_grades_without_lightning_in_its_parent(tmp_path, source) -> None:
+@pytest.mark.parametrize(("model", "source"), [("lnstab", "synthetic"), ("lnstab", "files"), ("factory", "synthetic")])
+def test_a_check_with_workers_trains_and_grades_without_lightning_in_its_parent(tmp_path, model, source) -> None:
     data = (["--data.source", "synthetic"] if source == "synthetic" else
             ["--data.path", str(text_file(tmp_path / "docs.jsonl", 60)), "--vocab", "protocol"])
-    got, _ = parent(["check", *TINY, *data, "--out", str(tmp_path / "card")], cwd=tmp_path)
+    subject = MODEL if model == "lnstab" else FACTORY
+    got, _ = parent(["check", *subject, *PROTOCOL, *data, "--out", str(tmp_path / "card")], cwd=tmp_path)
     report = json.loads((tmp_path / "card" / "report.json").read_text())
     assert got["codes"] == [report["exit_code"]] and report["status"] in ("pass", "warn", "fail")
     assert report["provenance"]["machine"]["workers"] == 2 and len(report["runs"]) == 6
