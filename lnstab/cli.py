@@ -9,11 +9,10 @@ The names of :mod:`lnstab.lightning_cli` (``cli_main``, ``LNStabCLI``) are reach
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 from typing import Any
 
-from lnstab.errors import MachineError, find_user_error, one_line
+from lnstab.errors import exit_for_user_error
 
 # Subcommands that are not Trainer methods: name -> "module:function" taking argv (imported only when used).
 EXTRA_COMMANDS: dict[str, str] = {
@@ -64,11 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         getattr(importlib.import_module(module), func)(argv[1:])
     except Exception as exc:
-        user_error = find_user_error(exc)
-        if user_error is None or os.environ.get("LNSTAB_DEBUG"):
-            raise
-        print(f"lnstab: error: {one_line(user_error)}", file=sys.stderr)
-        raise SystemExit(1 if isinstance(user_error, MachineError) else 2) from None
+        exit_for_user_error(exc)
+        raise
 
 
 def __getattr__(name: str) -> Any:

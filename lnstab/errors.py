@@ -1,5 +1,6 @@
 """User-facing errors. The CLI prints any :class:`LNStabError` as one line and exits non-zero, no traceback."""
 
+import os
 import sys
 
 
@@ -39,3 +40,13 @@ def find_user_error(exc: BaseException) -> BaseException | None:
             return e
         stack += [e.__cause__, e.__context__]
     return None
+
+
+def exit_for_user_error(exc: BaseException) -> None:
+    """The CLI's ending for ``exc``: one line on stderr and exit status 2 (1 for a :class:`MachineError`) when a user's
+    mistake is behind it (:func:`find_user_error`); otherwise, or with ``LNSTAB_DEBUG`` set, nothing (re-raise it)."""
+    user_error = find_user_error(exc)
+    if user_error is None or os.environ.get("LNSTAB_DEBUG"):
+        return
+    print(f"lnstab: error: {one_line(user_error)}", file=sys.stderr)
+    raise SystemExit(1 if isinstance(user_error, MachineError) else 2) from None

@@ -15,7 +15,6 @@ one line on stderr and exit status 2.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ from lnstab.callbacks import FinalEvaluation, Instruments, RunCheckpoint, RunSta
 from lnstab.callbacks.run_status import RunInterrupted
 from lnstab.checkpoint import load_checkpoint
 from lnstab.configfiles import expand_extends, experiment_name
-from lnstab.errors import ConfigError, MachineError, find_user_error, one_line
+from lnstab.errors import ConfigError, exit_for_user_error, one_line
 from lnstab.module import GPTModule
 from lnstab.precision import precision_warning, resolve_precision
 from lnstab.runconfig import CKPT_SUBCOMMANDS, UNNAMED, LNStabArgumentParser, SaveRunConfig, logger_args
@@ -283,11 +282,8 @@ def run(argv: list[str]) -> None:
             print(f"lnstab: the run was stopping on {signal.Signals(status.signal).name} when "
                   f"{type(exc).__name__}: {one_line(exc)[:300]}; recorded as interrupted", file=sys.stderr)
             raise SystemExit(128 + int(status.signal)) from None
-        user_error = find_user_error(exc)
-        if user_error is None or os.environ.get("LNSTAB_DEBUG"):
-            raise
-        print(f"lnstab: error: {one_line(user_error)}", file=sys.stderr)
-        raise SystemExit(1 if isinstance(user_error, MachineError) else 2) from None
+        exit_for_user_error(exc)
+        raise
     status = next((cb for cb in getattr(cli.trainer, "callbacks", []) if isinstance(cb, RunStatus)), None)
     if status is not None and status.exit_code:
         raise SystemExit(status.exit_code)
