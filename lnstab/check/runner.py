@@ -48,7 +48,8 @@ def load_data(protocol: Protocol, subject: Subject, seq_len: int, vocab_mode: st
     probe = subject.with_vocab(2) if vocab_mode == "protocol" else None
     compact = probe is not None
     vocab = subject.shape.vocab_size
-    array, info = (pool.call if pool else _call)(windows, protocol, vocab, seq_len, not compact)
+    args = (protocol, vocab, seq_len, not compact)
+    array, info = pool.call(windows, *args) if pool else windows(*args)
     tokens = torch.from_numpy(array)
     if info["source"] == "files":
         info["identity"] = file_identity(protocol.data_path)
@@ -66,10 +67,6 @@ def windows(protocol: Protocol, vocab: int, seq_len: int, own_vocab: bool) -> tu
     """:func:`~lnstab.check.protocol.load_tokens` with the windows as a numpy array (what a worker sends back)."""
     tokens, info = load_tokens(protocol, vocab, seq_len, own_vocab=own_vocab)
     return tokens.numpy(), info
-
-
-def _call(fn: Any, *args: Any) -> Any:
-    return fn(*args)
 
 
 def check_model(subject: Subject, vocab_size: int, seq_len: int, *, width: bool = True, causal: bool = True) -> None:
