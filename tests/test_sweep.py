@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import fcntl
+import os
 import sys
+import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -16,7 +21,7 @@ from lnstab.sweep.cli import prepare
 from lnstab.sweep.grid import GridError, cli_value, load_grid
 from lnstab.sweep.runner import fit_command
 from lnstab.sweep.slurm import sbatch_script, slurm_settings, torchrun_commands
-from lnstab.sweep.state import is_locked, move_aside, plan, record_manifest, run_lock
+from lnstab.sweep.state import is_locked, lock_path, move_aside, plan, record_manifest, run_directory, run_lock
 
 ROOT = Path(__file__).resolve().parents[1]
 GRIDS = sorted((ROOT / "experiments" / "grids").glob("*.yaml"))
@@ -199,6 +204,27 @@ def test_a_held_lock_means_running(tmp_path) -> None:
     with run_lock(tmp_path, grid, run) as fd:
         assert fd is not None and is_locked(tmp_path, grid, run)
     assert not is_locked(tmp_path, grid, run)
+
+
+@pytest.mark.parametrize("status", ["interrupted", "running"])
+def test_the_lock_of_a_run_that_recorded_its_end_is_waited_for(tmp_path, status) -> None:
+    """A process that wrote its final status still holds the lock while it exits; a sweep rerun at once takes the
+    lock when it is let go (an ``interrupted`` run resumes) instead of skipping the run as running. A run that says
+    it is running is skipped at once, and ``--status`` (``is_locked``) never waits."""
+    grid = load_grid(write_grid(tmp_path, {"axes": {"seed_everything": [0]}}))
+    run = grid.runs[0]
+    directory = run_directory(tmp_path, grid, run)
+    directory.mkdir(parents=True)
+    now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    write_json(directory / "summary.json", {"status": status, "ended_at": None if status == "running" else now})
+    lock_path(tmp_path, grid, run).parent.mkdir(parents=True)
+    holder = os.open(lock_path(tmp_path, grid, run), os.O_RDWR | os.O_CREAT)  # another open file: flock excludes it
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    threading.Timer(0.5, os.close, (holder,)).start()  # the exiting process lets go in half a second
+    assert is_locked(tmp_path, grid, run)  # at once, however the run ended
+    with run_lock(tmp_path, grid, run) as fd:
+        assert (fd is not None) is (status == "interrupted")
+    time.sleep(0.6)
 
 
 # ----------------------------------------------------------------------------------------------- cluster launch

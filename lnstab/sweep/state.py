@@ -27,6 +27,7 @@ import datetime as dt
 import fcntl
 import json
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,8 @@ from lnstab.sweep.grid import Grid, GridError, Run, check_run_name
 
 SWEEP_DIR = ".sweep"
 DONE = ("completed", "diverged")
+# Seconds a sweep waits for the lock of a run that has just recorded its end (its process is exiting).
+ENDING_GRACE_S = 30.0
 
 
 def grid_dir(root: str | Path, grid: Grid) -> Path:
@@ -199,18 +202,26 @@ def lock_path(root: str | Path, grid: Grid, run: Run) -> Path:
 
 
 @contextlib.contextmanager
-def run_lock(root: str | Path, grid: Grid, run: Run) -> Iterator[int | None]:
+def run_lock(root: str | Path, grid: Grid, run: Run, *, wait_ending: bool = True) -> Iterator[int | None]:
     """Hold the run's lock: yields its file descriptor (pass it to the child so the lock outlives this process
-    while the child trains), or ``None`` when another process holds it."""
+    while the child trains), or ``None`` when another process holds it.
+
+    A run whose summary records its end (``interrupted``, ``completed`` … in the last :data:`ENDING_GRACE_S`
+    seconds) is held by a process that is exiting: the lock is waited for, up to that long, rather than the run
+    reported as running (a sweep killed outright and rerun at once would otherwise skip the run its orphan has just
+    saved; ``lnstab sweep`` starts in about a second, quicker than a trained process exits). ``wait_ending=False``
+    answers at once.
+    """
     path = lock_path(root, grid, run)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield None
-            return
+        deadline = time.monotonic() + ENDING_GRACE_S
+        while not _try_lock(fd):
+            if not wait_ending or time.monotonic() > deadline or not _ending(run_directory(root, grid, run)):
+                yield None
+                return
+            time.sleep(0.2)
         try:
             yield fd
         finally:
@@ -219,12 +230,31 @@ def run_lock(root: str | Path, grid: Grid, run: Run) -> Iterator[int | None]:
         os.close(fd)
 
 
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _ending(directory: Path) -> bool:
+    """Whether the run in ``directory`` recorded its end within the last :data:`ENDING_GRACE_S` seconds."""
+    try:
+        summary = read_summary(directory) if (directory / SUMMARY_FILE).is_file() else {}
+        ended = dt.datetime.fromisoformat(summary["ended_at"])
+    except (RunFileError, KeyError, TypeError, ValueError):
+        return False
+    age = (dt.datetime.now(dt.timezone.utc) - ended).total_seconds()
+    return summary.get("status") not in (None, "running") and 0 <= age < ENDING_GRACE_S
+
+
 def is_locked(root: str | Path, grid: Grid, run: Run) -> bool:
     """Whether some process holds the run's lock (it is training under a local sweep)."""
     path = lock_path(root, grid, run)
     if not path.is_file():
         return False
-    with run_lock(root, grid, run) as fd:
+    with run_lock(root, grid, run, wait_ending=False) as fd:
         return fd is None
 
 
