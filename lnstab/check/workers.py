@@ -179,10 +179,7 @@ class RunPool:
         """
         if self.executor is None:
             return fn(*args, **kwargs)
-        future = self.executor.submit(fn, *args, **kwargs)
-        while not future.done():  # a signal's handler runs between waits, as in run()
-            wait([future], timeout=1.0)
-        return future.result()
+        return self.executor.submit(fn, *args, **kwargs).result()  # a signal's handler interrupts the wait, as in run()
 
     def run(self, jobs: list[Job], done: Callable[[Job, Any], None]) -> list[Any]:
         """Every job's result in job order; ``done(job, result)`` after each (e.g. a progress bar). The first
