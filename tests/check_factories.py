@@ -308,3 +308,13 @@ def looped_lm(vocab_size: int = VOCAB) -> nn.Module:
 def looped_peri_lm(vocab_size: int = VOCAB) -> nn.Module:
     """A Peri-style update ``x + LN(f(x))`` looped three times; its output norm is ``block.ln_out``."""
     return LoopedLM(vocab_size, peri=True)
+
+
+def lnstab_gpt_lm(vocab_size: int = VOCAB) -> nn.Module:
+    """lnstab's own GPT (``tiny``, context 32, Pre-LN), as ``--model.preset tiny --model.vocab_size V
+    --model.block_size 32`` builds it, but given as a factory: the check trains it on its logits when ``--z-loss``
+    is set, not through its chunked head."""
+    from lnstab.model import GPT
+    from lnstab.moduleargs import gpt_config
+
+    return GPT(gpt_config({"preset": "tiny", "vocab_size": vocab_size, "block_size": 32}))

@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                                          "not recognise (with --k-pattern and --n-head).")
     src.add_argument("--k-pattern", help="Regex of the key projections, one per layer.")
     src.add_argument("--n-head", type=int, help="Query heads per layer, for --q-pattern.")
+    src.add_argument("--z-loss", type=float, help="Train an --hf or --factory model on cross-entropy + Z_LOSS·mean "
+                     "(log Z)² (PaLM's z-loss; the references without it; lnstab's GPT: --model.z_loss).")
     pro = p.add_argument_group("protocol")
     pro.add_argument("--lrs", type=_floats, help="Learning-rate ladder (default 1e-3,1e-2,1e-1).")
     pro.add_argument("--seeds", type=_ints, help="Seeds (default 0,1).")
@@ -178,16 +180,21 @@ def checked_subject(args: argparse.Namespace, model_args: dict[str, Any]) -> tup
     if not args.factory and any(getattr(args, p) is not None for p in FACTORY_OPTIONS):
         raise LNStabError("--layer-pattern, --module-types, --embed-pattern, --final-pattern, --norm-pattern, "
                           "--head-pattern, --q-pattern, --k-pattern and --n-head describe a --factory model")
-    if model_args:
-        return lnstab_subject(model_args)
-    if args.hf:
-        return hf_subject(args.hf, args.hf_init), {}
-    from lnstab.check.factory import factory_subject
+    from lnstab.check.subjects import check_z_loss, with_z_loss
 
-    seq_len = Protocol.seq_len if args.seq_len is None else args.seq_len
-    return factory_subject(args.factory, args.layer_pattern, args.module_types, seq_len, args.embed_pattern,
-                           args.final_pattern, args.norm_pattern, args.head_pattern,
-                           qk=(args.q_pattern, args.k_pattern, args.n_head)), {}
+    check_z_loss(args.z_loss)  # refused before the model is built
+    if model_args:
+        subject, extra = lnstab_subject(model_args)
+    elif args.hf:
+        subject, extra = hf_subject(args.hf, args.hf_init), {}
+    else:
+        from lnstab.check.factory import factory_subject
+
+        seq_len = Protocol.seq_len if args.seq_len is None else args.seq_len
+        subject, extra = factory_subject(args.factory, args.layer_pattern, args.module_types, seq_len,
+                                         args.embed_pattern, args.final_pattern, args.norm_pattern, args.head_pattern,
+                                         qk=(args.q_pattern, args.k_pattern, args.n_head)), {}
+    return with_z_loss(subject, args.z_loss), extra
 
 
 def make_protocol(args: argparse.Namespace, extra: dict[str, Any]) -> Protocol:

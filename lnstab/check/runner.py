@@ -253,7 +253,9 @@ def describe(subject: Subject, seq_len: int) -> str:
     ctx = f"context {s.block_size}" if s.block_size else "context unknown"
     vocab = f"vocabulary {s.vocab_size}" + (f" (protocol; its own {subject.own_vocab})" if subject.own_vocab
                                             and subject.own_vocab != s.vocab_size else "")
-    return f"{subject.label}: {s.n_layer} layers × {s.n_embd} wide, {ctx}, {vocab}; trained on sequences of {seq_len}"
+    z_loss = f", on its cross-entropy + {subject.z_loss:g}·mean (log Z)² (--z-loss)" if subject.z_loss else ""
+    return (f"{subject.label}: {s.n_layer} layers × {s.n_embd} wide, {ctx}, {vocab}; trained on sequences of {seq_len}"
+            + z_loss)
 
 
 def run_record(run: Any, out: Path) -> dict[str, Any]:

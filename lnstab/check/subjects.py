@@ -100,6 +100,8 @@ class Subject:
         name: A short name for the run directory.
         dropout: How dropout was switched off (the card says it; the runs train in train mode).
         own_vocab: The model's own vocabulary when it is built with the protocol's smaller one, else ``None``.
+        z_loss: PaLM's z-loss coefficient ``c`` of a Hugging Face or factory model: it trains on its cross-entropy
+            plus ``c·mean (log Z)²`` (``--z-loss``; lnstab's GPT carries its own in ``config.z_loss``).
     """
 
     key: str
@@ -113,6 +115,7 @@ class Subject:
     dropout: str = ""
     own_vocab: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    z_loss: float = 0.0
 
     def build(self) -> nn.Module:
         """A fresh model with every dropout module at probability 0 (seed torch first)."""
@@ -231,6 +234,29 @@ def lnstab_subject(args: dict[str, Any]) -> tuple[Subject, dict[str, Any]]:
     )
     extra = {k: v for k, v in args.items() if k in (*OPTIMISATION_ARGS, "learning_rate")}
     return subject, extra
+
+
+def check_z_loss(z_loss: float | None) -> float | None:
+    """``--z-loss`` as given (``None``: not given), or a one-line error when it is negative or not finite."""
+    if z_loss is not None and not (isinstance(z_loss, int | float) and math.isfinite(z_loss) and z_loss >= 0):
+        raise LNStabError(f"--z-loss={z_loss!r} is not allowed; it must be a finite number >= 0")
+    return z_loss
+
+
+def with_z_loss(subject: Subject, z_loss: float | None) -> Subject:
+    """``subject`` trained on its cross-entropy plus PaLM's z-loss ``z_loss·mean (log Z)²`` (``--z-loss``), for a
+    Hugging Face or factory model, whose own loss the check does not train on (OLMo 2's Hugging Face loss has none,
+    though OLMo 2 trained with 1e-5); the references train without it, as beside ``--model.z_loss``.
+
+    Raises:
+        LNStabError: ``z_loss`` is negative or not finite, or ``subject`` is lnstab's GPT (``--model.z_loss``).
+    """
+    if check_z_loss(z_loss) is None:
+        return subject
+    if subject.config is not None:
+        raise LNStabError("--z-loss is for --hf and --factory models; lnstab's GPT takes --model.z_loss "
+                          "(computed in its chunked head)")
+    return dataclasses.replace(subject, z_loss=float(z_loss))
 
 
 def hf_subject(name: str, init: bool) -> Subject:

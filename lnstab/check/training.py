@@ -5,7 +5,8 @@ Every subject of a check (the checked model and its references) is trained by th
 :class:`lnstab.module.GPTModule`) on the same cached batches, so two subjects differ only in their architecture.
 The model trains in train mode (its dropout switched off beforehand, see :mod:`lnstab.check.subjects`), so any
 other training-only branch runs as in training; lnstab's GPT trains on its own objective (the chunked head loss, with
-its z-loss when the config has one), other models on the cross-entropy of their logits.
+its z-loss when the config has one), other models on the cross-entropy of their logits (plus the z-loss of
+``--z-loss``, :func:`lnstab.check.subjects.with_z_loss`).
 """
 
 from __future__ import annotations
@@ -43,21 +44,25 @@ class StressModule(pl.LightningModule):
     """Next-token loss of ``model`` (token ids ``(B, T)`` → logits ``(B, T, V)``) under :class:`Optimisation`.
 
     The model trains in train mode (switch its dropout off first). lnstab's GPT is trained on its own objective
-    (``model(idx, targets)``: the chunked head's cross-entropy plus its z-loss, if any), any other model on the
-    cross-entropy of its logits (:func:`logits_of`; whatever else it returns, an auxiliary loss say, is not trained
-    on). The cross-entropy of every step is kept in :attr:`losses`.
+    (``model(idx, targets)``: the chunked head's cross-entropy plus its z-loss, if any), any other model, or any model
+    given ``z_loss``, on the cross-entropy of its logits (:func:`logits_of`; whatever else it returns, an auxiliary
+    loss say, is not trained on) plus ``z_loss·mean (log Z)²``, PaLM's z-loss as :func:`lnstab.loss.lm_head_losses`
+    forms it. The cross-entropy of every step is kept in :attr:`losses`.
 
     Args:
         model: The network to train; its modules are reachable as ``model.<name>`` (hooks find them by suffix).
         learning_rate: Peak learning rate.
         optimisation: The schedule and optimiser settings.
+        z_loss: The z-loss coefficient for a model trained on its logits (0: none).
     """
 
-    def __init__(self, model: nn.Module, learning_rate: float, optimisation: Optimisation) -> None:
+    def __init__(self, model: nn.Module, learning_rate: float, optimisation: Optimisation,
+                 z_loss: float = 0.0) -> None:
         super().__init__()
         self.model = model
         self.learning_rate = learning_rate
         self.optimisation = optimisation
+        self.z_loss = z_loss
         self.losses: list[float] = []
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -66,12 +71,15 @@ class StressModule(pl.LightningModule):
     @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch  # (B, T), (B, T)
-        if isinstance(self.model, GPT):
+        if isinstance(self.model, GPT) and not self.z_loss:
             parts = self.model(x, y, loss_parts=True)  # chunked head: no (B, T, V) logits
             loss, ce = parts.loss, parts.cross_entropy
         else:
-            logits = self(x)  # (B, T, V)
-            loss = ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+            logits = self(x).float()  # (B, T, V)
+            flat = logits.reshape(-1, logits.size(-1))  # (B·T, V)
+            loss = ce = F.cross_entropy(flat, y.reshape(-1))
+            if self.z_loss:
+                loss = ce + self.z_loss * torch.logsumexp(flat, dim=-1).square().mean()
         self.losses.append(ce.item())
         self.log("train/loss", ce)
         return loss
@@ -143,6 +151,7 @@ def stress_run(
     log_root: Path,
     accelerator: str = "cpu",
     probe_init: bool = True,
+    z_loss: float = 0.0,
 ) -> RunResult:
     """Train ``model`` for ``optimisation.steps`` updates at ``lr`` with every instrument attached.
 
@@ -150,6 +159,7 @@ def stress_run(
     (initialisation) to step ``optimisation.steps`` (after the last update), the block Jacobians after training and,
     with ``probe_init``, at initialisation (:class:`~lnstab.check.probes.BranchProbe`); TensorBoard logs, the
     hidden-state series, divergence events and ``summary.json`` go to ``log_root/<subject>/lr<lr>_seed<seed>/``.
+    ``z_loss`` is :class:`StressModule`'s.
     """
     from lnstab.check.probes import BranchProbe
 
@@ -222,7 +232,7 @@ def stress_run(
         limit_val_batches=0,
         deterministic=False,
     )
-    module = StressModule(model, lr, optimisation)
+    module = StressModule(model, lr, optimisation, z_loss)
     trainer.fit(module, train_dataloaders=batches(tokens, seed, batch_size))
     diverged = monitor.diverged_step is not None or not all(math.isfinite(v) for v in module.losses)
     return RunResult(

@@ -116,7 +116,7 @@ def main(args: argparse.Namespace, model_args: dict[str, Any], argv: list[str], 
         raise LNStabError("--validate checks its own set of models; --hf and --factory are not used with it")
     from lnstab.check.cli import FACTORY_OPTIONS
 
-    unused = [f"--{dest.replace('_', '-')}" for dest in ("hf_init", *FACTORY_OPTIONS, "no_reference", "name")
+    unused = [f"--{dest.replace('_', '-')}" for dest in ("hf_init", *FACTORY_OPTIONS, "z_loss", "no_reference", "name")
               if getattr(args, dest) not in (None, False)]
     if unused:
         raise LNStabError(f"{unused[0]} is not used with --validate: its rows are its own models, each graded beside "

@@ -90,7 +90,7 @@ def run_job(job: Job) -> Any:
             raise ValueError("the model has no trainable parameters")
         with quiet():
             return stress_run(job.subject.key, model, job.subject.sites, job.tokens, lr=job.lr, seed=job.seed,
-                              log_root=job.log_root, **job.settings)
+                              log_root=job.log_root, z_loss=job.subject.z_loss, **job.settings)
     except Exception as exc:
         first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
         return Failure(job.index, type(exc).__name__, first, "".join(traceback.format_exception(exc)))
