@@ -258,6 +258,10 @@ def test_a_block_skipped_in_training_is_named_as_why_growth_after_training_is_n_
         ([*GPT, "--lrs", "abc"], "is not a comma-separated list of numbers"),
         ([*GPT, "--data.source", "auto", "--data.path", "owt.jsonl.gz", "--vocab", "model"], "holds GPT-2 tokens"),
         ([*GPT, "--data.path", "owt.jsonl.gz"], "is not used with --data.source synthetic"),
+        ([*ENCODER, "--z-loss", "-1"], "--z-loss=-1.0 is not allowed; it must be a finite number >= 0"),
+        ([*ENCODER, "--z-loss", "nan"], "--z-loss=nan is not allowed"),
+        ([*GPT, "--z-loss", "1e-4"], "lnstab's GPT takes --model.z_loss"),
+        (["--validate", "--z-loss", "1e-4"], "--z-loss is not used with --validate"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, expected) -> None:

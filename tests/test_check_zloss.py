@@ -1,12 +1,11 @@
 """``lnstab check --z-loss``: a Hugging Face or factory model trained on its cross-entropy plus PaLM's z-loss, the
-same objective lnstab's GPT forms in its chunked head (``--model.z_loss``), the references without it."""
+same objective lnstab's GPT forms in its chunked head (``--model.z_loss``), the references without it. Bad values are
+among ``test_check``'s bad inputs."""
 
 from __future__ import annotations
 
 import pytest
 from test_check import GPT, TINY, check
-
-from lnstab.cli import main
 
 AS_FACTORY = ["--factory", "check_factories:lnstab_gpt_lm", "--layer-pattern", r"transformer\.h\.(\d+)$"]
 ONE = ["--lrs", "1e-2", *TINY, "--no-reference"]
@@ -44,25 +43,6 @@ def test_the_references_train_without_it(tmp_path) -> None:
     for ref in ("pre-ln", "peri-ln"):  # a reference trains alike whether or not the checked model has a z-loss
         assert losses(card, ref) == losses(plain, ref)
     assert losses(card, "checked") != losses(plain, "checked")
-
-
-@pytest.mark.parametrize(
-    ("args", "expected"),
-    [
-        ([*AS_FACTORY, "--z-loss", "-1"], "--z-loss=-1.0 is not allowed; it must be a finite number >= 0"),
-        ([*AS_FACTORY, "--z-loss", "nan"], "--z-loss=nan is not allowed"),
-        ([*GPT, "--z-loss", "1e-4"], "lnstab's GPT takes --model.z_loss"),
-        (["--validate", "--z-loss", "1e-4"], "--z-loss is not used with --validate"),
-    ],
-)
-def test_bad_z_loss_is_one_line_and_exit_2(tmp_path, capsys, args, expected) -> None:
-    out = tmp_path / "card"
-    with pytest.raises(SystemExit) as info:
-        main(["check", *TINY, *args, "--out", str(out)])
-    assert info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("lnstab: error: ") and expected in err and "\n" not in err, err
-    assert not out.exists()
 
 
 def test_a_hugging_face_olmo_2_directory_trains_with_the_z_loss_its_own_loss_lacks(tmp_path) -> None:
