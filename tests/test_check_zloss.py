@@ -26,7 +26,8 @@ def test_the_z_loss_on_the_logits_trains_as_the_chunked_heads(tmp_path) -> None:
     assert plain_ce[0] == pytest.approx(own_ce[0], rel=1e-6)  # same model, same first batch
     moved = max(abs(a - b) for a, b in zip(own_ce[1:], plain_ce[1:], strict=True))
     assert moved > 100 * max(abs(a - b) for a, b in zip(own_ce, given_ce, strict=True))  # the z-loss was trained on
-    assert "+ 0.05·mean (log Z)² (--z-loss)" in given["model"]["description"]
+    assert "+ 0.05·mean (log Z)² (--z-loss)" in given["model"]["description"] and given["model"]["z_loss"] == 0.05
+    assert own["model"]["z_loss"] == 0.05 and plain["model"]["z_loss"] == 0  # whichever way it was given
     assert "--z-loss" not in plain["model"]["description"] and "(log Z)²" not in own["model"]["description"]
 
 

@@ -223,7 +223,8 @@ def grade(subject: Subject, subjects: list[Subject], runs: dict[str, list[Any]],
         "status": verdict,
         "exit_code": 1 if verdict == "fail" else 0,
         "model": {"label": subject.label, "description": describe(subject, seq_len), "shape": vars(subject.shape),
-                  "sites": vars(subject.sites), "training": subject.dropout, "repeated": repeated},
+                  "sites": vars(subject.sites), "training": subject.dropout, "repeated": repeated,
+                  "z_loss": subject.z_loss or (subject.config.z_loss if subject.config else 0.0)},  # either flag
         "references": {s.key: {"label": s.label, "short": s.label.split()[0], "shape": vars(s.shape),
                                "description": describe(s, seq_len)
                                + (" (the checked model itself: its runs are reused)" if s.same_as else ""),
