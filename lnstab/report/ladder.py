@@ -1,0 +1,263 @@
+"""Outcomes over a learning-rate ladder, with the seeds' spread: Wortsman et al. (2023)'s Figure 1 and its table.
+
+:mod:`lnstab.report.lr_sensitivity` reads one LR sensitivity per configuration off the mean curve over seeds. This
+module keeps the seeds apart, so a difference between two designs comes with an interval:
+
+* per configuration and seed, the ladder ``min(L(η), L_init)`` over the learning rates that seed ran, and its LR
+  sensitivity ``S = mean over η of [min(L(η), L_init) − L*]`` (:mod:`lnstab.report.lr_sensitivity`'s definition;
+  ``L_init`` and the final loss of a run are read the same way, a diverged run counting as ``L_init``);
+* per configuration: the mean of ``S`` over seeds with Student's 95 % interval, and the difference to the *first*
+  configuration (the reference: a grid's first design) with Welch's 95 % interval;
+* per configuration and rate: the final loss's mean, min and max over seeds, diverged runs, the largest attention
+  logit and the last mean log Z (means over the seeds that logged them).
+
+A seed that ran fewer than two rates of a ladder has no sensitivity and is left out of ``S`` (it still shows in the
+per-rate rows).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from lnstab.report.collect import RunRecord
+from lnstab.report.logits import logit_metrics
+from lnstab.report.lr_sensitivity import final_loss, initial_loss, lr_key
+from lnstab.report.tables import (
+    Table,
+    _norm,
+    _show,
+    is_seed,
+    join_label,
+    label_part,
+    short_names,
+    varying_keys,
+)
+
+DPI = 110
+
+
+def t_quantile(df: float, level: float = 0.975) -> float:
+    """Student's t quantile (two-sided 95 % by default) for ``df`` degrees of freedom (fractional for Welch)."""
+    from scipy.stats import t  # scipy: a dependency of the report's statistics only
+
+    return float(t.ppf(level, df))
+
+
+def mean_interval(values: list[float]) -> tuple[float, float, float]:
+    """``(mean, low, high)``: the mean and its two-sided 95 % Student interval (``nan`` bounds below two values)."""
+    if not values:
+        return math.nan, math.nan, math.nan
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, math.nan, math.nan
+    half = t_quantile(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return mean, mean - half, mean + half
+
+
+def welch_interval(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    """``(mean(a) − mean(b), low, high)`` with Welch's 95 % interval (``nan`` bounds below two values in either)."""
+    if not a or not b:
+        return math.nan, math.nan, math.nan
+    diff = statistics.fmean(a) - statistics.fmean(b)
+    if len(a) < 2 or len(b) < 2:
+        return diff, math.nan, math.nan
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    se = math.sqrt(va + vb)
+    if se == 0:
+        return diff, diff, diff
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    half = t_quantile(df) * se
+    return diff, diff - half, diff + half
+
+
+@dataclass
+class SeedLadder:
+    """One seed of one configuration: ``min(L(η), L_init)`` per learning rate."""
+
+    seed: Any
+    points: dict[float, float] = field(default_factory=dict)
+
+    @property
+    def sensitivity(self) -> float | None:
+        """Mean over the rates of ``min(L(η), L_init) − L*`` (``None`` below two rates)."""
+        if len(self.points) < 2:
+            return None
+        best = min(self.points.values())
+        return statistics.fmean(v - best for v in self.points.values())
+
+
+@dataclass
+class Design:
+    """A configuration (every varying value but the learning rate and the seed) over the ladder."""
+
+    values: dict[str, Any]
+    label: str
+    runs: list[RunRecord] = field(default_factory=list)
+    initial: float | None = None
+    seeds: dict[str, SeedLadder] = field(default_factory=dict)
+
+    def sensitivities(self) -> list[float]:
+        """Each seed's LR sensitivity (seeds with fewer than two rates left out)."""
+        return [s for s in (ladder.sensitivity for ladder in self.seeds.values()) if s is not None]
+
+    def rates(self) -> list[float]:
+        """Every learning rate a seed of this design finished, ascending."""
+        return sorted({lr for ladder in self.seeds.values() for lr in ladder.points})
+
+    def losses_at(self, lr: float) -> list[float]:
+        """``min(L(η), L_init)`` of each seed that finished ``lr``."""
+        return [ladder.points[lr] for ladder in self.seeds.values() if lr in ladder.points]
+
+    def runs_at(self, lr: float, key: str) -> list[RunRecord]:
+        """The runs of this design at ``lr``."""
+        return [r for r in self.runs if _rate(r, key) == lr]
+
+    def best(self) -> tuple[float, float] | None:
+        """``(η*, L*)`` of the mean-over-seeds curve."""
+        curve = {lr: statistics.fmean(self.losses_at(lr)) for lr in self.rates()}
+        return min(curve.items(), key=lambda p: (p[1], p[0])) if curve else None
+
+
+def _rate(run: RunRecord, key: str) -> float | None:
+    lr = run.config.get(key)
+    return float(lr) if isinstance(lr, int | float) and not isinstance(lr, bool) else None
+
+
+def _seed(run: RunRecord) -> str:
+    return _norm(tuple(sorted((k, _norm(v)) for k, v in run.config.items() if is_seed(k))))
+
+
+def designs(records: list[RunRecord]) -> tuple[str | None, list[str], list[Design]]:
+    """``(LR key, configuration keys, one Design per configuration in first-seen order)``."""
+    key = lr_key(records)
+    keys = [k for k in varying_keys(records) if k != key]
+    names = short_names(keys)
+    out: dict[tuple[str, ...], Design] = {}
+    for r in records:
+        ident = tuple(_norm(r.config.get(k)) for k in keys)
+        if ident not in out:
+            values = {k: r.config.get(k) for k in keys}
+            out[ident] = Design(values, join_label([label_part(names[k], v) for k, v in values.items()]) or "all runs")
+        out[ident].runs.append(r)
+    if key is None:
+        return key, keys, list(out.values())
+    for design in out.values():
+        starts = [v for v in map(initial_loss, design.runs) if v is not None]
+        design.initial = statistics.fmean(starts) if starts else None
+        for r in design.runs:
+            lr, loss = _rate(r, key), final_loss(r)
+            if lr is None or loss is None or design.initial is None:
+                continue
+            ladder = design.seeds.setdefault(_seed(r), SeedLadder(_seed(r)))
+            ladder.points[lr] = min(loss, design.initial)
+        for ladder in design.seeds.values():
+            ladder.points = dict(sorted(ladder.points.items()))
+    return key, keys, list(out.values())
+
+
+def _num(value: float | None, digits: int = 4) -> str:
+    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}g}"
+
+
+def _interval(low: float, high: float) -> str:
+    return "–" if math.isnan(low) else f"[{low:.3g}, {high:.3g}]"
+
+
+def ladder_table(records: list[RunRecord]) -> Table:
+    """Per configuration: LR sensitivity per seed, mean and 95 % interval, the difference to the first configuration
+    with Welch's interval, best rate and loss, and the final loss at each rate (mean [min, max] over seeds)."""
+    key, keys, found = designs(records)
+    names = short_names(keys)
+    found = [d for d in found if d.seeds]
+    if key is None or not found:
+        return Table(["runs"], [], ["runs"], [])
+    ladder = sorted({lr for d in found for lr in d.rates()})
+    reference = found[0].sensitivities()
+    rows, md = [], []
+    for d in found:
+        sens = d.sensitivities()
+        mean, low, high = mean_interval(sens)
+        diff, dlow, dhigh = welch_interval(sens, reference)
+        best = d.best()
+        diverged = sum(r.status == "diverged" for r in d.runs)
+        cells = {names[k]: _show(d.values[k]) for k in keys}
+        row: dict[str, Any] = {**cells, "seeds": len(sens), "lr_sensitivity": mean, "ci_low": low, "ci_high": high,
+                               "per_seed": " ".join(f"{s:.4g}" for s in sens), "diff_vs_first": diff,
+                               "diff_ci_low": dlow, "diff_ci_high": dhigh, "best_lr": best[0] if best else None,
+                               "best_loss": best[1] if best else None, "initial_loss": d.initial,
+                               "diverged": diverged, "runs": len(d.runs)}
+        shown = {**cells, "seeds": str(len(sens)), "LR sensitivity (95 % CI)": f"{_num(mean)} {_interval(low, high)}",
+                 "per seed": ", ".join(f"{s:.3g}" for s in sens) or "–",
+                 f"− {found[0].label} (Welch 95 %)": f"{_num(diff, 3)} {_interval(dlow, dhigh)}",
+                 "best lr": _num(best[0] if best else None), "L*": _num(best[1] if best else None),
+                 "diverged": f"{diverged}/{len(d.runs)}"}
+        for lr in ladder:
+            losses = d.losses_at(lr)
+            row[f"loss@{lr:g}"] = statistics.fmean(losses) if losses else None
+            shown[f"{lr:g}"] = (f"{statistics.fmean(losses):.3f}" + (f" [{min(losses):.2f}, {max(losses):.2f}]"
+                                                                       if len(losses) > 1 else "")) if losses else "–"
+        rows.append(row)
+        md.append(shown)
+    return Table(list(rows[0]), rows, list(md[0]), md)
+
+
+def _per_rate_metric(design: Design, key: str, metric: str) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for lr in design.rates() or sorted({lr for r in design.runs if (lr := _rate(r, key)) is not None}):
+        values = [v for r in design.runs_at(lr, key) if (v := logit_metrics(r).get(metric)) is not None
+                  and math.isfinite(v)]
+        if values:
+            xs.append(lr)
+            ys.append(statistics.fmean(values))
+    return xs, ys
+
+
+def ladder_figure(records: list[RunRecord], path: Path, colours: dict[str, str] | None = None) -> Path | None:
+    """Wortsman et al.'s Figure 1 and its mechanisms, one line per configuration in one colour throughout: final
+    loss against learning rate (mean over seeds, the band from the best to the worst seed, × where a run diverged),
+    the largest attention logit against learning rate, and the last mean log Z against learning rate."""
+    key, _, found = designs(records)
+    found = [d for d in found if len(d.rates()) >= 2]
+    if key is None or not found:
+        return None
+    fig = Figure(figsize=(15, 4.6))
+    loss_ax, logit_ax, z_ax = fig.subplots(1, 3)
+    for i, d in enumerate(found):
+        colour = (colours or {}).get(d.label, f"C{i % 10}")
+        style = "-" if i < 10 else "--"
+        rates = d.rates()
+        losses = [d.losses_at(lr) for lr in rates]
+        loss_ax.plot(rates, [statistics.fmean(v) for v in losses], style, marker="o", ms=4, color=colour,
+                     label=d.label)
+        loss_ax.fill_between(rates, [min(v) for v in losses], [max(v) for v in losses], color=colour, alpha=0.15,
+                             linewidth=0)
+        bad = [lr for lr in rates if any(r.status == "diverged" for r in d.runs_at(lr, key))]
+        if bad:
+            loss_ax.scatter(bad, [statistics.fmean(d.losses_at(lr)) for lr in bad], marker="x", s=60, color=colour,
+                            zorder=3)
+        for ax, metric in ((logit_ax, "attn_max_logit"), (z_ax, "log_z_last")):
+            xs, ys = _per_rate_metric(d, key, metric)
+            if xs:
+                ax.plot(xs, ys, style, marker="o", ms=4, color=colour, label=d.label)
+    if found[0].initial is not None:
+        loss_ax.axhline(found[0].initial, color="grey", lw=0.8, ls=":", label="L_init")
+    loss_ax.set_title("Final loss against learning rate (band: seeds; ×: diverged)")
+    loss_ax.set_ylabel("final validation loss, min(L, L_init)")
+    logit_ax.set_title("Largest attention logit (over layers, steps)")
+    logit_ax.set_yscale("log")
+    z_ax.set_title("Mean log Z at the last measurement")
+    for ax in (loss_ax, logit_ax, z_ax):
+        ax.set_xscale("log")
+        ax.set_xlabel("learning rate")
+        ax.grid(alpha=0.3)
+    handles, labels = loss_ax.get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 0.95))
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")
+    return path

@@ -1,0 +1,104 @@
+"""The learning-rate ladder with the seeds kept apart (lnstab.report.ladder), on constructed run directories."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+import yaml
+from test_report import make_run, write_scalars
+
+from lnstab.report import collect
+from lnstab.report.ladder import designs, ladder_figure, ladder_table, mean_interval, welch_interval
+
+# design -> seed -> {lr: final val loss}; inf: diverged. Initial loss 6.0 (train/loss at step 0) everywhere.
+LOSSES = {
+    "pre": {0: {1e-3: 4.0, 1e-2: 3.0, 1e-1: 5.0}, 1: {1e-3: 4.2, 1e-2: 3.1, 1e-1: math.inf},
+            2: {1e-3: 4.1, 1e-2: 2.9, 1e-1: 5.5}},
+    "peri": {0: {1e-3: 3.6, 1e-2: 3.2, 1e-1: 3.3}, 1: {1e-3: 3.5, 1e-2: 3.1, 1e-1: 3.4},
+             2: {1e-3: 3.7, 1e-2: 3.3, 1e-1: 3.2}},
+}
+
+
+def ladder_runs(root: Path) -> Path:
+    g = root / "runs" / "ladder"
+    for placement, seeds in LOSSES.items():
+        for seed, curve in seeds.items():
+            for lr, loss in curve.items():
+                diverged = math.isinf(loss)
+                d = make_run(g, f"{placement}_lr{lr:g}_s{seed}", placement, seed,
+                             "diverged" if diverged else "completed", val_loss=None if diverged else loss,
+                             diverged_step=5 if diverged else None)
+                config = yaml.safe_load((d / "config.yaml").read_text())
+                config["model"]["learning_rate"] = lr
+                (d / "config.yaml").write_text(yaml.safe_dump(config))
+                # the largest attention logit grows with the rate under pre only; log Z is 7 + lr
+                logit = 10.0 * (lr / 1e-3) ** (1.0 if placement == "pre" else 0.1)
+                write_scalars(d, {"attn/max_logit/L00": [(10, logit / 2)], "attn/max_logit/L01": [(10, logit)],
+                                  "output/log_z_mean": [(5, 9.0), (10, 7.0 + lr)]}, "2")
+    return g
+
+
+def hand_sensitivity(curve: dict[float, float]) -> float:
+    points = [min(v, 6.0) for v in curve.values()]
+    return statistics.fmean(p - min(points) for p in points)
+
+
+def test_each_seed_has_its_own_sensitivity_and_the_interval_is_students(tmp_path) -> None:
+    records = collect([ladder_runs(tmp_path)])
+    _, _, found = designs(records)
+    by = {d.values["model.norm_placement"]: d for d in found}
+    for placement in LOSSES:
+        expected = [hand_sensitivity(LOSSES[placement][s]) for s in range(3)]
+        assert sorted(by[placement].sensitivities()) == pytest.approx(sorted(expected))
+    pre = [hand_sensitivity(LOSSES["pre"][s]) for s in range(3)]
+    mean, low, high = mean_interval(pre)
+    half = 4.302652729911275 * statistics.stdev(pre) / math.sqrt(3)  # t(0.975, 2)
+    assert (low, high) == pytest.approx((mean - half, mean + half))
+    table = ladder_table(records)
+    rows = {r["norm_placement"]: r for r in table.rows}
+    assert rows["pre"]["lr_sensitivity"] == pytest.approx(statistics.fmean(pre))
+    # the first configuration in the report's order (here by name: no sweep manifest) is the reference
+    peri = [hand_sensitivity(LOSSES["peri"][s]) for s in range(3)]
+    assert rows["peri"]["diff_vs_first"] == 0.0
+    assert (rows["pre"]["diff_vs_first"], rows["pre"]["diff_ci_low"], rows["pre"]["diff_ci_high"]) == pytest.approx(
+        welch_interval(pre, peri))
+    assert rows["pre"]["diverged"] == 1 and rows["peri"]["diverged"] == 0
+    # the diverged seed counts as L_init = 6.0 at 0.1; the mean over seeds is (5.0 + 6.0 + 5.5) / 3
+    assert rows["pre"]["loss@0.1"] == pytest.approx(5.5)
+    assert (rows["pre"]["best_lr"], rows["pre"]["best_loss"]) == (1e-2, pytest.approx(3.0))
+    assert "3.000 [2.90, 3.10]" in table.to_markdown()  # min and max over seeds at 1e-2
+
+
+def test_welch_interval_against_a_hand_computation() -> None:
+    a, b = [1.0, 1.4, 1.2], [0.2, 0.3, 0.25, 0.35]
+    diff, low, high = welch_interval(a, b)
+    va, vb = statistics.variance(a) / 3, statistics.variance(b) / 4
+    df = (va + vb) ** 2 / (va**2 / 2 + vb**2 / 3)
+    from scipy.stats import t
+
+    half = t.ppf(0.975, df) * math.sqrt(va + vb)
+    assert diff == pytest.approx(1.2 - 0.275)
+    assert (low, high) == pytest.approx((diff - half, diff + half))
+    assert math.isnan(welch_interval([1.0], b)[1])
+
+
+def test_the_figure_draws_loss_logit_and_log_z_per_design_in_one_colour(tmp_path) -> None:
+    records = collect([ladder_runs(tmp_path)])
+    path = ladder_figure(records, tmp_path / "lr_ladder.png", colours={"pre": "#123456", "peri": "#abcdef"})
+    assert path is not None and path.stat().st_size > 0
+    import matplotlib.pyplot as plt
+
+    img = plt.imread(path)
+    assert img.shape[1] > img.shape[0]  # three panels side by side
+
+
+def test_no_ladder_no_figure(tmp_path) -> None:
+    g = tmp_path / "runs" / "flat"
+    make_run(g, "pre_s0", "pre", 0, "completed", val_loss=3.0)
+    make_run(g, "peri_s0", "peri", 0, "completed", val_loss=3.1)
+    records = collect([g])
+    assert ladder_figure(records, tmp_path / "x.png") is None
+    assert ladder_table(records).rows == []
