@@ -6,7 +6,10 @@ instruments find q, k and the logits of lnstab's GPT and of Hugging Face GPT-2, 
 Qwen3, Gemma 2, Gemma 3 and OLMo 2 themselves (:mod:`lnstab.callbacks._captures`), or of any model through module-name
 patterns. The activation instruments share one tap per model and read the statistics registry (:class:`Statistic`,
 :func:`register_statistic`); :func:`unsharded` gives any callback a full-parameter view of the model under every served
-strategy.
+strategy. Every metric an instrument logs is also in ``trainer.callback_metrics`` from the step it is measured on
+(the latest value until it is measured again), so ``EarlyStopping`` and ``ModelCheckpoint(monitor=...)`` can watch
+it, e.g. ``hidden/mean_abs/final``, ``attn/max_logit/L11``, ``output/log_z_mean``, ``divergence/events`` or
+``growth/exp_rate``.
 """
 
 import importlib

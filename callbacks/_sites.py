@@ -198,6 +198,28 @@ def log_metrics(trainer: pl.Trainer, metrics: dict[str, float], step: int, owner
         _claim(trainer, owner, metrics, step)
     for logger in getattr(trainer, "loggers", []):
         logger.log_metrics(metrics, step=step)
+    if owner is not None:
+        offer_to_callbacks(trainer, metrics)
+
+
+def offer_to_callbacks(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
+    """Put ``metrics`` in ``trainer.callback_metrics`` through ``LightningModule.log`` (``logger=False``: the loggers
+    got them at their step already), so that ``EarlyStopping`` and ``ModelCheckpoint(monitor=...)`` can use them; each
+    stays there, the latest measured value, until it is measured again. The values are CPU tensors of numbers already
+    read: no device transfer, no host sync. Lightning refuses ``log`` in some hooks (``on_train_end``, where a step
+    still measuring is finished): those values reach the loggers only."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+    from lightning.pytorch import LightningModule
+
+    module = getattr(trainer, "lightning_module", None)
+    if not isinstance(module, LightningModule) or getattr(trainer, "barebones", False):
+        return
+    try:
+        for name, value in metrics.items():
+            module.log(name, torch.tensor(float(value)), on_step=True, on_epoch=False, logger=False, prog_bar=False,
+                       batch_size=1)
+    except MisconfigurationException:
+        return  # a hook Lightning does not log from
 
 
 class LogsMetrics:
@@ -207,7 +229,9 @@ class LogsMetrics:
     tag them alike (blocks matched by one ``layer_pattern``, their attention modules by another: ``L00`` … both):
     their metrics would then share names, and a logger would keep both values under one; the first step on which
     that happens is said in a warning naming both and ``metric_prefix``. Overlapping names with equal values (the
-    same site watched by both) are not warned of."""
+    same site watched by both) are not warned of. Every metric logged this way is also put in
+    ``trainer.callback_metrics`` (:func:`offer_to_callbacks`), so ``EarlyStopping(monitor=...)`` and
+    ``ModelCheckpoint(monitor=...)`` can watch it."""
 
     metric_prefix: str | None = None
 
