@@ -251,15 +251,15 @@ class MyData(pl.LightningDataModule):
 '''
 
 
-def test_the_readmes_lightningcli_entry_point_gives_one_line_and_the_signal_exit_status(tmp_path) -> None:
-    """The README's snippet, run as a user's main.py: a bad callback argument is lnstab's one line (jsonargparse
+def test_the_docs_lightningcli_entry_point_gives_one_line_and_the_signal_exit_status(tmp_path) -> None:
+    """docs/library.md's snippet, run as a user's main.py: a bad callback argument is lnstab's one line (jsonargparse
     printed ~80 lines with a traceback), and a good config trains and exits 0."""
     import re
     import subprocess
     import sys
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "library.md").read_text(encoding="utf-8")
     snippet = re.search(r"In your own `LightningCLI` project.*?```python\n(.*?)```", readme, re.S).group(1)
     (tmp_path / "main.py").write_text(CLI_MODULE + "\n" + snippet)
     base = ["--trainer.max_steps", "2", "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
