@@ -16,6 +16,7 @@ from typing_extensions import override
 from lnstab import validation as check
 from lnstab.errors import ConfigError
 
+from ._aside import aside
 from ._sites import BLOCK_PATTERN, LogsMetrics, Site, find_sites, first_tensor, probe_input
 from ._strategy import distributed, require_strategy, unsharded
 from ._tap import paused_taps
@@ -74,7 +75,9 @@ class JacobianSensitivity(LogsMetrics, Callback):
     to ``.grad``. The probe is the first ``probe_size`` rows of the first training batch's input (``batch[0]``,
     ``batch["input_ids"]`` or the batch tensor) of rank 0, broadcast to every rank, or ``probe``; the forward is
     ``pl_module(probe)``. It is measured once per optimizer step, before the step's first micro-batch; under FSDP
-    with the full parameters gathered (:func:`lnstab.callbacks.unsharded`), every rank taking part.
+    with the full parameters gathered (:func:`lnstab.callbacks.unsharded`), every rank taking part. While it runs
+    the training progress bar's postfix says ``jacobian probe…`` (without a TQDM bar, a rank-zero line does), and
+    :class:`Throughput` leaves its time out of the training rates.
 
     Args:
         every_n_steps: Measure on optimizer steps ``0, M, 2M, …``.
@@ -150,7 +153,8 @@ class JacobianSensitivity(LogsMetrics, Callback):
         step = trainer.global_step
         if self.blocks and step % self.every_n_steps == 0 and step != self._measured_step:
             self._measured_step = step  # once per optimizer step, whatever the accumulation
-            self.last = self.measure(pl_module, trainer)
+            with aside(trainer, "jacobian probe", pl_module.device):  # said on the bar, not counted as training
+                self.last = self.measure(pl_module, trainer)
             self.log_step(trainer, self.last, step)
 
     def measure(self, pl_module: nn.Module, trainer: pl.Trainer | None = None) -> dict[str, float]:

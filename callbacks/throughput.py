@@ -16,6 +16,8 @@ from typing_extensions import override
 
 from lnstab import validation as check
 
+from ._aside import aside_seconds
+
 # Dense bf16/fp16 tensor-core peaks for GPUs that Lightning's table misses or lists with sparsity (H200: the same
 # Hopper silicon as the H100 SXM, 989 TFLOP/s dense; Lightning's "h200 sxm1" entry is the 2:4-sparse figure and its
 # name parsing does not match "NVIDIA H200"). fp32 uses TF32 unless float32_matmul_precision is "highest".
@@ -94,7 +96,8 @@ class Throughput(Callback):
     as for ``ThroughputMonitor``; :class:`lnstab.module.GPTModule` sets it from :func:`lnstab.flops.training_flops`);
     without it, FLOP/s and MFU are not logged. The peak is Lightning's table for GPUs (dense figures for the H200),
     or a measured matrix-product peak on a CPU (:func:`cpu_matmul_peak`), in the precision plugin's compute dtype.
-    Validation time between two logging steps is left out of the training rates.
+    Validation time between two logging steps is left out of the training rates, and so is the time of work that
+    instruments do between steps (:class:`JacobianSensitivity`'s probe).
 
     Args:
         every_n_steps: Log every this many optimizer steps; ``None`` uses the Trainer's ``log_every_n_steps``.
@@ -125,7 +128,7 @@ class Throughput(Callback):
 
     def _reset(self) -> None:
         self._rates: _Window | None = None
-        self._t0 = self._paused = self._val_started = 0.0
+        self._t0 = self._paused = self._val_started = self._aside0 = 0.0
         self._batches = self._samples = self._tokens = self._batches_logged = 0
         self._last_step = -1
         self._peak_logged = False
@@ -153,6 +156,7 @@ class Throughput(Callback):
             self._rates = _Window(available_flops=self.peak_flops, world_size=trainer.world_size,
                                   window_size=self.window + 1)
             self._t0 = self._sync_time()
+            self._aside0 = aside_seconds(trainer)
             self._last_step = trainer.global_step
             self._rates.update(time=1e-9, batches=0, samples=0, lengths=0, flops=0)
 
@@ -168,7 +172,7 @@ class Throughput(Callback):
         if step == self._last_step or every < 1 or step % every:
             return  # no synchronisation on the steps that do not log (and once per optimizer step with accumulation)
         self._last_step = step
-        elapsed = self._sync_time() - self._t0 - self._paused
+        elapsed = self._sync_time() - self._t0 - self._paused - (aside_seconds(trainer) - self._aside0)
         flops_per_batch = getattr(pl_module, "flops_per_batch", None)
         flops = None if flops_per_batch is None else int(flops_per_batch) * (self._batches - self._batches_logged)
         self._batches_logged = self._batches

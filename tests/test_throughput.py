@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.loggers import Logger
+from test_callbacks_helpers import lit, loader, trainer
 
-from lnstab.callbacks import Throughput
+from lnstab.callbacks import JacobianSensitivity, StepProgressBar, Throughput
 from lnstab.callbacks import throughput as tp
 from lnstab.datamodules.synthetic import SyntheticDataModule
 from lnstab.flops import measured_training_flops, training_flops
@@ -95,3 +100,43 @@ def test_batch_shapes_and_bad_arguments() -> None:
         Throughput(every_n_steps=0)
     with pytest.raises(ValueError, match="peak_flops=-1 is not allowed"):
         Throughput(peak_flops=-1)
+
+
+def test_the_jacobian_probe_is_left_out_of_the_rates_and_said_on_the_bar(tmp_path, monkeypatch) -> None:
+    # the probe made slow by a sleep (1.5 s, some 50 training steps of this model): the rate of the step it runs in
+    # must stay near its neighbours' (before, that step read 1/50 of them), and the bar says what runs meanwhile
+    shown: list[str] = []
+    original = JacobianSensitivity._measure
+    bar = StepProgressBar()
+
+    def slow_measure(self, module):
+        shown.append(bar.train_progress_bar.postfix)
+        time.sleep(1.5)
+        return original(self, module)
+
+    monkeypatch.setattr(JacobianSensitivity, "_measure", slow_measure)
+    logger = Captured()
+    run = trainer(tmp_path, [bar, Throughput(every_n_steps=1), JacobianSensitivity(every_n_steps=5, n_iter=1)],
+                  max_steps=9, enable_progress_bar=True, logger=logger)
+    run.fit(lit("gpt"), loader(n=64))
+    rates = {step: m["throughput/tokens_per_s"] for step, m in logger.rows if "throughput/tokens_per_s" in m}
+    assert sorted(rates) == list(range(1, 10))
+    probed = rates[6]  # step 5's batch (the probe runs at its start), logged once global_step is 6
+    neighbours = statistics.median(rates[s] for s in (3, 4, 5, 7, 8, 9))
+    assert neighbours / 4 < probed < neighbours * 4, (probed, rates)
+    assert shown == ["jacobian probe…"] * 2
+    assert bar.train_progress_bar.postfix != "jacobian probe…"
+
+
+def test_the_rich_bar_says_the_probe_runs(tmp_path, monkeypatch) -> None:
+    bar, shown = RichProgressBar(), []
+    original = JacobianSensitivity._measure
+
+    def measure(self, module):
+        shown.append(next(t.description for t in bar.progress.tasks if t.id == bar.train_progress_bar_id))
+        return original(self, module)
+
+    monkeypatch.setattr(JacobianSensitivity, "_measure", measure)
+    trainer(tmp_path, [bar, JacobianSensitivity(every_n_steps=2, n_iter=1)], max_steps=3,
+            enable_progress_bar=True).fit(lit("gpt"), loader())
+    assert len(shown) == 2 and all(d.endswith("jacobian probe…") for d in shown), shown
