@@ -33,6 +33,7 @@ from lnstab.check.validation_readme import (
     supplement_results,
 )
 from lnstab.cli import main
+from lnstab.errors import LNStabError
 
 SHAPE = ["--model.preset", "tiny", "--model.vocab_size", "128", "--model.block_size", "32"]
 STATUSES = {"pass", "warn", "fail"}
@@ -288,20 +289,78 @@ def test_the_heldout_set_runs_apart_and_the_main_readme_reports_it(tmp_path, cap
     assert info.value.code == 2 and "--rows pre-ln is not allowed; rows of --set heldout: pre-rmsnorm" in err
 
 
+def card_text(tag: str) -> str:
+    """A card's report.json as lnstab check writes one (its status and criteria), told apart by ``tag``."""
+    return json.dumps({"schema": 1, "status": "pass", "criteria": [], "name": tag})
+
+
 def test_overwriting_one_set_keeps_the_other_and_the_supplements(tmp_path) -> None:
     out, stage = tmp_path / "validation", tmp_path / "validation" / ".incoming"
     for part in ("README.md", "post-ln/report.json", "no-ln/report.json", "heldout/README.md",
                  "heldout/llama-hf/report.json", "supplements/no-clip/summary.json", ".incoming/post-ln/report.json"):
         (out / part).parent.mkdir(parents=True, exist_ok=True)
-        (out / part).write_text("new" if part.startswith(".incoming") else "old")
-    replace_cards(out, stage, [r for r in ROWS if r.id == "post-ln"], ROWS, {"README.md": "new readme"})
-    assert (out / "post-ln" / "report.json").read_text() == "new" and not (out / "no-ln").exists()
+        (out / part).write_text(card_text("new" if part.startswith(".incoming") else "old"))
+    replace_cards(out, stage, [r for r in ROWS if r.id == "post-ln"], {"README.md": "new readme"})
+    assert (out / "post-ln" / "report.json").read_text() == card_text("new")
+    assert (out / "no-ln" / "report.json").read_text() == card_text("old")  # a row not run keeps its card
     assert (out / "README.md").read_text() == "new readme" and (out / "supplements" / "no-clip").is_dir()
-    assert (out / "heldout" / "llama-hf" / "report.json").read_text() == "old"
+    assert (out / "heldout" / "llama-hf" / "report.json").read_text() == card_text("old")
     (stage / "gpt2-hf").mkdir(parents=True)
-    replace_cards(out / "heldout", stage, [r for r in HELDOUT if r.id == "gpt2-hf"], HELDOUT, {})
-    assert not (out / "heldout" / "llama-hf").exists() and (out / "heldout" / "gpt2-hf").is_dir()
-    assert (out / "post-ln" / "report.json").read_text() == "new"
+    replace_cards(out / "heldout", stage, [r for r in HELDOUT if r.id == "gpt2-hf"], {})
+    assert (out / "heldout" / "llama-hf").is_dir() and (out / "heldout" / "gpt2-hf").is_dir()
+    assert (out / "post-ln" / "report.json").read_text() == card_text("new")
     (out / ".incoming-x1y2" / "post-ln").mkdir(parents=True)  # what a validation killed before its swap leaves
     prepare_out(out, True)
-    assert not list(out.glob(".incoming-*")) and (out / "post-ln" / "report.json").read_text() == "new"
+    assert not list(out.glob(".incoming-*")) and (out / "post-ln" / "report.json").read_text() == card_text("new")
+
+
+@pytest.mark.parametrize("foreign", ["notes", "link", "file", "not-a-card"])
+def test_overwrite_never_removes_what_is_not_a_card(foreign, tmp_path, capsys) -> None:
+    """A folder of the user's named like a row (notes in it, a link, a file, a JSON that is no card) is refused in
+    one line before anything trains, and stays as it was; the other rows' cards stay too."""
+    out = tmp_path / "validation"
+    (out / "peri-ln").mkdir(parents=True)
+    (out / "README.md").write_text("earlier validation\n")
+    (out / "peri-ln" / "report.json").write_text(card_text("peri"))  # a row this run does not touch
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.md").write_text("my notes\n")
+    target = out / "pre-ln"
+    if foreign == "notes":
+        target.mkdir()
+        (target / "notes.md").write_text("my notes\n")
+    elif foreign == "link":
+        target.symlink_to(mine, target_is_directory=True)
+    elif foreign == "file":
+        target.write_text("my notes\n")
+    else:
+        target.mkdir()
+        (target / "report.json").write_text('{"notes": "mine"}')
+    before = {p: p.read_bytes() for p in [*out.rglob("*"), *mine.rglob("*")] if p.is_file()}
+    with pytest.raises(SystemExit) as info:
+        main(["check", "--validate", *SHAPE, *TINY, "--rows", "pre-ln", "--overwrite", "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and "\n" not in err, err
+    assert f"--overwrite is not allowed: {target} is " in err and "not a card lnstab check wrote" in err, err
+    assert {p: p.read_bytes() for p in [*out.rglob("*"), *mine.rglob("*")] if p.is_file()} == before
+    assert not list(out.glob(".incoming-*"))
+    stage = tmp_path / "stage"
+    (stage / "pre-ln").mkdir(parents=True)  # the swap itself refuses too (a folder made while the runs trained)
+    with pytest.raises(LNStabError, match="not a card lnstab check wrote"):
+        replace_cards(out, stage, [r for r in ROWS if r.id == "pre-ln"], {"README.md": "new"})
+    assert {p: p.read_bytes() for p in [*out.rglob("*"), *mine.rglob("*")] if p.is_file()} == before
+
+
+def test_overwrite_replaces_an_earlier_card_or_an_empty_folder(tmp_path) -> None:
+    out, stage = tmp_path / "validation", tmp_path / "stage"
+    (out / "pre-ln").mkdir(parents=True)
+    (out / "peri-ln").mkdir()
+    (out / "README.md").write_text("earlier validation\n")
+    (out / "pre-ln" / "report.json").write_text(card_text("old"))
+    prepare_out(out, True, [r for r in ROWS if r.id in ("pre-ln", "peri-ln")])  # a card, an empty folder: allowed
+    for row in ("pre-ln", "peri-ln"):
+        (stage / row).mkdir(parents=True)
+        (stage / row / "report.json").write_text(card_text(f"new {row}"))
+    replace_cards(out, stage, [r for r in ROWS if r.id in ("pre-ln", "peri-ln")], {})
+    assert [(out / row / "report.json").read_text() for row in ("pre-ln", "peri-ln")] == [
+        card_text("new pre-ln"), card_text("new peri-ln")]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shlex
 import shutil
 import sys
@@ -39,7 +40,7 @@ from lnstab.check.validation import (
 from lnstab.check.validation_readme import HELDOUT_DIR, heldout_result, readme, supplement_results
 from lnstab.check.workers import RunPool
 from lnstab.errors import LNStabError
-from lnstab.rundir import atomic_write_text, check_writable
+from lnstab.rundir import atomic_write_text, check_writable, read_json
 
 DEFAULT_OUT = Path("docs/check/validation")
 SETS = {"main": ROWS, "heldout": HELDOUT}  # --set: the validation set, the held-out set (its own README)
@@ -77,29 +78,61 @@ def model_flags(model: dict[str, Any]) -> list[str]:
             for arg in (f"--model.{k}", str(v).lower() if isinstance(v, bool) else str(v))]
 
 
-def prepare_out(out: Path, overwrite: bool) -> None:
+def prepare_out(out: Path, overwrite: bool, rows: list[Row] | tuple[Row, ...] = ()) -> None:
     """An empty ``out``, or one whose earlier validation may be replaced (``--overwrite``); nothing in it is removed
-    until the new validation is written (:func:`replace_cards`)."""
+    until the new validation is written (:func:`replace_cards`), and then only the cards of ``rows``, the rows this
+    validation runs. A directory named like one of them that is not a card (a user's own folder) is refused here,
+    before anything trains.
+
+    Raises:
+        LNStabError: ``out`` holds something and ``overwrite`` is not given, holds no validation, or holds a
+            directory in the place of one of ``rows``' cards that is not a card.
+    """
     check_writable(out, "--out")  # a file at or above it, a dangling link, no write permission
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
             raise LNStabError(f"--out {out} already holds a validation; give --overwrite to replace it")
         if not (out / "README.md").is_file():
             raise LNStabError(f"--out {out} is not empty and holds no validation README; refusing to replace it")
+        for row in rows:
+            refuse_foreign(out / row.id)
         for stale in out.glob(f"{STAGE_PREFIX}*"):  # the new cards of an earlier validation killed before its swap
             shutil.rmtree(stale, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
 
 
-def replace_cards(out: Path, stage: Path, rows: list[Row], every: tuple[Row, ...] | list[Row],
-                  files: dict[str, str]) -> None:
+def is_card(directory: Path) -> bool:
+    """Whether ``directory`` is a card ``lnstab check`` wrote (a real directory, not a link, whose ``report.json``
+    is a card: an object with its criteria), or an empty directory: what ``--overwrite`` may replace."""
+    if directory.is_symlink() or not directory.is_dir():
+        return False
+    if not any(directory.iterdir()):
+        return True
+    try:
+        card = read_json(directory / "report.json")
+    except LNStabError:
+        return False
+    return isinstance(card, dict) and isinstance(card.get("criteria"), list) and "status" in card
+
+
+def refuse_foreign(target: Path) -> None:
+    """Refuse ``target``, where a row's card goes, when something other than a card is there."""
+    if os.path.lexists(target) and not is_card(target):
+        what = "a symbolic link" if target.is_symlink() else "a directory" if target.is_dir() else "a file"
+        raise LNStabError(f"--overwrite is not allowed: {target} is {what} that is not a card lnstab check wrote "
+                          "(no report.json of a card); --overwrite replaces only the cards of the rows it runs: "
+                          "move it away")
+
+
+def replace_cards(out: Path, stage: Path, rows: list[Row], files: dict[str, str]) -> None:
     """Swap the new cards (``stage/<row>``, same filesystem as ``out``) and ``files`` (name → text) into ``out``, in
-    place of every row of the set an earlier validation wrote there; a signal meanwhile waits until it is done, so
-    ``out`` holds one validation or the other, whole."""
+    place of the earlier cards of those rows only (every other row's card, and anything that is not a card, stays);
+    a signal meanwhile waits until it is done, so ``out`` holds one validation or the other, whole."""
+    for row in rows:  # checked before the training too (prepare_out); again here, before anything changes
+        refuse_foreign(out / row.id)
     with deferred():
-        for row in every:
-            shutil.rmtree(out / row.id, ignore_errors=True)
         for row in rows:
+            shutil.rmtree(out / row.id, ignore_errors=True)
             (stage / row.id).rename(out / row.id)
         for name, text in files.items():
             atomic_write_text(out / name, text)
@@ -159,7 +192,7 @@ class Selection:
 
     Attributes:
         rows: The rows to run, in the set's order.
-        every: Every row of the set (a supplement's outcomes applied), whose cards the README lists.
+        every: Every row of the set (a supplement's outcomes applied).
         sup: The supplement, if any.
         wanted: The ``--rows`` asked for (empty: all).
         model_args: The ``--model.*`` shape changes.
@@ -180,7 +213,7 @@ def validate_rows(args: argparse.Namespace, argv: list[str], typed: list[str], s
     seconds)``."""
     from lnstab.check.cli import worker_counts
 
-    rows, every, sup, wanted = selection.rows, selection.every, selection.sup, selection.wanted
+    rows, sup, wanted = selection.rows, selection.sup, selection.wanted
     model_args, shape = selection.model_args, selection.shape
 
     heldout = args.set == "heldout"
@@ -188,7 +221,7 @@ def validate_rows(args: argparse.Namespace, argv: list[str], typed: list[str], s
         work = Path(tmp)
         checked = [row_subject(row, shape, work) for row in rows]
         seq_len = context_length(checked[0][0], protocol.seq_len, given=args.seq_len is not None)
-        prepare_out(out, args.overwrite)
+        prepare_out(out, args.overwrite, rows)
         estimate = len(plan([checked[0][0], *references(checked[0][0], seq_len)], protocol)) * len(rows)
         workers, per_worker = worker_counts(args, estimate)
         with RunPool(workers, per_worker) as pool:
@@ -229,7 +262,7 @@ def validate_rows(args: argparse.Namespace, argv: list[str], typed: list[str], s
                           heldout=heldout_result(out / HELDOUT_DIR) if full and not heldout else None,
                           set_name=args.set, notes=full, supplement=sup)
             try:
-                replace_cards(out, stage, rows, every, {"summary.json": json.dumps(summary, indent=1) + "\n",
+                replace_cards(out, stage, rows, {"summary.json": json.dumps(summary, indent=1) + "\n",
                                                         "README.md": text})
             except Interrupted as exc:  # held back while the cards were replaced: the new validation is whole
                 exc.where = f" after the new validation was written to {out}"
