@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from lnstab.check.card import FACTOR_BASES
 from lnstab.check.compare import compare, moved
 from lnstab.cli import main
 
@@ -165,3 +166,79 @@ def test_a_row_made_of_another_model_protocol_or_data_is_said_to_be_another_chec
     assert table.count("\n| ") == 3  # the header and the two rows: nothing else differs
     same, _ = compare(str(VALIDATION), str(copy_set(tmp_path / "same")))
     assert "Not the same check" not in same
+
+
+MALFORMED = {  # what is changed in NEW's olmo2 card -> what the one line says
+    "status-list": (lambda d: d.update(status=["pass"]), "status is ['pass']; it must be a string"),
+    "provenance-string": (lambda d: d.update(provenance="a laptop"), "provenance is 'a laptop'; it must be an object"),
+    "model-string": (lambda d: d.update(model="gpt"), "model is 'gpt'; it must be an object or null"),
+    "machine-string": (lambda d: d["provenance"].update(machine="x86"), "provenance.machine is 'x86'; it must be an "
+                       "object"),
+    "bf16-list": (lambda d: d["provenance"]["machine"].update(native_bf16=[1]), "provenance.machine.native_bf16 is "
+                  "[1]; it must be true, false or null"),
+    "criterion-list": (lambda d: d["criteria"].append([1, 2]), "is [1, 2]; it must be an object"),
+    "measured-string": (lambda d: criterion(d, "loss").update(measured="4.2"), ".measured is '4.2'; it must be a "
+                        "number or null"),
+    "criterion-id": (lambda d: d["criteria"][0].update(id={"a": 1}), "criteria[0].id is {'a': 1}; it must be a "
+                     "string"),
+}
+
+
+@pytest.mark.parametrize("case", [*MALFORMED, "400-digit measurement"])
+def test_a_malformed_card_is_one_line_and_exit_2_never_1(case, tmp_path, capsys) -> None:
+    """Exit 1 is the gate's "a verdict changed": a card compare cannot read must never exit with it (before: each
+    of these was a traceback, exit 1)."""
+    shutil.copytree(VALIDATION / "olmo2", tmp_path / "old")
+    shutil.copytree(VALIDATION / "olmo2", tmp_path / "new")
+    card = tmp_path / "new" / "report.json"
+    if case == "400-digit measurement":
+        data = json.loads(card.read_text())
+        criterion(data, "loss")["measured"] = 0.0
+        card.write_text(json.dumps(data).replace('"measured": 0.0', '"measured": 1' + "0" * 399, 1))
+        said = f"{card} is damaged: holds a number of 400 characters"
+    else:
+        change, said = MALFORMED[case]
+        edit(card, change)
+    for old, new in ((tmp_path / "old", tmp_path / "new"), (tmp_path / "new", tmp_path / "old")):
+        with pytest.raises(SystemExit) as info:
+            main(["check", "--compare", str(old), str(new)])
+        captured = capsys.readouterr()
+        err = captured.err.strip()
+        assert info.value.code == 2 and err.startswith("lnstab: error: ") and "\n" not in err, err
+        assert said in err and captured.out == "", err
+        if case != "400-digit measurement":
+            assert f"--compare {tmp_path / 'new'}: {card} is not a card lnstab check writes: " in err, err
+
+
+def test_a_measurement_too_large_for_its_units_is_shown_as_a_number(tmp_path) -> None:
+    """A growth exponent of 1e299 is a number, but not one its factor (e^x) can show: the report shows it as it is
+    (before: OverflowError, exit 1)."""
+    shutil.copytree(VALIDATION / "olmo2", tmp_path / "a")
+    shutil.copytree(VALIDATION / "olmo2", tmp_path / "b")
+    grow = next(c["id"] for c in json.loads((tmp_path / "a" / "report.json").read_text())["criteria"]
+                if c["id"] in FACTOR_BASES and isinstance(c.get("measured"), float))
+    edit(tmp_path / "b" / "report.json", lambda d: criterion(d, grow).update(measured=1e299))
+    text, code = compare(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert code == 0 and f"| card | `{grow}` |" in text and "| 1e+299 |" in text, text
+
+
+def test_a_comparison_that_fails_is_exit_3_never_1(tmp_path, capsys, monkeypatch) -> None:
+    """Whatever else goes wrong inside the comparison is one line and exit 3 ("it could not be made"), never 1."""
+    import lnstab.check.compare as compare_module
+
+    def broken(old: str, new: str) -> tuple[str, int]:
+        raise KeyError("criteria")
+
+    monkeypatch.setattr(compare_module, "compare", broken)
+    with pytest.raises(SystemExit) as info:
+        main(["check", "--compare", str(VALIDATION), str(VALIDATION)])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 3 and "\n" not in err and "--compare failed: KeyError: 'criteria'" in err, err
+
+
+def test_check_help_names_the_exit_statuses_of_compare(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["check", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--compare: 0 the same verdicts on the same cards, 1 not, 2 a usage error or a malformed card, 3 the " \
+           "comparison failed" in text

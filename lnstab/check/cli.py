@@ -12,9 +12,12 @@
 Exit status: 0 when no criterion fails, 1 when one does, 2 for a usage error (one line on stderr, nothing
 written), 3 when the checked model or the check itself fails (a stress run raised: one line on stderr naming the
 run, the traceback in ``<out>/error.txt``), so a CI gate never reads a crash as a verdict; ``128 + signal`` when
-SIGINT (Ctrl-C), SIGTERM or SIGHUP ended it (one line, no verdict, :mod:`lnstab.check.signals`). With ``--validate``:
+SIGINT (Ctrl-C), SIGTERM or SIGHUP ended it (one line, no verdict, :mod:`lnstab.check.signals`); a write the
+machine refused (a full disk) is 3 too, one line naming the file and the OS's reason. With ``--validate``:
 0 when every row of the validation set agrees with the published outcome, 1 when one does not. With ``--compare``:
-0 when the two sides have the same cards with the same verdicts, 1 when not (:mod:`lnstab.check.compare`).
+0 when the two sides have the same cards with the same verdicts, 1 when not, 2 for a usage error or a malformed or
+damaged card (one line naming the file and the field), 3 when the comparison itself failed
+(:mod:`lnstab.check.compare`).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from lnstab.check.signals import Interrupted, interruptible
 from lnstab.check.subjects import Subject, context_length, hf_subject, lnstab_subject, parse_value, references
 from lnstab.check.validation import supplement_argv
 from lnstab.check.workers import RunPool, auto_workers
-from lnstab.errors import LNStabError
+from lnstab.errors import LNStabError, MachineError, one_line, refused_write
 from lnstab.rundir import atomic_write_text, check_writable
 
 DEFAULT_ROOT = Path("runs") / "check"
@@ -81,7 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
                 epilog="--model.KEY VALUE: any lnstab GPTModule argument (preset, norm_placement, norm_type, "
                        "residual_scale, n_layer, ...). Exit status: 0 no criterion fails, 1 one fails, 2 usage error, "
                        f"{EXIT_FAILED} the checked model or the check itself failed (one line; traceback in "
-                       "<out>/error.txt), 128 + signal when SIGINT, SIGTERM or SIGHUP ended it (no verdict).")
+                       "<out>/error.txt; a full disk: one line naming the file), 128 + signal when SIGINT, SIGTERM "
+                       "or SIGHUP ended it (no verdict). --validate: 0 every row agrees, 1 one does not. --compare: "
+                       "0 the same verdicts on the same cards, 1 not, 2 a usage error or a malformed card, "
+                       f"{EXIT_FAILED} the comparison failed.")
     src = p.add_argument_group("model to check (one of --model.*, --hf, --factory)")
     src.add_argument("--hf", help="Hugging Face causal LM: local directory or hub name (never remote code).")
     src.add_argument("--hf-init", action="store_true", help="Freshly initialise --hf from its config.")
@@ -144,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--compare", nargs=2, metavar=("OLD", "NEW"),
                      help="Compare two cards, or two --validate directories, already made (e.g. on two machines): "
                           "changed verdicts, changed criterion statuses, how far the measurements moved; trains "
-                          "nothing.")
+                          "nothing. Exit status 0 the same verdicts, 1 a verdict or the set of cards changed, 2 a "
+                          f"usage error or a malformed card (one line), {EXIT_FAILED} the comparison failed.")
     return p
 
 
@@ -311,6 +318,11 @@ def main(argv: list[str] | None = None) -> None:
             sys.stderr.write(f"lnstab: lnstab check{' --validate' if args.validate else ''} stopped by "
                              f"{signal.Signals(exc.signum).name}; no verdict{exc.where}\n")
         raise SystemExit(128 + exc.signum) from None
+    except MachineError as exc:  # a full disk: one line naming the file and the OS's reason; a failure, no verdict
+        if os.environ.get("LNSTAB_DEBUG"):
+            raise
+        sys.stderr.write(f"lnstab: error: lnstab check: {one_line(exc)}; no verdict\n")
+        raise SystemExit(EXIT_FAILED) from None
     except LNStabError:
         raise
     except Exception as exc:
@@ -371,11 +383,18 @@ def note_interrupted(out: Path, exc: Interrupted, done: str) -> None:
 
 def check_failed(out: Path, exc: Exception) -> Exception:
     """The error to raise for ``exc`` after the run directory exists: the traceback goes into ``<out>/error.txt``,
-    beside the runs' logs; a usage error stays one."""
-    write_error(out, exc)
+    beside the runs' logs; a usage error stays one, and a write the machine refused (a full disk) is its own one line
+    (error.txt could not be written either)."""
+    refused = exc if isinstance(exc, MachineError) else refused_write(exc, f"a file in {out}")
+    if refused is not None:
+        return refused
+    what = str(exc) if isinstance(exc, RunFailed) else f"the check failed: {type(exc).__name__}: {_first_line(exc)}"
+    try:
+        write_error(out, exc)
+    except MachineError as full:  # the disk filled: the line says what failed and why error.txt is not there
+        return MachineError(f"{what}; and {full}")
     if isinstance(exc, LNStabError):
         return exc
-    what = str(exc) if isinstance(exc, RunFailed) else f"the check failed: {type(exc).__name__}: {_first_line(exc)}"
     return CheckFailed(f"{what}; no verdict (traceback in {out / 'error.txt'})")
 
 

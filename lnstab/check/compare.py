@@ -7,21 +7,26 @@ model, protocol or data differ (then what moved is not only the machine's), ever
 criterion whose status changed (with both sides' values and the thresholds they were graded against, which move
 with the references), and how far the measurements moved. It reads JSON only and trains nothing. Exit status 0
 when every common card has the same verdict and both sides have the same cards, 1 otherwise (a gate: "did this
-card change against the last one?"), 2 for a usage error.
+card change against the last one?"), 2 for a usage error or a side that is not what lnstab check writes (damaged,
+past the bounded reader's limits, or a field this comparison reads of another type: one line naming the file and
+the field), 3 when the comparison itself failed (one line), so a gate never reads a malformed card or a crash as a
+changed verdict.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 from lnstab.check.report import MARK, cell, provenance
 from lnstab.check.runner import public_path
 from lnstab.check.validation_notes import display
-from lnstab.errors import LNStabError
+from lnstab.errors import LNStabError, one_line
 from lnstab.rundir import read_json
 
+EXIT_FAILED = 3  # the comparison itself failed (lnstab check's status for a check that could not finish)
 TOLERANCES = (1e-3, 1e-2, 1e-1)  # the relative moves the measurement summary counts within
 LARGEST = 10  # measurements listed by how far they moved
 
@@ -51,12 +56,66 @@ def load_cards(path: str) -> tuple[str, dict[str, dict[str, Any]]]:
 
 
 def _read(file: Path, path: str) -> dict[str, Any]:
-    """A card's or summary's JSON, read within lnstab's bounds for files from outside (size, depth, UTF-8), its
-    tagged non-finite numbers (``{"$float": "nan"}``) back as floats; a damaged file is a one-line error."""
+    """A card's or summary's JSON, read within lnstab's bounds for files from outside (size, depth, UTF-8, numbers),
+    its tagged non-finite numbers (``{"$float": "nan"}``) back as floats, and every field this comparison reads of
+    the type a card gives it (:func:`check_card`); a damaged or malformed file is a one-line error."""
     data = read_json(file)
     if not isinstance(data, dict) or file.name == "report.json" and not isinstance(data.get("criteria"), list):
         raise LNStabError(f"--compare {path}: {file.name} is not lnstab check's (no criteria)")
+    if file.name == "report.json":
+        check_card(data, f"--compare {path}: {file}")
     return data
+
+
+NUMBER = "a number or null"
+STRING = "a string or null"
+SCALAR = "a string, a number or null"
+# The fields of a card this comparison reads, and what each must be (a card lnstab check writes always is).
+CARD_FIELDS = {"status": "a string", "model": "an object or null", "protocol_text": STRING, "data_text": STRING,
+               "provenance": "an object or null"}
+CRITERION_FIELDS = {"id": "a string", "status": STRING, "measured": NUMBER, "warn": NUMBER, "fail": NUMBER}
+MACHINE_FIELDS = {"native_bf16": "true, false or null"}
+
+
+def _is(value: Any, kind: str) -> bool:
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return {"a string": isinstance(value, str), STRING: value is None or isinstance(value, str),
+            NUMBER: value is None or number, "an object or null": value is None or isinstance(value, dict),
+            "true, false or null": value is None or isinstance(value, bool),
+            SCALAR: value is None or isinstance(value, str) or number}[kind]
+
+
+def check_card(card: dict[str, Any], where: str) -> None:
+    """Refuse a card whose fields that ``--compare`` reads are of another type than lnstab check writes (a list as
+    ``status``, a string as ``provenance`` or ``model``): one line naming the file, the field and its value.
+
+    Raises:
+        LNStabError: The first malformed field (``lnstab`` exits 2: a malformed card is bad input, not a changed
+            verdict).
+    """
+    def bad(field: str, value: Any, kind: str) -> LNStabError:
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        return LNStabError(f"{where} is not a card lnstab check writes: {field} is {shown}; it must be {kind}")
+
+    for name, kind in CARD_FIELDS.items():
+        if not _is(card.get(name), kind):
+            raise bad(name, card.get(name), kind)
+    for i, criterion in enumerate(card["criteria"]):
+        if not isinstance(criterion, dict):
+            raise bad(f"criteria[{i}]", criterion, "an object")
+        for name, kind in CRITERION_FIELDS.items():
+            if not _is(criterion.get(name), kind):
+                raise bad(f"criteria[{i}].{name}", criterion.get(name), kind)
+    provenance = card.get("provenance") or {}
+    machine = provenance.get("machine")
+    if machine is not None and not isinstance(machine, dict):
+        raise bad("provenance.machine", machine, "an object")
+    scalars = [(f"provenance.{k}", v) for k, v in provenance.items() if k != "machine"]
+    scalars += [(f"provenance.machine.{k}", v) for k, v in (machine or {}).items()]
+    for name, value in scalars:
+        kind = MACHINE_FIELDS.get(name.rsplit(".", 1)[-1], SCALAR) if ".machine." in name else SCALAR
+        if not _is(value, kind):
+            raise bad(name, value, kind)
 
 
 def moved(a: Any, b: Any) -> float | None:
@@ -73,8 +132,14 @@ def moved(a: Any, b: Any) -> float | None:
 
 
 def shown(cid: str, value: Any) -> str:
-    """A value as the card reads it (:func:`~lnstab.check.validation_notes.display`), anything else as text."""
-    return display(cid, value) if isinstance(value, int | float) and not isinstance(value, bool) else str(value)
+    """A value as the card reads it (:func:`~lnstab.check.validation_notes.display`; a number too large for its
+    units, e.g. a growth exponent of 1e299 as a factor, as the number itself), anything else as text."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return str(value)
+    try:
+        return display(cid, value)
+    except (OverflowError, ValueError):
+        return f"{value:.4g}"
 
 
 def _value(cid: str, c: dict[str, Any]) -> str:
@@ -92,7 +157,16 @@ def main(pairs: list[str], model_args: dict[str, Any], rest: list[str]) -> None:
     if model_args or others:
         first = f"--model.{next(iter(model_args))}" if model_args else others[0].split("=", 1)[0]
         raise LNStabError(f"{first} is not used with --compare, which reads two finished cards and trains nothing")
-    text, code = compare(*pairs)
+    try:
+        text, code = compare(*pairs)
+    except LNStabError:
+        raise
+    except Exception as exc:  # never exit 1 ("a verdict changed") for a comparison that could not be made
+        if os.environ.get("LNSTAB_DEBUG"):
+            raise
+        sys.stderr.write(f"lnstab: error: lnstab check --compare failed: {type(exc).__name__}: {one_line(exc)[:300]}; "
+                         "nothing compared\n")
+        raise SystemExit(EXIT_FAILED) from None
     sys.stdout.write(text + "\n")
     if code:
         raise SystemExit(code)
