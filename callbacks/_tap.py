@@ -215,29 +215,51 @@ class SharedTap:
             del self.root.__dict__[TAP_ATTR]
 
     def _attach(self, site: Site, entry: dict[str, Any]) -> list[Any]:
-        """The hooks of one site: its capture's, or a hook on the module's first output (input) tensor."""
+        """The hooks of one site: its capture's, or a hook on the module's first output (input) tensor.
+
+        A call of the site is a call of its module. A capture may hand the tap several parts of one call (q and k
+        leave two projections, a rotary embedding a third hook), so its calls are counted by a pre-hook on the
+        module, run before the capture's own hooks; a plain site's one hook counts its own calls."""
 
         def emit(build: Callable[[], _stats.SiteView | None]) -> None:
             self._dispatch(entry, build)
 
+        def emit_call(build: Callable[[], _stats.SiteView | None]) -> None:
+            self._count(entry)
+            self._dispatch(entry, build)
+
         if site.capture is not None:
-            return site.capture.attach(site.module, emit)
+            counter = site.module.register_forward_pre_hook(lambda module, args: self._count(entry), prepend=True)
+            return [counter, *site.capture.attach(site.module, emit)]
         if site.use_input:
-            return [site.module.register_forward_pre_hook(lambda module, args: emit(lambda: _tensor_view(args)))]
-        return [site.module.register_forward_hook(lambda module, args, output: emit(lambda: _tensor_view(output)))]
+            return [site.module.register_forward_pre_hook(lambda module, args: emit_call(lambda: _tensor_view(args)))]
+        return [site.module.register_forward_hook(
+            lambda module, args, output: emit_call(lambda: _tensor_view(output)))]
+
+    def _watchers(self, entry: dict[str, Any]) -> list[tuple[Subscription, int]]:
+        """The active watchers of ``entry`` that a forward now serves: none when the tap is shut or paused, or the
+        forward runs inside a backward pass."""
+        watchers = [(s, i) for s, i in entry["watchers"] if s.active] if self._open else []
+        if not watchers or self.root.__dict__.get(PAUSE_ATTR):
+            return []
+        if torch._C._current_graph_task_id() != -1:
+            # A forward inside a backward pass is activation checkpointing recomputing a micro-batch the tap has
+            # already seen (torch.utils.module_tracker tells backward from forward the same way): not a new capture.
+            return []
+        return watchers
+
+    def _count(self, entry: dict[str, Any]) -> None:
+        """One more call of the module of ``entry`` in this micro-batch (only the calls the tap serves count)."""
+        if self._watchers(entry):
+            entry["calls"] += 1
 
     def _dispatch(self, entry: dict[str, Any], build: Callable[[], _stats.SiteView | None]) -> None:
         """Hand the view ``build()`` makes to every active watcher of ``entry``; nothing is built (and nothing read)
         when none is active, the tap is shut or paused, or the forward runs inside a backward pass."""
-        watchers = [(s, i) for s, i in entry["watchers"] if s.active]
-        if not watchers or not self.open or self.root.__dict__.get(PAUSE_ATTR):
+        watchers = self._watchers(entry)
+        if not watchers:
             return
-        if torch._C._current_graph_task_id() != -1:
-            # A forward inside a backward pass is activation checkpointing recomputing a micro-batch the tap has
-            # already seen (torch.utils.module_tracker tells backward from forward the same way): not a new capture.
-            return
-        call = entry["calls"]
-        entry["calls"] = call + 1
+        call = max(entry["calls"] - 1, 0)  # this call's index (a part ahead of its module's first call: call 0)
         taking = []
         for sub, i in watchers:
             wanted = sub.sites[i].call

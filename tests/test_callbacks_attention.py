@@ -7,6 +7,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -24,6 +30,7 @@ from lnstab.callbacks._views import AttentionView
 from lnstab.errors import ConfigError
 from lnstab.model import Block
 
+ROOT = Path(__file__).resolve().parents[1]
 NAMES = ("max_logit", "entropy_mean", "entropy_min", "collapsed")
 
 
@@ -219,8 +226,9 @@ def test_no_host_reads_on_steps_that_do_not_measure_and_hooks_go_in_teardown(tmp
     for step in (1, 2, 4, 5):
         assert per_step[step] == {"divergence.py": 1}, step  # the monitor's own per-step decision only
     expected = {**{f"model.transformer.h.{i}.attn.{n}": 1 for i in range(2) for n in ("q_norm", "k_norm")},
+                **{f"model.transformer.h.{i}.attn": 1 for i in range(2)},  # counts the calls of the capture's module
                 **{f"model.transformer.h.{i}.resid_{n}": 1 for i in range(2) for n in ("attn", "mlp")},
-                "model.transformer.ln_f": 1}  # q, k and ln_f once for three instruments; the monitor's max |x|
+                "model.transformer.ln_f": 2}  # q, k and ln_f once for three instruments; the monitor's max |x|
     assert hooks[0] == hooks[5] == expected
     assert hook_counts(module) == {}  # all removed in teardown
     assert attention.steps == output.steps == [0, 3] and monitor.events == []
@@ -315,5 +323,87 @@ def test_attention_statistics_stay_out_of_the_hidden_state_instrument_and_have_c
     with pytest.raises(ConfigError, match=r"stats=\['attn_max_logit'\] is not allowed; each must be one of: mean_abs"):
         HiddenStateStatistics(stats=["attn_max_logit"])  # it reads residual-stream views, not q and k
     layout = stability_layout()
-    assert "hidden/attn_max_logit" not in layout["hidden"] and "hidden/output_log_z_mean" not in layout["hidden"]
-    assert set(layout["attention"]) == {f"attn/{n}" for n in NAMES} and "output/log_z" in layout["output"]
+    hidden = layout["Hidden states"]
+    assert "hidden/attn_max_logit" not in hidden and "hidden/output_log_z_mean" not in hidden
+    assert set(layout["Attention logits"]) == {f"attn/{n}" for n in NAMES}
+    assert set(layout["Output logits"]) == {"output/log_z_mean", "output/log_z_std", "output/max_logit"}
+
+
+def pooled_warnings(fit) -> tuple[list[str], object]:
+    """Run ``fit()``; the pooled-calls warnings it raised, and what it returned."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fit()
+    return [str(w.message) for w in caught if "ran in one micro-batch" in str(w.message)], out
+
+
+def test_q_and_k_of_one_forward_are_one_call_and_a_block_shared_across_depth_two(tmp_path):
+    """A call of a site is a call of its module, however many hooks hand the tap its parts. q and k leave q_norm and
+    k_norm, two hooks of one attention call: the tap counted each as a call, so every fit of lnstab's GPT warned of
+    '2 calls' of every attention layer in a model that shares no weights (its numbers were right: the view is built
+    once both parts are in). A block shared by two depths is two calls, pooled, and said as such (not 4)."""
+    module = lit("gpt")
+    sharpen(module.model, 15.0)
+    callback = AttentionLogitStatistics(every_n_steps=1)
+    said, _ = pooled_warnings(lambda: fit_fixed(tmp_path / "plain", module, [callback], steps=1, accumulate=1))
+    assert said == [] and callback.steps == [0]
+
+    torch.manual_seed(0)
+    model = gpt()
+    model.transformer.h[1] = model.transformer.h[0]  # one block at both depths: its weights shared
+    sharpen(model, 15.0)
+    shared = AttentionLogitStatistics(every_n_steps=1)
+    parts: dict[str, list[torch.Tensor]] = {"q": [], "k": []}
+    attn = model.transformer.h[0].attn
+    for part in parts:
+        getattr(attn, f"{part}_norm").register_forward_hook(
+            lambda m, a, o, part=part: parts[part].append(o.detach()) if torch.is_grad_enabled() else None)
+    said, (values, _) = pooled_warnings(
+        lambda: fit_fixed(tmp_path / "shared", LitLM(model), [shared], steps=1, accumulate=1))
+    assert shared.tags == ["L00"] and len(parts["q"]) == len(parts["k"]) == 2  # the training forward's two calls
+    assert len(said) == 1 and "'model.transformer.h.0.attn' (2 calls) ran in one micro-batch" in said[0], said
+    q, k = parts["q"], parts["k"]
+    assert_close(values[0], direct(q, k, 1 / math.sqrt(q[0].size(-1))), "L00")  # both calls pooled, each once
+
+
+WARNING_LINE = re.compile(r"^(?P<file>\S+\.py):\d+: (?P<kind>\w*Warning): (?P<message>.*)$")
+
+
+def lnstab_warnings(stderr: str) -> list[str]:
+    """The warnings in ``stderr`` that lnstab's own code raised (its packages' files; ``lnstab:`` messages)."""
+    import lnstab
+    import lnstab.callbacks
+    import lnstab.datamodules
+
+    roots = {Path(p.__file__).resolve().parent for p in (lnstab, lnstab.callbacks, lnstab.datamodules)}
+    out = []
+    for line in stderr.splitlines():
+        match = WARNING_LINE.match(line)
+        if match and (any(r in Path(match["file"]).resolve().parents for r in roots)
+                      or match["message"].startswith("lnstab")):
+            out.append(line)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("extra", [
+    [],  # the quickstart as shipped (precision auto: bf16 where the CPU has it), every instrument, a probe
+    ["--model.n_layer", "2", "--trainer.precision", "32-true", "--instruments.jacobian_every_n_steps", "0",
+     "--trainer.val_check_interval", "3"],  # 2 layers in fp32, no Jacobian probe, validation off the measuring steps
+], ids=["quickstart", "fp32-2-layers-no-probe"])
+def test_a_quickstart_fit_raises_no_lnstab_warning(tmp_path, extra):
+    """``lnstab fit`` of the quickstart, a few steps measured by every instrument, in its own process: lnstab says
+    nothing a user must act on (every fit warned that each attention layer ran twice in one micro-batch)."""
+    exe = Path(sys.executable).with_name("lnstab")
+    cmd = [str(exe), "fit", "--config", str(ROOT / "experiments" / "quickstart.yaml"), "--trainer.max_steps", "4",
+           "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1", "--instruments.every_n_steps", "2",
+           "--instruments.jacobian_every_n_steps", "2", "--evaluation.on_fit_end", "false",
+           "--data.init_args.source", "synthetic", "--trainer.enable_progress_bar", "false",
+           "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), *extra]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = b"".join(p.read_bytes() for p in (tmp_path / "runs" / "quickstart").rglob("events.out.tfevents.*"))
+    assert b"attn/max_logit/L01" in events and b"output/log_z_mean" in events  # the instruments measured
+    assert lnstab_warnings(done.stderr) == [], done.stderr[-3000:]

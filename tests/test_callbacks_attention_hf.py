@@ -6,6 +6,7 @@ rotary embedding."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -52,7 +53,11 @@ def test_hugging_face_models_against_eager_attention(tmp_path, monkeypatch, kind
             for part in ("q", "k"):  # every call: the fit's two micro-batches first
                 getattr(layer.self_attn, f"{part}_proj").register_forward_hook(
                     lambda m, a, o, key=(part, i): projections.setdefault(key, []).append(o.detach()) and None)
-    _, data = fit_fixed(tmp_path, LitLM(HFLM(hf)), [callback] + ([pattern] if pattern else []), steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, data = fit_fixed(tmp_path, LitLM(HFLM(hf)), [callback] + ([pattern] if pattern else []), steps=1)
+    # q, k and the rotary embedding reach the tap by three hooks: one call of the attention, not three
+    assert not [w for w in caught if "ran in one micro-batch" in str(w.message)], kind
     values = {0: callback.last}  # both instruments log the same tags: each one's own record
     seen, weights = eager_reference(hf, data[:4], monkeypatch, kind)
     assert callback.tags == ["L00", "L01"] and len(seen) == 2
