@@ -18,6 +18,7 @@ from lnstab import validation as check
 from lnstab.datamodules.packing import ArrayWindows, DocumentStream, ShardPlan
 from lnstab.datamodules.prepare import head_documents
 from lnstab.datamodules.prepared import read_meta, verify_split
+from lnstab.datamodules.sample import SAMPLE_DOCUMENTS, sample_path
 from lnstab.datamodules.synthetic import SyntheticDataModule, TokenWindows
 from lnstab.datamodules.text import (
     DEFAULT_HF_CONFIG,
@@ -48,9 +49,11 @@ class OpenWebTextDataModule(pl.LightningDataModule):
       dataset directory) through ``datasets.load_dataset(..., streaming=True)``; fails in seconds when offline.
     - ``files``: stream local ``.txt`` / ``.jsonl`` / ``.json`` / ``.parquet`` (gzip too) named by ``path``.
     - ``prepared``: ``path`` is a directory written by ``lnstab prepare`` (``train.bin``, ``val.bin``, ``meta.json``).
-    - ``synthetic``: a seeded Markov token stream (no text), for smoke runs and benchmarks.
+    - ``sample``: the 250 OpenWebText documents shipped with lnstab (:mod:`lnstab.datamodules.sample`; 279,376
+      tokens), read as ``files``: real text, offline, too small for any result.
+    - ``synthetic``: a seeded Markov token stream (no text), for smoke runs and benchmarks; only when asked.
     - ``auto``: ``files`` if ``path`` is set, else ``hf`` with ``stas/openwebtext-10k`` if the hub is reachable, else
-      ``synthetic`` with a one-line warning.
+      ``sample`` with a one-line note.
 
     The source actually used is stored as hyperparameter ``resolved_source`` (``source`` keeps what was asked).
     For ``hf``/``files`` the first documents holding ``val_tokens`` tokens are the validation set and training reads
@@ -59,7 +62,7 @@ class OpenWebTextDataModule(pl.LightningDataModule):
     Args:
         block_size: Tokens per window (linked to ``model.block_size``).
         batch_size: Windows per batch, per rank.
-        source: ``hf``, ``files``, ``prepared``, ``synthetic`` or ``auto``.
+        source: ``hf``, ``files``, ``prepared``, ``sample``, ``synthetic`` or ``auto``.
         path: ``files``: file/dir/glob/comma list; ``prepared``: the prepared directory.
         dataset: ``hf``: dataset id or local dataset directory.
         dataset_config: ``hf``: config name.
@@ -126,6 +129,9 @@ class OpenWebTextDataModule(pl.LightningDataModule):
             check.positive_int("data.val_tokens", val_tokens, error=DataError)
         if source in ("files", "prepared") and not path:
             raise DataError(f"--data.path is required with --data.source {source}")
+        if source in ("sample", "synthetic") and path:
+            raise DataError(f"--data.path {path} is not used with --data.source {source}; drop one (a file of your "
+                            f"own: --data.source files)")
         args["resolved_source"] = source
         if source == "auto":  # decided here so the logged hyperparameters name the source actually used
             args.update(self.resolve_auto(path))
@@ -139,27 +145,31 @@ class OpenWebTextDataModule(pl.LightningDataModule):
     # ------------------------------------------------------------------ source resolution and setup
     @staticmethod
     def resolve_auto(path: str | None) -> dict[str, Any]:
-        """Hyperparameters for ``source: auto``: path -> ``files``; hub -> ``stas/openwebtext-10k``; else synthetic."""
+        """Hyperparameters for ``source: auto``: path -> ``files``; hub -> ``stas/openwebtext-10k``; else the packaged
+        sample (``sample``)."""
         if path:
             return {"resolved_source": "files"}
         if hub_reachable(QUICKSTART_DATASET, DEFAULT_HF_REVISION):
             return {"resolved_source": "hf", "dataset": QUICKSTART_DATASET, "dataset_config": DEFAULT_HF_CONFIG,
                     "revision": DEFAULT_HF_REVISION}  # fmt: skip
-        logging.getLogger("lightning.pytorch").warning(
-            "lnstab data: no --data.path and the Hugging Face hub is unreachable; training on the SYNTHETIC "
-            "token stream (recorded as resolved_source=synthetic), not on text"
+        sample_path()  # installed with lnstab: a missing file fails here, in one line
+        rank_zero_info(
+            f"lnstab data: no --data.path and the Hugging Face hub is unreachable; training on the {SAMPLE_DOCUMENTS} "
+            f"OpenWebText documents shipped with lnstab (recorded as source: sample)"
         )
-        return {"resolved_source": "synthetic"}
+        return {"resolved_source": "sample"}
 
     def resolve_source(self) -> str:
         """The source in use (``auto`` resolved in ``__init__``)."""
         return self.hparams.resolved_source
 
     def text_spec(self) -> TextSpec:
-        """The :class:`TextSpec` of the ``hf``/``files`` source."""
-        hp = self.hparams
+        """The :class:`TextSpec` of the ``hf``/``files``/``sample`` source."""
+        hp, source = self.hparams, self.resolve_source()
+        if source == "sample":
+            return TextSpec("files", str(sample_path()), text_field="text", split="train")
         return TextSpec(
-            self.resolve_source(),
+            source,
             hp.path,
             hp.dataset,
             hp.dataset_config,

@@ -21,7 +21,7 @@ import numpy as np
 from lnstab.errors import LNStabError
 from lnstab.tokenizer import EOT_TOKEN, get_encoding
 
-SOURCES = ("hf", "files", "prepared", "synthetic", "auto")
+SOURCES = ("hf", "files", "prepared", "sample", "synthetic", "auto")
 DEFAULT_HF_DATASET = "Skylion007/openwebtext"
 DEFAULT_HF_REVISION = "refs/convert/parquet"
 DEFAULT_HF_CONFIG = "plain_text"

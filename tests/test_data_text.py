@@ -16,6 +16,7 @@ import torch
 
 from lnstab.datamodules import DataError, OpenWebTextDataModule
 from lnstab.datamodules.packing import ShardPlan, pack_batches, windows_of
+from lnstab.datamodules.sample import sample_path
 from lnstab.datamodules.text import DocStats, TextSpec, iter_documents, open_text_stream
 from lnstab.tokenizer import EOT_TOKEN, gpt2_encoding
 
@@ -212,6 +213,9 @@ def test_bad_options_fail_in_init():
         OpenWebTextDataModule(source="files")
     with pytest.raises(DataError, match="data.batch_size=0 is not allowed"):
         OpenWebTextDataModule(source="synthetic", batch_size=0)
+    for source in ("sample", "synthetic"):
+        with pytest.raises(DataError, match=f"--data.path d.jsonl is not used with --data.source {source}; drop one"):
+            OpenWebTextDataModule(source=source, path="d.jsonl")
 
 
 def test_hf_offline_fails_fast_in_one_line():
@@ -224,12 +228,19 @@ def test_hf_offline_fails_fast_in_one_line():
     assert "Skylion007/openwebtext" in msg and "HF_HUB_OFFLINE" in msg and "lnstab prepare" in msg
 
 
-def test_auto_without_path_or_hub_falls_back_to_labelled_synthetic(tmp_path):
-    dm = OpenWebTextDataModule(source="auto", block_size=16, batch_size=2, synthetic_tokens=5000, num_workers=0)
+def test_auto_without_path_or_hub_trains_on_the_packaged_sample_and_synthetic_only_when_asked(tmp_path):
+    dm = OpenWebTextDataModule(source="auto", block_size=16, batch_size=2, val_tokens=64, num_workers=0)
     dm.setup("fit")
-    assert dm.hparams.source == "auto" and dm.hparams_initial["resolved_source"] == "synthetic"  # what loggers save
+    assert dm.hparams.source == "auto" and dm.hparams_initial["resolved_source"] == "sample"  # what loggers save
+    with gzip.open(sample_path(), "rt", encoding="utf-8") as f:
+        first = json.loads(f.readline())["text"]
+    assert dm.validation_tokens().tolist() == reference_tokens([first])[:64].tolist()  # English, not Markov ids
     x, y = next(iter(dm.train_dataloader()))
     assert x.shape == (2, 16) and torch.equal(x[:, 1:], y[:, :-1])
+    dm = OpenWebTextDataModule(source="synthetic", block_size=16, batch_size=2, synthetic_tokens=5000,
+                               synthetic_vocab_size=1024, num_workers=0)
+    dm.setup("fit")
+    assert dm.hparams_initial["resolved_source"] == "synthetic" and dm.validation_tokens().max().item() < 1024
     f = write_jsonl(tmp_path / "d.jsonl", DOCS)
     dm = OpenWebTextDataModule(source="auto", path=str(f), block_size=16, val_tokens=20, num_workers=0)
     dm.setup("fit")

@@ -28,6 +28,8 @@ def test_wheel_installs_namespaced_packages_into_a_fresh_venv(tmp_path: Path) ->
     assert tops == {"lnstab"}, tops  # no generic 'callbacks' or 'datamodules' at the top of site-packages
     for module in ("lnstab/callbacks/__init__.py", "lnstab/datamodules/__init__.py", "lnstab/model.py"):
         assert module in names
+    for data in ("lnstab/datamodules/data/owt-sample-250.jsonl.gz", "lnstab/datamodules/data/README.md"):
+        assert data in names  # the OpenWebText sample the quickstart reads offline, and its notice
 
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
@@ -38,8 +40,10 @@ def test_wheel_installs_namespaced_packages_into_a_fresh_venv(tmp_path: Path) ->
     deps = os.pathsep.join(site.getsitepackages())
     code = (
         "import lnstab.callbacks, lnstab.datamodules, lnstab.model, importlib.util;"
+        "from lnstab.datamodules.sample import sample_path;"
         "print(lnstab.callbacks.__file__);"
-        "print(importlib.util.find_spec('callbacks') is None and importlib.util.find_spec('datamodules') is None)"
+        "print(importlib.util.find_spec('callbacks') is None and importlib.util.find_spec('datamodules') is None);"
+        "print(sample_path())"
     )
     out = subprocess.run(
         [str(python), "-c", code], cwd=tmp_path, env={**os.environ, "PYTHONPATH": deps},
@@ -47,5 +51,6 @@ def test_wheel_installs_namespaced_packages_into_a_fresh_venv(tmp_path: Path) ->
     ).stdout.split()
     assert Path(out[0]).is_relative_to(env_dir) and out[0].endswith("lnstab/callbacks/__init__.py")
     assert out[1] == "True"
+    assert Path(out[2]).is_relative_to(env_dir) and Path(out[2]).stat().st_size > 100_000  # found as package data
     script = env_dir / "bin" / "lnstab"
     assert script.is_file()  # the console script
