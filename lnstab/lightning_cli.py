@@ -101,7 +101,8 @@ class LNStabCLI(LightningCLI):
             save_dir, name, version = runs.split_run_dir(run_dir)
             if c.trainer.logger in (None, True):  # Lightning's default logger, placed in the run directory
                 tensorboard = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                               "init_args": {"save_dir": save_dir, "name": name, "version": version}}
+                               "init_args": {"save_dir": save_dir, "name": name, "version": version,
+                                             "default_hp_metric": False}}  # no placeholder hp_metric = -1
                 self.config = self.parser.parse_object({sub: {"trainer": {"logger": tensorboard}}}, self.config)
                 c = self.config[sub]
                 loggers = logger_args(c.trainer.logger)

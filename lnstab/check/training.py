@@ -215,7 +215,8 @@ def stress_run(
     status = RunStatus(signals=(), save_on_interrupt=False)  # summary.json status only; Ctrl-C ends the whole check
     recorder = Recorder(instruments)
     callbacks += [monitor, status, recorder]
-    logger = TensorBoardLogger(save_dir=str(log_root), name=subject, version=f"lr{lr:g}_seed{seed}")
+    logger = TensorBoardLogger(save_dir=str(log_root), name=subject, version=f"lr{lr:g}_seed{seed}",
+                               default_hp_metric=False)
     trainer = pl.Trainer(
         accelerator=accelerator,
         devices=1,
