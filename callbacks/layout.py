@@ -1,7 +1,16 @@
-"""A TensorBoard custom-scalars layout: each statistic one chart, one line per layer."""
+"""A TensorBoard custom-scalars layout: every tag lnstab logs in one chart, each chart one kind of quantity.
+
+A chart holds either one statistic at every site or layer (one line each; a total never joins its parts) or a few
+quantities of one unit meant to be read against each other (train, val and test loss; a bound and the value it bounds;
+the R² of the two growth fits). TensorBoard matches each regex with Python's ``re.match`` against every scalar tag of
+a run, so a chart shows whatever tags it matches, and a tag no regex matches is in no chart.
+"""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -12,38 +21,115 @@ from typing_extensions import override
 from . import _stats
 from ._sites import tensorboard_writer
 
-CHARTS: dict[str, list[str]] = {
-    "grad": ["grad/norm", "weight/norm"],
-    "jacobian": ["jacobian/residual", "jacobian/sensitivity", "jacobian/act_scale"],
-    "bound": ["bound/ma", "bound/var", "bound/slack", "bound/violations"],
-    "growth": ["growth/linear", "growth/exp"],
-    "divergence": ["divergence/events"],
-    "attention": ["attn/max_logit", "attn/entropy_mean", "attn/entropy_min", "attn/collapsed"],
-    "output": ["output/log_z", "output/max_logit"],
-}
+PREFIX = r"^(?:[\w.-]+/)*"  # an instrument's metric_prefix (``mlp/hidden/mean_abs/L00``) keeps its lines in the chart
 
 
-def charts() -> dict[str, list[str]]:
-    """Category → chart prefixes: one ``hidden/<stat>`` chart per per-site statistic in the registry, then
-    :data:`CHARTS`."""
-    hidden = [f"hidden/{name}" for name in _stats.names_of("stream")]
-    return {"hidden": hidden, **CHARTS}
+@dataclass(frozen=True)
+class Chart:
+    """One chart: its title, the regexes of its tags and the callback class whose tags they are (``None``: the
+    LightningModule's or the trainer's own, always charted)."""
+
+    title: str
+    regexes: tuple[str, ...]
+    source: str | None = None
 
 
-def stability_layout() -> dict[str, dict[str, list[Any]]]:
-    """The layout for ``SummaryWriter.add_custom_scalars``: category → chart → ``["Multiline", [regex]]``; an
-    instrument's ``metric_prefix`` (``mlp/hidden/mean_abs/L00``) puts its lines in the same chart, named by their
-    tags."""
+def per_site(stat: str, source: str) -> Chart:
+    """One line per site or layer of ``stat`` (``stat/L00``, ``stat/L00_attn``, ``stat/embed``), never its total."""
+    return Chart(stat, (rf"{PREFIX}{re.escape(stat)}/(?!total$)[^/]+$",), source)
+
+
+def named(title: str, source: str | None, *tags: str, prefix: str = PREFIX) -> Chart:
+    """The listed tags (``metric_prefix`` allowed where ``prefix`` is :data:`PREFIX`)."""
+    return Chart(title, (f"{prefix}(?:{'|'.join(re.escape(t) for t in tags)})$",), source)
+
+
+def exact(title: str, source: str | None, *tags: str) -> Chart:
+    """The listed tags exactly (the module's, the trainer's and :class:`Throughput`'s, which take no prefix)."""
+    return named(title, source, *tags, prefix="^")
+
+
+def categories() -> dict[str, list[Chart]]:
+    """Category → charts, in dashboard order: training first, then the stability instruments, then the final
+    evaluation. The hidden-state, attention and output-logit charts follow the statistics registry (one chart per
+    statistic registered when this is called)."""
+    hidden = [per_site(f"hidden/{name}", "HiddenStateStatistics") for name in _stats.names_of("stream")]
+    attention = [per_site(f"attn/{name.removeprefix('attn_')}", "AttentionLogitStatistics")
+                 for name in _stats.names_of("attention")]
+    output = [named(f"output/{name.removeprefix('output_')}", "OutputLogitStatistics",
+                    f"output/{name.removeprefix('output_')}") for name in _stats.names_of("logits")]
+    bound, grads = "GrowthBoundMonitor", "GradientStatistics"
     return {
-        category: {chart: ["Multiline", [rf"^(?:[\w.-]+/)*{chart}(/.*|_.*)?$"]] for chart in prefixes}
-        for category, prefixes in charts().items()
+        "Training": [
+            exact("loss (train, val, test)", None, "train/loss", "val/loss", "test/loss"),
+            exact("perplexity (val, test)", None, "val/ppl", "test/ppl"),
+            exact("learning rate", None, "train/lr"),
+            exact("tokens seen", None, "train/tokens"),
+            exact("epoch", None, "epoch"),
+            exact("tokens/s (all devices, one device)", "Throughput",
+                  "throughput/tokens_per_s", "throughput/device/tokens_per_s"),
+            exact("samples/s", "Throughput", "throughput/samples_per_s"),
+            exact("FLOP/s (one device, its peak)", "Throughput", "throughput/device/flops_per_s",
+                  "throughput/peak_flops"),
+            exact("MFU", "Throughput", "throughput/mfu"),
+            exact("z-loss (with model.z_loss > 0)", None, "train/z_loss"),
+        ],
+        "Hidden states": hidden,
+        "Growth bound": [
+            named("bound/ma: final mean |h| and its bound", bound, "bound/ma_final", "bound/ma_bound"),
+            named("bound/slack: bound - mean |h|, min over sequences", bound, "bound/slack"),
+            named("bound/var: final variance and its bound", bound, "bound/var_final", "bound/var_bound"),
+            named("bound/var_slack: bound - variance", bound, "bound/var_slack"),
+            named("bound/violations", bound, "bound/violations"),
+        ],
+        "Growth across depth": [
+            named("growth/linear_slope", bound, "growth/linear_slope"),
+            named("growth/exp_rate", bound, "growth/exp_rate"),
+            named("growth R² (linear, exponential fit)", bound, "growth/linear_r2", "growth/exp_r2"),
+        ],
+        "Gradients and weights": [
+            per_site("grad/norm", grads),
+            named("grad/norm/total", grads, "grad/norm/total"),
+            per_site("weight/norm", grads),
+            named("weight/norm/total", grads, "weight/norm/total"),
+        ],
+        "Jacobian": [per_site(f"jacobian/{name}", "JacobianSensitivity")
+                     for name in ("residual", "sensitivity", "act_scale")],
+        "Attention logits": attention,
+        "Output logits": output,
+        "Divergence": [named("divergence/events (cumulative)", "DivergenceMonitor", "divergence/events")],
+        "Evaluation": [
+            exact("eval/loss", "FinalEvaluation", "eval/loss"),
+            exact("eval perplexity (exp mean loss, mean per sequence)", "FinalEvaluation",
+                  "eval/ppl_exp_mean_loss", "eval/ppl_mean_seq"),
+            exact("eval ROUGE (1, 2, L)", "FinalEvaluation", "eval/rouge1", "eval/rouge2", "eval/rougeL"),
+            exact("eval BERTScore (precision, recall, F1)", "FinalEvaluation",
+                  "eval/bertscore_precision", "eval/bertscore_recall", "eval/bertscore_f1"),
+        ],
     }
 
 
-class StabilityLayout(Callback):
-    """Adds :func:`stability_layout` to the TensorBoard run once, in ``setup`` (no-op without a TensorBoardLogger).
+def stability_layout(sources: Collection[str] | None = None) -> dict[str, dict[str, list[Any]]]:
+    """The layout for ``SummaryWriter.add_custom_scalars``: category → chart title → ``["Multiline", [regex]]``.
 
-    **Logged metrics**: none (a layout in the TensorBoard *Custom Scalars* tab).
+    Args:
+        sources: Names of the callback classes present (``None``: every chart). A chart whose tags come from a
+            callback not named is left out, and so is a category left empty.
+    """
+    out: dict[str, dict[str, list[Any]]] = {}
+    for category, charts in categories().items():
+        kept = {c.title: ["Multiline", list(c.regexes)] for c in charts
+                if sources is None or c.source is None or c.source in sources}
+        if kept:
+            out[category] = kept
+    return out
+
+
+class StabilityLayout(Callback):
+    """Adds :func:`stability_layout` to the TensorBoard run once, in ``setup`` (no-op without a TensorBoardLogger):
+    the training charts and those of the instruments among ``trainer.callbacks`` (subclasses count).
+
+    **Logged metrics**: none (a layout in the TensorBoard *Custom Scalars* tab; docs/dashboard.md).
 
     Example::
 
@@ -63,4 +149,5 @@ class StabilityLayout(Callback):
     def _add(self, trainer: pl.Trainer) -> None:
         writer = tensorboard_writer(trainer)
         if writer is not None:
-            writer.add_custom_scalars(stability_layout())
+            sources = {cls.__name__ for callback in trainer.callbacks for cls in type(callback).__mro__}
+            writer.add_custom_scalars(stability_layout(sources))

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.custom_scalar import layout_pb2
 from test_callbacks_helpers import StepClock, direct_stats, lit, loader, record_outputs, trainer
 
 from lnstab.callbacks import HiddenStateStatistics, StabilityLayout
@@ -69,8 +70,9 @@ def test_series_file_tensorboard_scalars_heatmap_and_layout(tmp_path):
     assert "hidden/mean_abs/L00_attn" in tags["scalars"] and "hidden/var_data/final" in tags["scalars"]
     assert [e.step for e in events.Scalars("hidden/max_abs/embed")] == [0, 1, 2]
     assert {f"hidden/heatmap/{s}" for s in STATS} <= set(tags["images"])
-    layout = events.PluginTagToContent("custom_scalars")
-    assert layout, "StabilityLayout wrote no custom-scalars layout"
+    written = layout_pb2.Layout()
+    written.ParseFromString(events.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
+    assert [c.title for c in written.category] == ["Training", "Hidden states"]  # the instruments present only
 
 
 def test_hooks_removed_in_teardown(tmp_path):

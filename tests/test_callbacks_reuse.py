@@ -75,13 +75,27 @@ def test_every_callback_runs_unchanged(tmp_path, kind):
 
 def test_layout_charts_each_statistic_per_layer():
     layout = stability_layout()
-    chart = layout["hidden"]["hidden/mean_abs"]
+    chart = layout["Hidden states"]["hidden/mean_abs"]
     assert chart[0] == "Multiline"
     assert re.match(chart[1][0], "hidden/mean_abs/L07_attn") and not re.match(chart[1][0], "hidden/max_abs/L07")
-    assert re.match(layout["bound"]["bound/ma"][1][0], "bound/ma_bound")
+    bound = layout["Growth bound"]["bound/ma: final mean |h| and its bound"][1][0]
+    assert re.match(bound, "bound/ma_bound") and re.match(bound, "bound/ma_final")
+    assert not re.match(bound, "bound/slack")
+    per_layer, total = (layout["Gradients and weights"][title][1][0] for title in ("grad/norm", "grad/norm/total"))
+    assert re.match(per_layer, "grad/norm/L07") and not re.match(per_layer, "grad/norm/total")
+    assert re.match(total, "grad/norm/total") and not re.match(total, "grad/norm/L07")
     for prefixed in ("mlp/hidden/mean_abs/L07", "probe/mlp/hidden/mean_abs/L07"):  # metric_prefix: the same chart
         assert re.match(chart[1][0], prefixed) and not re.match(chart[1][0], prefixed.replace("mean_abs", "max_abs"))
     assert not re.match(chart[1][0], "xhidden/mean_abs/L07")
+
+
+def test_layout_leaves_out_the_charts_of_instruments_not_present():
+    layout = stability_layout({"HiddenStateStatistics"})
+    assert list(layout) == ["Training", "Hidden states"]  # no empty charts for absent instruments
+    assert "MFU" not in layout["Training"] and "loss (train, val, test)" in layout["Training"]
+    assert list(stability_layout()) == ["Training", "Hidden states", "Growth bound", "Growth across depth",
+                                        "Gradients and weights", "Jacobian", "Attention logits", "Output logits",
+                                        "Divergence", "Evaluation"]
 
 
 class ShardedLM(LitLM):

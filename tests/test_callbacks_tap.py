@@ -113,7 +113,7 @@ def test_a_new_statistic_through_the_registry_alone(tmp_path, rms_statistic):
             assert callback.values["var_data"][tag][step] == pytest.approx(direct_stats(x)["var_data"], 1e-5)
     series = json.loads((tmp_path / "csv" / "version_0" / "hidden_stats.json").read_text())
     assert series["stats"]["rms"]["L01_mlp"] == callback.values["rms"]["L01_mlp"]
-    assert "hidden/rms" in stability_layout()["hidden"]
+    assert "hidden/rms" in stability_layout()["Hidden states"]
 
 
 def record_once(module, name: str, x: torch.Tensor) -> torch.Tensor:
