@@ -120,6 +120,19 @@ def require_browser() -> None:
         pytest.skip(why)
 
 
+def test_a_missing_browser_is_a_skip_with_its_reason_and_a_failure_under_ci(monkeypatch, tmp_path):
+    monkeypatch.setattr(sys.modules[__name__], "CHROMIUM", tmp_path / "no-chromium")
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.delenv("LNSTAB_REQUIRE_CHROMIUM", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="needs .*no-chromium .*apt-get install chromium"):
+        require_browser()
+    for name, value in (("CI", "true"), ("LNSTAB_REQUIRE_CHROMIUM", "1")):  # CI's convention, and .ci/run's
+        with monkeypatch.context() as env:
+            env.setenv(name, value)
+            with pytest.raises(pytest.fail.Exception, match="^CI: the browser check needs .*no-chromium"):
+                require_browser()
+
+
 def start_tensorboard(logdir: Path) -> tuple[subprocess.Popen, str]:
     """TensorBoard on a free loopback port: the process and its URL."""
     proc = subprocess.Popen(
