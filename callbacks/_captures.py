@@ -14,6 +14,11 @@ Attention sites (one per self-attention layer; tag ``L07`` from the block index 
   attention); scale ``module.scaling``. A hook on the projections alone would see pre-rotary q and k: the wrong
   logits. Gemma 2's ``attn_logit_softcapping`` and ``sliding_window`` go to the view (entropy and collapse of the
   capped logits within the window; the largest logit uncapped).
+* ``torch.nn.MultiheadAttention`` (``nn.TransformerEncoder``'s and ``nn.TransformerDecoder``'s self-attention)
+  called as self-attention: q and k recomputed from its query input with ``in_proj_weight``/``in_proj_bias``,
+  ``batch_first`` or not; causal when its call is (``is_causal``, or an
+  ``attn_mask`` equal to the causal mask), over every key without a mask; scale ``1/√head_dim``. Other masks,
+  ``add_bias_kv``, ``add_zero_attn`` and cross-attention (a decoder layer's ``multihead_attn``) are not measured.
 * Any model, by name: ``q_pattern`` and ``k_pattern`` select projection modules whose outputs are
   ``(B, T, heads·head_size)`` and ``n_head`` gives the q heads (k heads follow from k's width: GQA). Such q and k are
   used as they leave the projections: a rotary embedding, a norm or anything else applied between the projection and
@@ -30,6 +35,7 @@ steps only, without the padded vocabulary rows); any other model from the output
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import re
 import sys
@@ -124,6 +130,55 @@ class SplitQK(Capture):
         return x.reshape(B, T, width // head_dim, head_dim).transpose(1, 2)  # (B, heads, T, hd)
 
 
+class MultiheadQK(Capture):
+    """q and k of a ``torch.nn.MultiheadAttention`` self-attention call, from its query input and the q and k rows
+    of its input projection; causal or over every key as the call's mask says (module docstring)."""
+
+    def __init__(self, module: nn.MultiheadAttention, options: dict[str, Any]) -> None:
+        self.module, self.options = module, options
+        self.key = f"attn:mha:{options.get('min_keys')}:{options.get('collapse_weight')}"
+
+    def attach(self, module: nn.Module, emit: Emit) -> list[Any]:
+        def pre(m: nn.Module, args: tuple, kwargs: dict) -> None:
+            emit(lambda: self.view(args, kwargs))
+
+        return [module.register_forward_pre_hook(pre, with_kwargs=True)]
+
+    def view(self, args: tuple, kwargs: dict) -> AttentionView:
+        m = self.module
+        call = inspect.signature(nn.MultiheadAttention.forward).bind(m, *args, **kwargs).arguments
+        x, name = call["query"].detach(), type(m).__name__
+        if call["key"] is not call["query"] and not torch.equal(call["key"], call["query"]):
+            raise ConfigError(f"{name} called with key other than query (cross-attention) is not allowed with the "
+                              "attention instruments; they measure self-attention only")
+        x = x if x.dim() == 3 else x.unsqueeze(0 if m.batch_first else 1)
+        x = x if m.batch_first else x.transpose(0, 1)  # (B, T, E)
+        E, nh = m.embed_dim, m.num_heads
+        wq, wk, bias = m.in_proj_weight[:E], m.in_proj_weight[E : 2 * E], m.in_proj_bias
+        B, T = x.shape[:2]
+        q = nn.functional.linear(x, wq.detach(), None if bias is None else bias[:E].detach())  # (B, T, E)
+        k = nn.functional.linear(x, wk.detach(), None if bias is None else bias[E : 2 * E].detach())  # (B, T, E)
+        q = q.reshape(B, T, nh, E // nh).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.reshape(B, T, nh, E // nh).transpose(1, 2)  # (B, nh, T, hd)
+        causal = self._causal(call.get("attn_mask"), bool(call.get("is_causal")), T, name)
+        return AttentionView(q, k, 1.0 / math.sqrt(E // nh), causal=causal, **self.options)
+
+    @staticmethod
+    def _causal(mask: torch.Tensor | None, is_causal: bool, T: int, name: str) -> bool:
+        if mask is None:
+            return is_causal
+        hidden = mask if mask.dtype == torch.bool else mask == -math.inf  # (T, T): True where a key is hidden
+        upper = torch.ones(T, T, dtype=torch.bool, device=mask.device).triu(1)
+        visible = mask if mask.dtype == torch.bool else mask.masked_fill(hidden, 0.0)
+        if mask.shape == (T, T) and (mask.dtype == torch.bool or not visible.any()):
+            if torch.equal(hidden, upper):
+                return True
+            if not hidden.any():
+                return False
+        raise ConfigError(f"{name}'s attn_mask of shape {tuple(mask.shape)} is not allowed with the attention "
+                          "instruments; they measure causal attention or attention over every key")
+
+
 # Hugging Face attention modules whose q and k leave two modules as (B, T, heads·head_dim), before the rotary
 # embedding: the class, the modules (OLMo 2 normalises q and k over all heads after the projections), the library.
 _ROTARY_FAMILIES = {
@@ -152,6 +207,9 @@ def _window(module: nn.Module, family: str) -> int | None:
 
 def _auto_capture(module: nn.Module, options: dict[str, Any]) -> Capture | None:
     names = _names(type(module))
+    if (isinstance(module, nn.MultiheadAttention) and module.in_proj_weight is not None and module.bias_k is None
+            and not module.add_zero_attn):  # self-attention's fused projection (kdim = vdim = embed_dim)
+        return MultiheadQK(module, options)
     if "CausalSelfAttention" in names and hasattr(module, "c_attn") and hasattr(module, "n_head"):
         width = getattr(module, "n_embd", None) or module.c_attn.weight.shape[0] // 3
         scale = 1.0 / math.sqrt(width // module.n_head)
@@ -228,8 +286,9 @@ def attention_sites(root: nn.Module, options: dict[str, Any], q_pattern: re.Patt
             capture = SplitQK(q_mod, ks[tag][1], scale, options, flat=True, n_head=n_head)
             found.append((int(tag[1:]), i, Site(tag, q_name, q_mod, capture=capture)))
     else:
+        cross = {id(m.multihead_attn) for m in root.modules() if isinstance(m, nn.TransformerDecoderLayer)}
         for i, (name, module) in enumerate(root.named_modules()):
-            capture = _auto_capture(module, options)
+            capture = _auto_capture(module, options) if id(module) not in cross else None
             if capture is not None:
                 tag = block_tag(name, len(found))
                 found.append((int(tag[1:]), i, Site(tag, name, module, capture=capture)))
@@ -238,7 +297,8 @@ def attention_sites(root: nn.Module, options: dict[str, Any], q_pattern: re.Patt
             f"model={type(root).__name__} is not allowed with {who}; no attention module whose q and k can be found "
             "(lnstab's CausalSelfAttention; Hugging Face GPT2Attention, LlamaAttention, GemmaAttention, "
             "MistralAttention, MixtralAttention, Qwen2Attention, Qwen3Attention, Gemma2Attention, Gemma3Attention, "
-            "OlmoAttention or Olmo2Attention): name the projections with q_pattern, k_pattern and n_head (in "
+            "OlmoAttention or Olmo2Attention; torch.nn.MultiheadAttention without add_bias_kv or add_zero_attn): name "
+            "the projections with q_pattern, k_pattern and n_head (in "
             "Instruments, which has no such arguments: attention=False, or enabled=False and these callbacks listed "
             "with them)"
         )

@@ -57,8 +57,9 @@ class AttentionSummary:
 
 
 class AttentionView(SiteView):
-    """q ``(B, n_head, T, hs)`` and k ``(B, n_kv, T, hs)`` of one causal self-attention call (``n_kv`` divides
-    ``n_head``: grouped-query attention, k head ``h // (n_head / n_kv)`` serves q head ``h``).
+    """q ``(B, n_head, T, hs)`` and k ``(B, n_kv, T, hs)`` of one self-attention call, causal unless ``causal`` is
+    false (``n_kv`` divides ``n_head``: grouped-query attention, k head ``h // (n_head / n_kv)`` serves q head
+    ``h``).
 
     Args:
         q, k: Queries and keys exactly as the attention product sees them (after any norm or rotary embedding).
@@ -72,16 +73,19 @@ class AttentionView(SiteView):
             sees them; ``max_logit`` stays the uncapped largest ``|z|``, the growth that the cap hides.
         window: Sliding-window attention (Gemma 2's ``sliding_window`` layers): query ``i`` sees keys
             ``i − window < j ≤ i`` only, as Hugging Face's mask; ``None``: every earlier key.
+        causal: Query ``i`` sees keys ``j ≤ i`` (``True``) or every key of the sequence (``False``: an encoder's
+            attention, ``nn.TransformerEncoder`` without a mask; ``window`` then does not apply).
     """
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, scale: float, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
                  min_keys: int = 2, collapse_weight: float = COLLAPSE_WEIGHT, softcap: float | None = None,
-                 window: int | None = None) -> None:
+                 window: int | None = None, causal: bool = True) -> None:
         super().__init__(q)
         self.q, self.k, self.scale = q, k, float(scale)
         self.chunk_elements, self.min_keys, self.collapse_weight = chunk_elements, min_keys, collapse_weight
         self.softcap = float(softcap) if softcap else None
         self.window = int(window) if window else None
+        self.causal = bool(causal)
 
     @cached_property
     def attention(self) -> AttentionSummary:
@@ -96,7 +100,9 @@ class AttentionView(SiteView):
         # At least four chunks: a chunk's rows see the keys up to its last row, so more chunks form fewer of the
         # logits a causal mask hides (5/8 of T² in four chunks, against all of it in one).
         rows_per_chunk = max(1, min(self.chunk_elements // (B * H * T), -(-T // 4)))
-        first = self.min_keys - 1  # the first query row that counts in the entropy and collapse statistics
+        # the first query row that counts in the entropy and collapse statistics (without a causal mask every row
+        # sees all T keys)
+        first = self.min_keys - 1 if self.causal else (0 if T >= self.min_keys else T)
         max_logit = torch.zeros((), device=device)
         entropy_sum = torch.zeros((), dtype=torch.float64, device=device)
         collapsed = torch.zeros((), dtype=torch.float64, device=device)
@@ -104,12 +110,13 @@ class AttentionView(SiteView):
         with _no_autocast(device):
             q = q.float() * self.scale  # (B, n_kv, group, T, hs): the scale folded into q, not into every logit
             for start in range(0, T, rows_per_chunk):
-                end = min(T, start + rows_per_chunk)  # rows [start, end) see keys [0, end)
-                z = torch.matmul(q[..., start:end, :], k[..., :end, :].transpose(-1, -2))  # (…, c, e)
-                keys = torch.arange(end, device=device)[None, :]
+                end = min(T, start + rows_per_chunk)  # rows [start, end) see keys [0, end) (causal) or [0, T)
+                seen = end if self.causal else T
+                z = torch.matmul(q[..., start:end, :], k[..., :seen, :].transpose(-1, -2))  # (…, c, e)
+                keys = torch.arange(seen, device=device)[None, :]
                 queries = torch.arange(start, end, device=device)[:, None]
-                hidden = keys > queries  # (c, e): keys after the query
-                if self.window is not None:
+                hidden = keys > queries if self.causal else keys < 0  # (c, e): keys after the query (causal)
+                if self.window is not None and self.causal:
                     hidden |= keys <= queries - self.window  # and keys that left the query's window
                 zc = z.masked_fill(hidden, 0.0)  # (B, n_kv, group, c, e): the visible logits, 0 elsewhere
                 low, high = torch.aminmax(zc)

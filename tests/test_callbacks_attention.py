@@ -236,7 +236,7 @@ def test_no_host_reads_on_steps_that_do_not_measure_and_hooks_go_in_teardown(tmp
 
 def test_what_cannot_be_measured_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError) as info:
-        AttentionLogitStatistics().setup(None, LitLM(EncoderLM()), "fit")
+        AttentionLogitStatistics().setup(None, LitLM(nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8))), "fit")
     message = str(info.value)
     assert message.startswith("model=LitLM is not allowed with AttentionLogitStatistics") and "\n" not in message
     assert "q_pattern, k_pattern and n_head" in message and "in Instruments, which has no such arguments" in message

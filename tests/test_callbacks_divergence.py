@@ -310,8 +310,9 @@ def test_on_a_shared_step_the_attention_view_is_computed_once(tmp_path, monkeypa
 
 
 def test_stats_checks_refuse_a_model_without_attention(tmp_path):
+    no_attention = LitLM(torch.nn.Sequential(torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB)))
     with pytest.raises(ValueError, match="model=LitLM is not allowed with DivergenceMonitor; no attention module"):
-        trainer(tmp_path, [DivergenceMonitor(stats_every_n_steps=1)], max_steps=1).fit(lit("encoder"), loader())
+        trainer(tmp_path, [DivergenceMonitor(stats_every_n_steps=1)], max_steps=1).fit(no_attention, loader())
 
 
 @pytest.mark.parametrize(
