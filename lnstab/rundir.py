@@ -44,8 +44,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lnstab.errors import ConfigError
-from lnstab.safeload import MAX_JSON_BYTES, DataFileError, check_json_depth, load_json, read_text
+from lnstab.errors import ConfigError, cannot_write
+from lnstab.safeload import MAX_JSON_BYTES, DataFileError, check_json_depth, json_loads, load_json, read_text
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -100,10 +100,17 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int = 0o644) 
 
     Readers see the old file or the new one, never half of one, on any filesystem (the temporary file never
     crosses a filesystem boundary); on failure the temporary file is removed.
+
+    Raises:
+        MachineError: The OS refused the write (a full disk, a file-size limit, a read-only filesystem): one line
+            naming ``path`` and the OS's reason (``lnstab`` exits 1); the file is as it was.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise cannot_write(path, exc) from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -111,8 +118,10 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int = 0o644) 
             os.fsync(f.fileno())
         os.chmod(tmp, mode)  # mkstemp creates 0600; results are meant to be read by others
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise cannot_write(path, exc) from None
         raise
     fsync_dir(path.parent)
 
@@ -241,7 +250,7 @@ def read_events(directory: str | os.PathLike) -> list[dict[str, Any]]:
             continue
         try:
             check_json_depth(line, f"line {number}")
-            event = json.loads(line, object_hook=decode_float)
+            event = json_loads(line, f"line {number}", object_hook=decode_float)
         except DataFileError as exc:
             raise RunFileError(path, str(exc)) from None
         except (json.JSONDecodeError, RecursionError) as exc:

@@ -20,12 +20,15 @@ import fcntl
 import json
 import os
 import socket
+import stat
 from pathlib import Path
 from typing import Any
 
-from lnstab.errors import ConfigError
+from lnstab.errors import ConfigError, cannot_write, writing
+from lnstab.safeload import DataFileError, decode, load_json_text
 
 LOCK_FILE = ".lnstab.lock"
+MAX_RECORD = 4096  # bytes of the lock file read for its holder's record (a record is about a hundred)
 
 _held: dict[Path, int] = {}  # resolved run directory -> open descriptor holding its lock
 
@@ -35,10 +38,26 @@ class RunDirInUse(ConfigError):
 
 
 def holder(directory: str | os.PathLike) -> dict[str, Any]:
-    """What the lock file of ``directory`` says about its last holder (``{}`` if nothing readable)."""
+    """What the lock file of ``directory`` says about its last holder (``{}`` if nothing readable, or if the lock
+    file is a symbolic link or not a regular file: it is never followed)."""
     try:
-        data = json.loads((Path(directory) / LOCK_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        fd = os.open(Path(directory) / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return {}
+    try:
+        return _record(fd)
+    finally:
+        os.close(fd)
+
+
+def _record(fd: int) -> dict[str, Any]:
+    """The holder record in the lock file open as ``fd`` (read within :data:`MAX_RECORD` bytes and the bounded
+    reader's limits), ``{}`` when it is not one."""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return {}
+        data = load_json_text(decode(os.pread(fd, MAX_RECORD, 0), LOCK_FILE), LOCK_FILE)
+    except (OSError, DataFileError):
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -57,19 +76,30 @@ def hold(directory: str | os.PathLike, what: str = "lnstab fit") -> str | None:
     key = path.resolve()
     if key in _held:
         return None
-    path.mkdir(parents=True, exist_ok=True)
     lock = path / LOCK_FILE
-    try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    with writing(path):  # a full disk: one line naming the directory and the OS's reason
+        path.mkdir(parents=True, exist_ok=True)
+    try:  # never through a symbolic link (it would make this run overwrite the file it points to), never truncated
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ConfigError(f"--run_dir {directory} is not allowed; its lock file {lock} is a symbolic link (to "
+                              f"{os.readlink(lock)}); lnstab never writes through one: remove it") from None
         raise ConfigError(f"--run_dir {directory} is not allowed; cannot create {lock} ({exc.strerror})") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        os.close(fd)
+        what = "not a regular file" if not stat.S_ISREG(info.st_mode) else f"a file with {info.st_nlink} hard links"
+        raise ConfigError(f"--run_dir {directory} is not allowed; its lock file {lock} is {what}; lnstab writes "
+                          "only a lock file of its own: remove it")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
-        os.close(fd)
         if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            os.close(fd)
             raise ConfigError(f"--run_dir {directory}: cannot lock {lock} ({exc.strerror})") from None
-        who = holder(path)
+        who = _record(fd)
+        os.close(fd)
         if who.get("host") == socket.gethostname() and who.get("pid") in _ancestors():
             return None  # the process that launched this one holds it for the run (ranks started by spawn)
         desc = (f"{who.get('what', 'another process')} (pid {who.get('pid', '?')} on {who.get('host', '?')} since "
@@ -78,11 +108,15 @@ def hold(directory: str | os.PathLike, what: str = "lnstab fit") -> str | None:
             f"--run_dir {directory} is in use by {desc}; two runs cannot train into one directory: wait for it to "
             f"end, or choose another --run_dir"
         ) from None
-    before = holder(path)
+    before = _record(fd)
     record = {"pid": os.getpid(), "host": socket.gethostname(), "what": what,
               "since": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+    except OSError as exc:
+        os.close(fd)
+        raise cannot_write(lock, exc) from None
     _held[key] = fd
     if before and (before.get("pid"), before.get("host")) != (record["pid"], record["host"]):
         return (f"lnstab: {lock} was left by {before.get('what', 'a run')} (pid {before.get('pid')} on "

@@ -6,6 +6,10 @@ and the bound (:class:`DataFileError`):
 
 * :data:`MAX_YAML_BYTES`, :data:`MAX_JSON_BYTES`: its size, checked before it is read;
 * UTF-8: the text must decode strictly (the offset of the first bad byte is named);
+* :data:`MAX_NUMBER_CHARS`: how long one number is written (a JSON number, a YAML plain scalar of digits): an
+  integer of more digits than Python converts (4,300) would end in ``ValueError``, and one past a float's range
+  (309 digits) in ``OverflowError`` wherever it meets a float, so no number lnstab reads is longer than a float's
+  range allows;
 * :data:`MAX_DEPTH`: how deeply mappings and sequences nest, counted over the parser's events (PyYAML's composer
   and ``json`` recurse, so a deep file would otherwise end in ``RecursionError``, or worse in libyaml's C code);
 * :data:`MAX_NODES`: how many values a YAML document holds *with every alias expanded*. A "billion laughs" file
@@ -37,8 +41,11 @@ MAX_YAML_BYTES = 8 * 2**20
 MAX_JSON_BYTES = 256 * 2**20  # hidden_stats.json of a long, deep run is tens of MB
 MAX_DEPTH = 64
 MAX_NODES = 100_000
+MAX_NUMBER_CHARS = 300  # an integer of this many digits is still a finite float (at most 1.8e308)
 
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_YAML_NUMBER = re.compile(  # a plain scalar that YAML 1.1 may resolve to an int or a float
+    r"[-+]?(0x[0-9a-fA-F_]+|0b[01_]+|[0-9][0-9_:]*(\.[0-9_]*)?([eE][-+]?[0-9]+)?|\.[0-9][0-9_]*([eE][-+]?[0-9]+)?)")
 _JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
 _IN_STRING = " (YAML in a string of it)"
 _OPEN = (yaml.MappingStartEvent, yaml.SequenceStartEvent)
@@ -143,6 +150,8 @@ def _scan_events(text: str, where: str, max_depth: int, max_nodes: int) -> tuple
             depth -= 1
         elif isinstance(event, yaml.ScalarEvent):
             values += 1
+            if len(event.value) > MAX_NUMBER_CHARS and not event.style and _YAML_NUMBER.fullmatch(event.value):
+                raise _too_long(where, event.value, event.start_mark)
             if "&" in event.value and "*" in event.value:
                 strings.append(event.value)
         elif isinstance(event, yaml.AliasEvent):
@@ -150,6 +159,37 @@ def _scan_events(text: str, where: str, max_depth: int, max_nodes: int) -> tuple
         if values > max_nodes and not aliases:
             raise DataFileError(f"{where} holds more than {max_nodes} values; lnstab reads at most {max_nodes}")
     return aliases, strings
+
+
+def _too_long(where: str, number: str, mark: Any = None) -> DataFileError:
+    line = f" at line {mark.line + 1}" if mark is not None else ""
+    return DataFileError(f"{where} holds a number of {len(number)} characters{line} ({number[:12]}…); lnstab reads "
+                         f"numbers of at most {MAX_NUMBER_CHARS}")
+
+
+class _TooLong(Exception):
+    """A JSON number past :data:`MAX_NUMBER_CHARS`, raised from ``json``'s number hooks (caught, then named)."""
+
+
+def _parse_int(text: str) -> int:
+    if len(text) > MAX_NUMBER_CHARS:
+        raise _TooLong(text)
+    return int(text)
+
+
+def _parse_float(text: str) -> float:
+    if len(text) > MAX_NUMBER_CHARS:
+        raise _TooLong(text)
+    return float(text)
+
+
+def json_loads(text: str, where: str, object_hook: Callable[[dict[str, Any]], Any] | None = None) -> Any:
+    """``json.loads`` with every number bounded by :data:`MAX_NUMBER_CHARS` (a longer one is refused naming
+    ``where``); ``json``'s own errors (``JSONDecodeError``, ``RecursionError``) pass through."""
+    try:
+        return json.loads(text, object_hook=object_hook, parse_int=_parse_int, parse_float=_parse_float)
+    except _TooLong as exc:
+        raise _too_long(where, str(exc)) from None
 
 
 def _too_deep(where: str, max_depth: int, mark: Any = None) -> DataFileError:
@@ -237,7 +277,7 @@ def load_json_text(text: str, where: str, *, max_depth: int = MAX_DEPTH,
     """
     check_json_depth(text, where, max_depth)
     try:
-        return json.loads(text, object_hook=object_hook)
+        return json_loads(text, where, object_hook)
     except RecursionError:
         raise _too_deep(where, max_depth) from None
     except json.JSONDecodeError as exc:

@@ -16,7 +16,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from lnstab.errors import LNStabError
+from lnstab.errors import LNStabError, writing
 from lnstab.report.collect import RunRecord, collect
 from lnstab.report.figures import FIGURES, draw_all
 from lnstab.report.logits import logit_table
@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     records = collect(args.paths)
     if not records:
         raise LNStabError(f"no runs found in {', '.join(args.paths)}")
-    figures = write_report(records, out, command=shlex.join(["lnstab", "report", *argv]))
+    with writing(out):  # a full disk: one line naming the file (or --out) and the OS's reason, exit 1
+        figures = write_report(records, out, command=shlex.join(["lnstab", "report", *argv]))
     drawn = [n for n, p in figures.items() if p is not None]
     print(f"lnstab report: {len(records)} runs -> {out}/report.md, {len(TABLES)} tables (md + csv), "
           f"{len(drawn)} figures")

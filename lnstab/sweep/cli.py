@@ -28,12 +28,20 @@ from typing import Any
 
 import yaml
 
-from lnstab.errors import LNStabError
+from lnstab.errors import LNStabError, writing
 from lnstab.safeload import check_yaml_text
 from lnstab.sweep.grid import Grid, GridError, Run, check_key, load_grid
 from lnstab.sweep.runner import LocalSweep, fit_command, format_duration, status_rows
 from lnstab.sweep.slurm import sbatch_script, slurm_settings, torchrun_commands
-from lnstab.sweep.state import journal, move_aside, plan, record_manifest, run_directory, sweep_dir
+from lnstab.sweep.state import (
+    check_sweep_dirs,
+    journal,
+    move_aside,
+    plan,
+    record_manifest,
+    run_directory,
+    sweep_dir,
+)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -220,6 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.status:
         show_status(grid, runs, args.root)
         return
+    if not args.dry_run:
+        check_sweep_dirs(args.root, grid)  # a file where a directory of the sweep goes: one line, nothing written
     if args.prepare:
         print(prepare(grid, grid.run(args.prepare), args.root, not args.skip_failed))
         return
@@ -230,7 +240,8 @@ def main(argv: list[str] | None = None) -> None:
             validate_with_cli(grid, runs)
         repeat = [f"--set={item}" for item in args.set] + (["--skip-failed"] if args.skip_failed else [])
         if args.slurm:
-            (sweep_dir(args.root, grid) / "slurm").mkdir(parents=True, exist_ok=True)  # sbatch's --output
+            with writing(sweep_dir(args.root, grid) / "slurm"):
+                (sweep_dir(args.root, grid) / "slurm").mkdir(parents=True, exist_ok=True)  # sbatch's --output
             sys.stdout.write(sbatch_script(grid, runs, args.root, settings, args.grid, repeat))
         else:
             sys.stdout.write(torchrun_commands(grid, runs, args.root, settings, args.grid, repeat))

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lnstab.errors import LNStabError, one_line
 from lnstab.parentdeath import die_with_parent
 from lnstab.rundir import read_summary
 from lnstab.sweep.grid import Grid, Run, cli_value
@@ -140,7 +141,8 @@ class LocalSweep:
                             continue
                         except Exception as exc:  # noqa: BLE001 - one run's trouble must not end the sweep
                             self.results[run.name] = {"status": "failed"}
-                            self.echo(f"{run.name}: the sweep could not run it: {type(exc).__name__}: {exc}")
+                            why = one_line(exc) if isinstance(exc, LNStabError) else f"{type(exc).__name__}: {exc}"
+                            self.echo(f"{run.name}: the sweep could not run it: {why}")
                             break
         finally:
             for s, handler in previous.items():

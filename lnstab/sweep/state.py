@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lnstab.errors import ConfigError, writing
 from lnstab.rundir import (
     SUMMARY_FILE,
     RunFileError,
@@ -64,6 +65,27 @@ def run_directory(root: str | Path, grid: Grid, run: Run) -> Path:
 def sweep_dir(root: str | Path, grid: Grid) -> Path:
     """The sweep's own records, ``<root>/<grid name>/.sweep``."""
     return grid_dir(root, grid) / SWEEP_DIR
+
+
+# the directories a sweep makes in .sweep, and what each holds
+SWEEP_SUBDIRS = {"locks": "run locks", "logs": "run logs", "attempts": "moved-aside attempts", "slurm": "job logs"}
+
+
+def check_sweep_dirs(root: str | Path, grid: Grid) -> None:
+    """Refuse, before anything is written, a ``--root``, grid directory or ``.sweep`` (or a directory in it) that
+    is something other than a directory: a file there would otherwise end a sweep in a traceback half-way.
+
+    Raises:
+        ConfigError: One line naming the path, what it is and what a sweep keeps there.
+    """
+    records = sweep_dir(root, grid)
+    expected = [(Path(root), "grids' runs"), (grid_dir(root, grid), "runs"), (records, "own records"),
+                *((records / name, role) for name, role in SWEEP_SUBDIRS.items())]
+    for path, role in expected:
+        if os.path.lexists(path) and not path.is_dir():
+            what = "a symbolic link to nothing" if path.is_symlink() and not path.exists() else "a file"
+            raise ConfigError(f"{path} is {what}, not a directory; lnstab sweep keeps its {role} in a directory "
+                              "there: move it away, or choose another --root")
 
 
 @dataclass(frozen=True)
@@ -101,12 +123,13 @@ def plan(directory: Path, *, locked: bool = False, retry_failed: bool = True) ->
 def move_aside(root: str | Path, grid: Grid, run: Run) -> Path:
     """Move a run directory that cannot be resumed to ``.sweep/attempts/<run>.<k>``; returns where it went."""
     attempts = sweep_dir(root, grid) / "attempts"
-    attempts.mkdir(parents=True, exist_ok=True)
-    k = 1
-    while (attempts / f"{run.name}.{k}").exists():
-        k += 1
-    target = attempts / f"{run.name}.{k}"
-    os.replace(run_directory(root, grid, run), target)
+    with writing(attempts):
+        attempts.mkdir(parents=True, exist_ok=True)
+        k = 1
+        while (attempts / f"{run.name}.{k}").exists():
+            k += 1
+        target = attempts / f"{run.name}.{k}"
+        os.replace(run_directory(root, grid, run), target)
     return target
 
 
@@ -182,10 +205,11 @@ def _jsonable(obj: Any) -> Any:
 def journal(root: str | Path, grid: Grid, **entry: Any) -> None:
     """Append one record to the sweep's journal (``time`` added)."""
     path = sweep_dir(root, grid) / "journal.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
     entry = {"time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **entry}
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(entry, default=str) + "\n")
+    with writing(path):  # a full disk: one line naming the journal and the OS's reason
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(entry, default=str) + "\n")
 
 
 def read_journal(root: str | Path, grid: Grid) -> list[dict[str, Any]]:
@@ -213,8 +237,9 @@ def run_lock(root: str | Path, grid: Grid, run: Run, *, wait_ending: bool = True
     answers at once.
     """
     path = lock_path(root, grid, run)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    with writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         deadline = time.monotonic() + ENDING_GRACE_S
         while not _try_lock(fd):
@@ -260,8 +285,9 @@ def is_locked(root: str | Path, grid: Grid, run: Run) -> bool:
 
 def write_log_header(path: Path, text: str) -> None:
     """Start an attempt's section in a run's log file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not path.exists():
-        atomic_write_text(path, "")
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(f"\n===== {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')} {text}\n")
+    with writing(path):  # a full disk: one line naming the log and the OS's reason
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            atomic_write_text(path, "")
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"\n===== {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')} {text}\n")
