@@ -8,7 +8,7 @@ A run directory is what ``lnstab fit`` writes (``runs/<experiment>/version_N/``,
     divergence_events.jsonl     one JSON object per divergence event (DivergenceMonitor)
     hidden_stats.json           the hidden-state series (HiddenStateStatistics): {"tags", "steps", "stats"}
     eval.json, eval-1.json, …   final evaluations (FinalEvaluation, ``lnstab evaluate``); never overwritten
-    events.out.tfevents.*       TensorBoard scalars (every tag in the README's tag guide)
+    events.out.tfevents.*       TensorBoard scalars (every tag in docs/runs.md's tag guide)
     checkpoints/*.ckpt          Lightning checkpoints (files; directories for sharded FSDP checkpoints)
 
 ``summary.json`` (one object; every key optional, readers must tolerate missing ones)::
