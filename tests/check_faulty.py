@@ -6,6 +6,9 @@ breaks during the stress runs, as a model under development does.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 from check_factories import VOCAB, WIDTH, EncoderLM
 from torch import nn
@@ -17,6 +20,21 @@ class FailsWithGrad(EncoderLM):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():
             raise RuntimeError("this model cannot train")
+        return super().forward(idx)
+
+
+class ExitsInTraining(EncoderLM):
+    """Ends the process in its first training forward: ``sys.exit(0)`` (``how='sys'``) or ``os._exit(0)``."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            if self.how == "sys":
+                sys.exit(0)
+            os._exit(0)
         return super().forward(idx)
 
 
@@ -52,6 +70,16 @@ class SkipsABlock(EncoderLM):
 def fails_with_grad() -> nn.Module:
     """A model whose forward fails only in training."""
     return FailsWithGrad()
+
+
+def sys_exits() -> nn.Module:
+    """A model whose training forward calls ``sys.exit(0)``."""
+    return ExitsInTraining("sys")
+
+
+def os_exits() -> nn.Module:
+    """A model whose training forward calls ``os._exit(0)``."""
+    return ExitsInTraining("os")
 
 
 def no_parameters() -> nn.Module:

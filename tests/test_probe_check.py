@@ -6,6 +6,9 @@ The faulty models (``check_faulty``) pass the check's up-front probe and break i
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ from test_check import ENCODER, GPT, TINY
 from lnstab.cli import main
 
 ONE_RUN = [*TINY, "--lrs", "1e-2", "--no-reference"]
+HERE = Path(__file__).resolve().parent
 
 
 def run_check(capsys, *args: str) -> tuple[int, str]:
@@ -40,6 +44,27 @@ def test_a_model_that_fails_in_training_is_exit_3_with_one_line(factory, said, t
     assert f"no verdict (traceback in {out / 'error.txt'})" in err
     assert "Traceback (most recent call last)" in (out / "error.txt").read_text()
     assert not (out / "report.json").exists()  # no card: nothing a gate could read as a verdict
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("workers", ["1", "2"], ids=["in-process", "workers"])
+@pytest.mark.parametrize(("factory", "call"), [("sys_exits", "sys.exit(0)"), ("os_exits", "os._exit(0)")])
+def test_a_model_that_ends_the_process_in_training_is_exit_3_with_one_line(factory, call, workers, tmp_path) -> None:
+    """A model that calls sys.exit(0) or os._exit(0) in its training forward: the check once exited 0, 'nothing
+    fails', with no card (SystemExit passed `except Exception`; os._exit ended the check's own process), so a CI gate
+    passed a model that never trained. In its own process, since os._exit would have ended pytest's."""
+    out = tmp_path / "card"
+    cmd = [str(Path(sys.executable).with_name("lnstab")), "check", "--factory", f"check_faulty:{factory}",
+           "--layer-pattern", r"layers\.(\d+)$", *ONE_RUN, "--workers", workers, "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540)
+    assert done.returncode == 3, done.stderr[-2000:]
+    err = done.stderr.strip()
+    assert err.startswith("lnstab: error: ") and "\n" not in err, err
+    assert f"checked (check_faulty:{factory}) failed in its stress run at lr 0.01, seed 0" in err
+    assert f"the model ended the process during training ({call})" in err, err
+    assert not (out / "report.json").exists()
 
 
 def test_a_selected_block_the_forward_never_calls_is_a_usage_error(tmp_path, capsys) -> None:

@@ -25,7 +25,7 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,20 +77,51 @@ class Failure:
     traceback: str
 
 
+class ModelExit(SystemExit):
+    """``os._exit`` called while a model was built or trained, raised instead (:func:`exits_caught`)."""
+
+
+@contextlib.contextmanager
+def exits_caught() -> Iterator[None]:
+    """Within: ``os._exit(n)`` raises :class:`ModelExit` instead of ending the process, so that a model (or its
+    factory) that ends the process leaves the check alive to say so; with ``sys.exit`` (a :class:`SystemExit`), the
+    caller's ``except SystemExit`` sees both. A model that kills its process otherwise (a signal) still ends it: in a
+    worker, the parent reads that as a failed run; in the check's own process, the exit status is the signal's."""
+    real = os._exit
+
+    def refused(code: int) -> None:
+        raise ModelExit(code)
+
+    os._exit = refused
+    try:
+        yield
+    finally:
+        os._exit = real
+
+
+def ended_process(exc: SystemExit) -> str:
+    """The line of a run whose model ended the process: ``sys.exit(0)`` or ``os._exit(0)``."""
+    call = "os._exit" if isinstance(exc, ModelExit) else "sys.exit"
+    return f"the model ended the process during training ({call}({'' if exc.code is None else repr(exc.code)}))"
+
+
 def run_job(job: Job) -> Any:
     """Build the seeded model and train it (in this process or a worker); the ``RunResult``, or a
-    :class:`Failure` when the model (or the check) raised."""
+    :class:`Failure` when the model (or the check) raised, or ended the process (``sys.exit``, ``os._exit``)."""
     from lnstab.check.protocol import quiet
     from lnstab.check.training import stress_run
 
     try:
-        torch.manual_seed(job.seed)
-        model = job.subject.build()
-        if not any(p.requires_grad for p in model.parameters()):
-            raise ValueError("the model has no trainable parameters")
-        with quiet():
-            return stress_run(job.subject.key, model, job.subject.sites, job.tokens, lr=job.lr, seed=job.seed,
-                              log_root=job.log_root, z_loss=job.subject.z_loss, **job.settings)
+        with exits_caught():
+            torch.manual_seed(job.seed)
+            model = job.subject.build()
+            if not any(p.requires_grad for p in model.parameters()):
+                raise ValueError("the model has no trainable parameters")
+            with quiet():
+                return stress_run(job.subject.key, model, job.subject.sites, job.tokens, lr=job.lr, seed=job.seed,
+                                  log_root=job.log_root, z_loss=job.subject.z_loss, **job.settings)
+    except SystemExit as exc:  # would pass `except Exception` and end the check with the model's status (0: a pass)
+        return Failure(job.index, "SystemExit", ended_process(exc), "".join(traceback.format_exception(exc)))
     except Exception as exc:
         first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
         return Failure(job.index, type(exc).__name__, first, "".join(traceback.format_exception(exc)))
