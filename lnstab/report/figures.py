@@ -1,8 +1,12 @@
 """The paper's figures from run records, as PNG (matplotlib's object API, no display, no global state).
 
-One colour per configuration (:func:`lnstab.report.tables.group`); where a configuration has several runs (seeds),
-a line is their mean over the runs that have a finite value at that point. Each function returns the path written,
-or ``None`` when no run has the data (the report says so instead of drawing an empty plot).
+One colour per configuration (:func:`lnstab.report.tables.group`) and per design (a configuration without its
+learning rate: the lines of the per-learning-rate panels and of the LR-sensitivity figure), the same in every figure
+(:func:`palette`); where a configuration has several runs (seeds), a line is their mean over the runs that have a
+finite value at that point, and a line of one point is drawn as a marker. A panel without data is not drawn, nor is a
+legend entry for a line without points. Each figure function returns the :class:`~matplotlib.figure.Figure`, or
+``None`` when no run has the data (the report says so instead of drawing an empty plot); :func:`draw_all` writes
+them.
 """
 
 from __future__ import annotations
@@ -33,6 +37,32 @@ def _colour(i: int) -> str:
     return COLOURS[i % len(COLOURS)]
 
 
+def palette(configs: list[Configuration]) -> dict[str, str]:
+    """One colour per label, the same in every figure of ``configs``: the designs' labels first (a configuration
+    without its learning rate), then the configurations' own, each in first-seen order."""
+    designs = [label for _, members in _by_learning_rate(configs) for label, _ in members]
+    designs += [ladder.label for ladder in ladders([r for c in configs for r in c.runs])[2]]
+    colours: dict[str, str] = {}
+    for label in [*designs, *(c.label for c in configs)]:
+        colours.setdefault(label, _colour(len(colours)))
+    return colours
+
+
+def _line(ax: Any, xs: list, ys: list, colour: str, label: str | None, **kwargs: Any) -> None:
+    """``ax.plot`` that draws a line of one point as a marker (a line alone would draw nothing)."""
+    if len(xs) == 1 and not kwargs.get("marker"):
+        kwargs["marker"] = "o"
+    ax.plot(xs, ys, color=colour, label=label, **kwargs)
+
+
+def _has_data(artist: Any) -> bool:
+    if hasattr(artist, "get_xdata"):
+        return len(artist.get_xdata()) > 0
+    if hasattr(artist, "get_offsets"):
+        return len(artist.get_offsets()) > 0
+    return True
+
+
 def _mean_by_key(pairs: list[tuple[Any, float]]) -> tuple[list[Any], list[float]]:
     sums: dict[Any, list[float]] = {}
     for key, value in pairs:
@@ -48,10 +78,17 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
-def _legend(ax: Any) -> None:
-    """The legend to the right of ``ax`` (the rightmost panel), where it hides no line."""
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+def _legend(fig: Figure) -> None:
+    """One legend for every panel of ``fig`` (one entry per label, only for what has points), to the right of the
+    rightmost panel, where it hides no line."""
+    handles: dict[str, Any] = {}
+    for ax in fig.axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            if _has_data(handle):
+                handles.setdefault(label, handle)
+    if handles:
+        fig.axes[-1].legend(list(handles.values()), list(handles), fontsize=7, loc="upper left",
+                            bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
 
 
 def _log_if_positive(ax: Any) -> None:
@@ -71,27 +108,27 @@ def site_depth(tag: str) -> float | None:
     return None
 
 
-def _three_stats(configs: list[Configuration], path: Path, points: Callable[[RunRecord, str], list[tuple]],
-                 title: str, xlabel: str, marker: str | None = None) -> Path | None:
-    """One panel per statistic of ``STATS`` (log scale), one line per configuration: the mean over its runs of the
-    ``(x, y)`` points that ``points(run, stat)`` gives."""
-    fig = Figure(figsize=(13, 4))
-    axes = fig.subplots(1, 3)
-    drawn = False
-    for i, c in enumerate(configs):
-        for ax, (stat, name) in zip(axes, STATS, strict=True):
-            xs, ys = _mean_by_key([p for r in c.runs for p in points(r, stat)])
-            if xs:
-                ax.plot(xs, ys, marker=marker, color=_colour(i), label=c.label)
-                drawn = True
-            ax.set_title(f"{name}, {title}")
-            ax.set_xlabel(xlabel)
-    if not drawn:
+def _three_stats(configs: list[Configuration], points: Callable[[RunRecord, str], list[tuple]],
+                 title: str, xlabel: str, marker: str | None = None) -> Figure | None:
+    """One panel per statistic of ``STATS`` that some run has (log scale), one line per configuration: the mean over
+    its runs of the ``(x, y)`` points that ``points(run, stat)`` gives."""
+    colours = palette(configs)
+    lines = {stat: [(c, *_mean_by_key([p for r in c.runs for p in points(r, stat)])) for c in configs]
+             for stat, _ in STATS}
+    shown = [(stat, name) for stat, name in STATS if any(xs for _, xs, _ in lines[stat])]
+    if not shown:
         return None
-    for ax in axes:
+    fig = Figure(figsize=(4.4 * len(shown) + 1.0, 4))
+    axes = fig.subplots(1, len(shown), squeeze=False)[0]
+    for ax, (stat, name) in zip(axes, shown, strict=True):
+        for c, xs, ys in lines[stat]:
+            if xs:
+                _line(ax, xs, ys, colours[c.label], c.label, marker=marker)
+        ax.set_title(f"{name}, {title}")
+        ax.set_xlabel(xlabel)
         _log_if_positive(ax)
-    _legend(axes[-1])
-    return _save(fig, path)
+    _legend(fig)
+    return fig
 
 
 def _end_of_training_by_depth(run: RunRecord, stat: str) -> list[tuple[float, float]]:
@@ -112,26 +149,27 @@ def _last_layer_by_step(run: RunRecord, stat: str) -> list[tuple]:
     return list(zip(hidden.get("steps") or [], values, strict=False))
 
 
-def depth_profile(configs: list[Configuration], path: Path) -> Path | None:
+def depth_profile(configs: list[Configuration]) -> Figure | None:
     """MA, entry-wise and data-wise variance against depth at the end of training (log scale)."""
-    return _three_stats(configs, path, _end_of_training_by_depth, "end of training",
+    return _three_stats(configs, _end_of_training_by_depth, "end of training",
                         "depth (layers; half steps: attention, MLP)", marker=".")
 
 
-def last_layer_over_steps(configs: list[Configuration], path: Path) -> Path | None:
+def last_layer_over_steps(configs: list[Configuration]) -> Figure | None:
     """MA, entry-wise and data-wise variance of the last layer's output over training steps (log scale)."""
-    return _three_stats(configs, path, _last_layer_by_step, "last layer", "step")
+    return _three_stats(configs, _last_layer_by_step, "last layer", "step")
 
 
-def jacobian_vs_scale(configs: list[Configuration], path: Path) -> Path | None:
+def jacobian_vs_scale(configs: list[Configuration]) -> Figure | None:
     """Jacobian sensitivity ‖Δt·∇f‖ against the layer's activation scale, every layer and probe (Props. 7/8)."""
+    colours = palette(configs)
     fig = Figure(figsize=(6.5, 5))
     ax = fig.subplots()
     drawn = False
-    for i, c in enumerate(configs):
+    for c in configs:
         points = [p for r in c.runs for p in jacobian_points(r)[1]]
         if points:
-            ax.scatter([x for x, _ in points], [y for _, y in points], s=10, alpha=0.6, color=_colour(i),
+            ax.scatter([x for x, _ in points], [y for _, y in points], s=10, alpha=0.6, color=colours[c.label],
                        label=c.label)
             drawn = True
     if not drawn:
@@ -141,21 +179,24 @@ def jacobian_vs_scale(configs: list[Configuration], path: Path) -> Path | None:
     ax.set_xlabel("activation scale of the layer's input")
     ax.set_ylabel("Jacobian sensitivity (spectral norm of Δt·∇f)")
     ax.set_title("Sensitivity against activation scale, per layer and probe")
-    _legend(ax)
-    return _save(fig, path)
+    _legend(fig)
+    return fig
 
 
-def theorem4(configs: list[Configuration], path: Path) -> Path | None:
+def theorem4(configs: list[Configuration]) -> Figure | None:
     """Theorem 4's bound on the final MA (dashed) beside the measured MA (solid), over training steps."""
+    colours = palette(configs)
     fig = Figure(figsize=(7.5, 5))
     ax = fig.subplots()
     drawn = False
-    for i, c in enumerate(configs):
+    for c in configs:
         bound = _mean_by_key([p for r in c.runs for p in r.series("bound/ma_bound")])
         measured = _mean_by_key([p for r in c.runs for p in r.series("bound/ma_final")])
         if bound[0]:
-            ax.plot(*bound, linestyle="--", color=_colour(i), label=f"{c.label}: bound")
-            ax.plot(*measured, color=_colour(i), label=f"{c.label}: measured MA")
+            _line(ax, *bound, colours[c.label], f"{c.label}: bound", linestyle="--")
+            drawn = True
+        if measured[0]:
+            _line(ax, *measured, colours[c.label], f"{c.label}: measured MA")
             drawn = True
     if not drawn:
         return None
@@ -163,41 +204,47 @@ def theorem4(configs: list[Configuration], path: Path) -> Path | None:
     ax.set_xlabel("step")
     ax.set_ylabel("mean |x| of the final-norm input")
     ax.set_title("Theorem 4 (Peri-LN): bound and measured MA")
-    _legend(ax)
-    return _save(fig, path)
+    _legend(fig)
+    return fig
 
 
-def loss_curves(configs: list[Configuration], path: Path) -> Path | None:
-    """Training and validation loss of every run (colour = configuration), divergence points marked ×."""
-    fig = Figure(figsize=(12, 4.5))
-    axes = fig.subplots(1, 2)
-    drawn = False
-    for i, c in enumerate(configs):
-        for ax, tag in zip(axes, ("train/loss", "val/loss"), strict=True):
+def loss_curves(configs: list[Configuration]) -> Figure | None:
+    """Training and validation loss of every run (colour = configuration), divergence points marked ×; a panel
+    only for a loss some run logged."""
+    colours = palette(configs)
+    runs = [r for c in configs for r in c.runs]
+    tags = [t for t in ("train/loss", "val/loss") if any(math.isfinite(v) for r in runs for _, v in r.series(t))]
+    if not tags and any(r.diverged_step is not None for r in runs):
+        tags = ["train/loss"]  # only divergence marks, at the top edge
+    if not tags:
+        return None
+    fig = Figure(figsize=(6 * len(tags), 4.5))
+    axes = fig.subplots(1, len(tags), squeeze=False)[0]
+    for c in configs:
+        colour = colours[c.label]
+        for ax, tag in zip(axes, tags, strict=True):
             labelled = False
             for r in c.runs:
                 series = [(s, v) for s, v in r.series(tag) if math.isfinite(v)]
                 step = r.diverged_step
                 if series:
-                    ax.plot([s for s, _ in series], [v for _, v in series], color=_colour(i), alpha=0.8,
-                            linewidth=1, label=None if labelled else c.label)
-                    labelled = drawn = True
+                    _line(ax, [s for s, _ in series], [v for _, v in series], colour,
+                          None if labelled else c.label, alpha=0.8, linewidth=1)
+                    labelled = True
                 if step is None:
                     continue
                 before = [v for s, v in series if s <= step]
                 label = None if labelled else c.label
                 if before:  # on the curve, at the last finite loss before the divergence
-                    ax.scatter([step], [before[-1]], marker="x", s=60, color=_colour(i), zorder=3, label=label)
+                    ax.scatter([step], [before[-1]], marker="x", s=60, color=colour, zorder=3, label=label)
                 else:  # diverged before any finite loss was logged: at the top edge
-                    ax.scatter([step], [0.97], marker="x", s=60, color=_colour(i), zorder=3, label=label,
+                    ax.scatter([step], [0.97], marker="x", s=60, color=colour, zorder=3, label=label,
                                transform=ax.get_xaxis_transform(), clip_on=False)
-                labelled = drawn = True
+                labelled = True
             ax.set_title(f"{tag} (× = divergence)")
             ax.set_xlabel("step")
-    if not drawn:
-        return None
-    _legend(axes[-1])
-    return _save(fig, path)
+    _legend(fig)
+    return fig
 
 
 def max_over_layers(run: RunRecord, prefix: str) -> list[tuple[int, float]]:
@@ -226,69 +273,70 @@ def _by_learning_rate(configs: list[Configuration]) -> list[tuple[Any, list[tupl
     return sorted(panels.items(), key=lambda item: (item[0] is None, item[0] if item[0] is not None else 0))
 
 
-def _over_steps(configs: list[Configuration], path: Path, series: Callable[[RunRecord], list[tuple[int, float]]],
-                ylabel: str, title: str, log: bool) -> Path | None:
+def _lr_text(lr: Any) -> str:
+    return f"lr={lr:g}" if isinstance(lr, int | float) else f"lr={lr}"
+
+
+def _over_steps(configs: list[Configuration], series: Callable[[RunRecord], list[tuple[int, float]]],
+                ylabel: str, title: str, log: bool) -> Figure | None:
     """One line per configuration over steps; one panel per learning rate where the configurations vary in one
-    (same colour for the same configuration in every panel, shared y axis)."""
-    panels = _by_learning_rate(configs)
-    fig = Figure(figsize=(3.2 * len(panels) + 2.5, 4.2))
-    axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
-    colours: dict[str, str] = {}
-    drawn = False
-    for ax, (lr, members) in zip(axes, panels, strict=True):
-        for label, c in members:
-            xs, ys = _mean_by_key([p for r in c.runs for p in series(r)])
+    (same colour for the same design in every panel, shared y axis); a learning rate without data (every run
+    diverged before it logged) gets no panel, and the title says so."""
+    colours = palette(configs)
+    panels = [(lr, [(label, *_mean_by_key([p for r in c.runs for p in series(r)])) for label, c in members])
+              for lr, members in _by_learning_rate(configs)]
+    shown = [(lr, lines) for lr, lines in panels if any(xs for _, xs, _ in lines)]
+    if not shown:
+        return None
+    fig = Figure(figsize=(3.2 * len(shown) + 2.5, 4.2))
+    axes = fig.subplots(1, len(shown), sharey=True, squeeze=False)[0]
+    for ax, (lr, lines) in zip(axes, shown, strict=True):
+        for label, xs, ys in lines:
             if xs:
-                colour = colours.setdefault(label, _colour(len(colours)))
-                ax.plot(xs, ys, color=colour, label=label)  # one legend entry per label, built below
-                drawn = True
+                _line(ax, xs, ys, colours[label], label)
         ax.set_xlabel("step")
         if lr is not None:
-            ax.set_title(f"lr={lr:g}" if isinstance(lr, int | float) else f"lr={lr}", fontsize=9)
-    if not drawn:
-        return None
+            ax.set_title(_lr_text(lr), fontsize=9)
     if log:
         for ax in axes:
             _log_if_positive(ax)
     axes[0].set_ylabel(ylabel)
-    fig.suptitle(title)
-    handles = {}
-    for ax in axes:
-        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
-            handles.setdefault(lab, h)
-    if handles:
-        axes[-1].legend(list(handles.values()), list(handles), fontsize=7, loc="upper left",
-                        bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
-    return _save(fig, path)
+    empty = [_lr_text(lr) for lr, lines in panels if lr is not None and not any(xs for _, xs, _ in lines)]
+    fig.suptitle(title + (f" (no data at {', '.join(empty)})" if empty else ""))
+    _legend(fig)
+    return fig
 
 
-def attention_max_logit(configs: list[Configuration], path: Path) -> Path | None:
+def attention_max_logit(configs: list[Configuration]) -> Figure | None:
     """The largest attention logit |q·k|/√d_h over every layer (``attn/max_logit/*``), over training steps."""
-    return _over_steps(configs, path, lambda r: max_over_layers(r, "attn/max_logit"),
+    return _over_steps(configs, lambda r: max_over_layers(r, "attn/max_logit"),
                        "max |q·k|/√d_h, largest over layers", "Attention-logit growth (max over layers)", log=True)
 
 
-def log_z_over_steps(configs: list[Configuration], path: Path) -> Path | None:
+def log_z_over_steps(configs: list[Configuration]) -> Figure | None:
     """The mean over tokens of log Z = logsumexp of the output logits (``output/log_z_mean``), over steps."""
-    return _over_steps(configs, path, lambda r: r.series("output/log_z_mean"), "mean log Z (nats)",
+    return _over_steps(configs, lambda r: r.series("output/log_z_mean"), "mean log Z (nats)",
                        "Output-logit drift: mean log Z (z-loss pulls it to 0)", log=True)
 
 
-def lr_sensitivity(configs: list[Configuration], path: Path) -> Path | None:
+def lr_sensitivity(configs: list[Configuration]) -> Figure | None:
     """Final loss against learning rate (log x), one line per configuration without the learning rate: Wortsman et
     al.'s form; a diverged run counts as the initial loss (×: an LR where some run diverged)."""
     records = [r for c in configs for r in c.runs]
     _, _, found = ladders(records)
+    colours = palette(configs)
     fig = Figure(figsize=(7.5, 4.5))
     ax = fig.subplots()
     drawn = False
-    for i, ladder in enumerate(found):
+    for ladder in found:
         if len(ladder.points) < 2:
             continue
         lrs = list(ladder.points)
-        ax.plot(lrs, [ladder.points[lr] for lr in lrs], marker="o", color=_colour(i), label=ladder.label)
+        colour = colours[ladder.label]
+        ax.plot(lrs, [ladder.points[lr] for lr in lrs], marker="o", color=colour, label=ladder.label)
         bad = [lr for lr in lrs if ladder.diverged.get(lr)]
-        ax.scatter(bad, [ladder.points[lr] for lr in bad], marker="x", s=70, color=_colour(i), zorder=3)
+        if bad:
+            ax.scatter(bad, [ladder.points[lr] for lr in bad], marker="x", s=70, color=colour, zorder=3)
         drawn = True
     if not drawn:
         return None
@@ -296,11 +344,11 @@ def lr_sensitivity(configs: list[Configuration], path: Path) -> Path | None:
     ax.set_xlabel("learning rate")
     ax.set_ylabel("final loss, min(L, L_init)")
     ax.set_title("Final loss against learning rate (× = a run diverged; counted as L_init)")
-    _legend(ax)
-    return _save(fig, path)
+    _legend(fig)
+    return fig
 
 
-FIGURES: dict[str, tuple[str, Callable[[list[Configuration], Path], Path | None]]] = {
+FIGURES: dict[str, tuple[str, Callable[[list[Configuration]], Figure | None]]] = {
     "depth_profile.png": ("MA, entry-wise and data-wise variance against depth at the end of training", depth_profile),
     "last_layer_steps.png": ("the same for the last layer over training steps", last_layer_over_steps),
     "jacobian_scale.png": ("Jacobian sensitivity against activation scale per layer (Props. 7/8)", jacobian_vs_scale),
@@ -314,4 +362,8 @@ FIGURES: dict[str, tuple[str, Callable[[list[Configuration], Path], Path | None]
 
 def draw_all(configs: list[Configuration], out: Path) -> dict[str, Path | None]:
     """Every figure of :data:`FIGURES` into ``out``; ``None`` for those without data."""
-    return {name: draw(configs, out / name) for name, (_, draw) in FIGURES.items()}
+    written: dict[str, Path | None] = {}
+    for name, (_, draw) in FIGURES.items():
+        fig = draw(configs)
+        written[name] = None if fig is None else _save(fig, out / name)
+    return written
