@@ -38,6 +38,20 @@ class ExitsInTraining(EncoderLM):
         return super().forward(idx)
 
 
+class NaNLogits(EncoderLM):
+    """Logits that are NaN: always (``when='always'``), or only in training forwards (``'training'``)."""
+
+    def __init__(self, when: str) -> None:
+        super().__init__()
+        self.when = when
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(idx)
+        if self.when == "always" or torch.is_grad_enabled():
+            return logits * float("nan")  # still attached to the parameters: a loss, NaN, and its backward
+        return logits
+
+
 class NoParameters(nn.Module):
     """Blocks and logits with no parameter at all (fixed one-hot logits)."""
 
@@ -80,6 +94,16 @@ def sys_exits() -> nn.Module:
 def os_exits() -> nn.Module:
     """A model whose training forward calls ``os._exit(0)``."""
     return ExitsInTraining("os")
+
+
+def nan_logits() -> nn.Module:
+    """A model whose logits are NaN from initialisation on."""
+    return NaNLogits("always")
+
+
+def nan_in_training() -> nn.Module:
+    """A model whose logits are finite when probed (no grad) and NaN in every training forward."""
+    return NaNLogits("training")
 
 
 def no_parameters() -> nn.Module:

@@ -6,6 +6,7 @@ The faulty models (``check_faulty``) pass the check's up-front probe and break i
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -65,6 +66,26 @@ def test_a_model_that_ends_the_process_in_training_is_exit_3_with_one_line(facto
     assert f"checked (check_faulty:{factory}) failed in its stress run at lr 0.01, seed 0" in err
     assert f"the model ended the process during training ({call})" in err, err
     assert not (out / "report.json").exists()
+
+
+def test_logits_nan_at_initialisation_are_refused_as_such_and_nan_in_training_fails_on_divergence(tmp_path,
+                                                                                                capsys) -> None:
+    """All-NaN logits were refused as 'not causal (by up to nan)'. A model NaN before any training is refused in one
+    line saying so (no run: nothing of its training to grade); one that turns NaN in training is graded, and fails
+    on divergence."""
+    out = tmp_path / "card"
+    code, err = run_check(capsys, "--factory", "check_faulty:nan_logits", "--layer-pattern", r"layers\.(\d+)$",
+                          *ONE_RUN, "--out", str(out))
+    assert code == 2 and "checked (check_faulty:nan_logits): its logits are not finite at initialisation" in err, err
+    assert "2048 of 2048 NaN or infinite" in err and "causal" not in err
+    assert not out.exists()  # refused before any run
+    with pytest.raises(SystemExit) as info:
+        main(["check", "--factory", "check_faulty:nan_in_training", "--layer-pattern", r"layers\.(\d+)$", *ONE_RUN,
+              "--out", str(out)])
+    card = json.loads((out / "report.json").read_text())
+    assert info.value.code == 1 and card["status"] == "fail"
+    divergence = next(c for c in card["criteria"] if c["id"] == "divergence")
+    assert divergence["status"] == "fail" and "1 of 1 runs diverged" in divergence["why"], divergence
 
 
 def test_a_selected_block_the_forward_never_calls_is_a_usage_error(tmp_path, capsys) -> None:

@@ -86,12 +86,14 @@ def check_model(subject: Subject, vocab_size: int, seq_len: int, *, width: bool 
     if width and got != vocab_size:
         raise LNStabError(f"{subject.label} built with vocab_size={vocab_size} returned logits over {got} tokens; "
                           "a factory's vocab_size argument must set the width of its logits (or give --vocab model)")
+    finite_at_init(subject.label, a)
     if not causal:
         return
     half = T // 2
     later = ids.clone()
     later[:, half:] = (ids[:, half:] + 1) % vocab_size  # every token from the middle on changed
     b = probe_forward(model, later, subject.label)
+    finite_at_init(subject.label, b)  # NaN is no evidence of reading ahead: it is not causal only if finite
     early_a, early_b = a[:, :half].double(), b[:, :half].double()
     change = (early_a - early_b).abs().max().item()
     if not change <= 1e-5 * (1.0 + early_a.abs().max().item()):
@@ -99,6 +101,19 @@ def check_model(subject: Subject, vocab_size: int, seq_len: int, *, width: bool 
                           f"positions 0…{half - 1} (by up to {change:.2g}); lnstab check trains next-token "
                           "prediction, which needs a causal language model (an encoder such as BERT sees the whole "
                           "sequence)")
+
+
+def finite_at_init(label: str, logits: torch.Tensor) -> None:
+    """Refuse, in one line, a model whose logits are NaN or infinite before any training. The check grades how
+    training keeps a finite model stable as the learning rate rises: a model that is not finite at its first step
+    would 'diverge' at step 0 at every rate, and a FAIL on divergence would point at its training rather than at how
+    it is built (a model that becomes non-finite in training is graded: its runs diverge)."""
+    bad = int((~torch.isfinite(logits)).sum())
+    if bad:
+        raise LNStabError(f"{label}: its logits are not finite at initialisation ({bad} of {logits.numel()} NaN or "
+                          f"infinite on token ids of shape {tuple(logits.shape[:-1])}, before any training); "
+                          "lnstab check grades how a finite model trains (look for uninitialised weights, e.g. "
+                          "torch.empty, or a division by zero in its forward)")
 
 
 def lnstab_version() -> str:
