@@ -37,13 +37,27 @@ class StepProgressBar(TQDMProgressBar):
     def total_train_batches(self) -> int | float:
         return self.trainer.max_steps if self._by_steps() else super().total_train_batches
 
+    @property
+    @override
+    def train_description(self) -> str:
+        return "Training steps" if self._by_steps() else super().train_description
+
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        super().on_train_epoch_start(trainer, *args)
-        if self._by_steps() and self.train_progress_bar is not None:
-            self.train_progress_bar.n = trainer.global_step  # where a resumed run starts
-            self.train_progress_bar.set_description("Training steps")
-            self.train_progress_bar.refresh()
+        if not self._by_steps():
+            super().on_train_epoch_start(trainer, *args)
+            return
+        # Lightning's reset draws the bar as "Epoch 0: 0/<steps left>" before any description could be set: a line
+        # that stayed in logs (and the terminal's scrollback) above the real bar. Drawn once, as it will stay.
+        if self._leave:
+            self.train_progress_bar = self.init_train_tqdm()
+        bar = self.train_progress_bar
+        bar.initial = 0
+        bar.set_description(self.train_description, refresh=False)
+        bar.reset(total=trainer.max_steps)
+        if trainer.global_step:
+            bar.n = trainer.global_step  # where a resumed run starts
+            bar.refresh()
 
     @override
     def on_train_batch_end(

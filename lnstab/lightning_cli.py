@@ -15,6 +15,7 @@ one line on stderr and exit status 2.
 
 from __future__ import annotations
 
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -285,6 +286,9 @@ def run(argv: list[str]) -> None:
             raise SystemExit(128 + int(status.signal)) from None
         exit_for_user_error(exc)
         raise
+    if argv[0] == "fit" and cli.trainer.is_global_zero:  # the last line: where the run is and how to look at it
+        where = trainer_run_dir(cli.trainer)
+        rank_zero_info(f"lnstab: run directory {where}; to view it: tensorboard --logdir {shlex.quote(str(where))}")
     status = next((cb for cb in getattr(cli.trainer, "callbacks", []) if isinstance(cb, RunStatus)), None)
     if status is not None and status.exit_code:
         raise SystemExit(status.exit_code)

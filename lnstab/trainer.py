@@ -2,22 +2,38 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 from lightning.pytorch.trainer.connectors.accelerator_connector import _PRECISION_INPUT
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
 
 from lnstab.callbacks.progress import StepProgressBar
+from lnstab.callbacks.summary import ParameterSummary
 from lnstab.checkpoint import AtomicCheckpointIO
 from lnstab.errors import ConfigError
 from lnstab.precision import resolve_precision
 
 
+class _CloudTips(logging.Filter):
+    """Drops Lightning's tips that advertise its cloud services (``litlogger``, ``litmodels``) and nothing else: they
+    are logged at INFO on the logger every ``rank_zero_info`` goes through, so a level would silence lnstab too."""
+
+    @override
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("💡 Tip: For seamless cloud")
+
+
+_CLOUD_TIPS = _CloudTips()
+
+
 class LNStabTrainer(pl.Trainer):
-    """A :class:`lightning.pytorch.Trainer` (same arguments) with three additions.
+    """A :class:`lightning.pytorch.Trainer` (same arguments) with these additions.
 
     * ``precision="auto"`` resolves to ``bf16-mixed`` where bf16 is native (CUDA devices that support it, CPUs with
       native bf16) and to ``32-true`` elsewhere, and says so in one line (:func:`lnstab.precision.resolve_precision`).
@@ -25,6 +41,9 @@ class LNStabTrainer(pl.Trainer):
       ``plugins`` already holds a ``CheckpointIO``.
     * Step-bounded runs show ``global_step / max_steps`` (:class:`~lnstab.callbacks.progress.StepProgressBar`)
       unless a progress bar is given or ``enable_progress_bar=False``.
+    * The model summary leaves out FLOPs where Lightning measured none
+      (:class:`~lnstab.callbacks.summary.ParameterSummary`) unless a summary is given or
+      ``enable_model_summary=False``; Lightning's tips for its cloud services (litlogger, litmodels) are not shown.
     * :meth:`evaluate`: the final evaluation of a checkpoint (``lnstab evaluate``).
 
     Example::
@@ -45,7 +64,16 @@ class LNStabTrainer(pl.Trainer):
         callbacks = kwargs.get("callbacks")
         callbacks = [] if callbacks is None else list(callbacks) if isinstance(callbacks, list | tuple) else [callbacks]
         if kwargs.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
-            kwargs["callbacks"] = [*callbacks, StepProgressBar()]
+            callbacks.append(StepProgressBar())
+        if kwargs.get("enable_model_summary") is not False and not kwargs.get("barebones") and not any(
+            isinstance(c, ModelSummary) for c in callbacks
+        ):
+            callbacks.append(ParameterSummary())
+            kwargs["enable_model_summary"] = False  # Lightning's default summary (FLOPs: 0) is not added
+        kwargs["callbacks"] = callbacks
+        tips = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # Lightning's rank_zero_info
+        if _CLOUD_TIPS not in tips.filters:
+            tips.addFilter(_CLOUD_TIPS)
         super().__init__(precision=resolved, plugins=items, **kwargs)
 
     def evaluate(

@@ -112,7 +112,11 @@ class FinalEvaluation(Callback):
             self.path = write_eval_json(run_dir(trainer), result, stage=stage, global_step=step)
             update_summary(trainer, eval={**result["metrics"], "protocol": result["protocol"], "file": self.path.name})
             self._log(trainer, result, step)
-            rank_zero_info(f"FinalEvaluation: {json.dumps(result['metrics'])} -> {self.path}")
+            note = ""
+            if _data_source(trainer) == "synthetic":
+                note = (" (synthetic token stream, not text: ROUGE is expected to be ~0 there; train on text, e.g. "
+                        "--data.source sample, for scores that mean something)")
+            rank_zero_info(f"FinalEvaluation: {json.dumps(result['metrics'])} -> {self.path}{note}")
         return result
 
     def _log(self, trainer: pl.Trainer, result: dict[str, Any], step: int) -> None:
@@ -127,3 +131,9 @@ class FinalEvaluation(Callback):
                     )
                     logger.experiment.add_text(f"eval/sample_{i:02d}", text, global_step=step)
                 logger.experiment.flush()
+
+
+def _data_source(trainer: pl.Trainer) -> str | None:
+    """The source the run's data module read (``resolved_source``, else ``source``), where it records one."""
+    hparams = getattr(trainer.datamodule, "hparams", None) or {}
+    return hparams.get("resolved_source", hparams.get("source"))

@@ -1,0 +1,60 @@
+"""What ``lnstab fit`` shows a user: no Lightning advertisements or empty FLOPs, one training bar, and a last line that
+names the run directory and the TensorBoard command; a synthetic stream's ROUGE is explained."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before anything imports huggingface_hub, which reads it once
+
+import lightning.pytorch as pl  # noqa: E402
+import pytest  # noqa: E402
+import yaml  # noqa: E402
+
+from lnstab.datamodules.synthetic import SyntheticDataModule  # noqa: E402
+from lnstab.evaluation.callback import FinalEvaluation  # noqa: E402
+from lnstab.module import GPTModule  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_a_quickstart_fit_ends_with_its_run_directory_and_shows_no_lightning_noise(tmp_path) -> None:
+    exe = Path(sys.executable).with_name("lnstab")
+    cmd = [str(exe), "fit", "--config", str(ROOT / "experiments" / "quickstart.yaml"), "--trainer.max_steps", "2",
+           "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1", "--evaluation.n_samples", "2",
+           "--instruments.jacobian_every_n_steps", "0", "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")]
+    done = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "runs" / "quickstart" / "version_0"
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == f"lnstab: run directory {run}; to view it: tensorboard --logdir {run}"
+    shown = done.stdout + done.stderr
+    assert "litlogger" not in shown and "💡 Tip" not in shown  # Lightning's cloud advertisement
+    assert "FLOPs" not in shown and "Flops" not in shown  # Lightning measured none: no column of zeros, no total
+    assert "Trainable params" in done.stderr  # the model summary itself is still there
+    assert "Epoch 0" not in done.stdout and "Training steps:   0%|          | 0/2" in done.stdout  # one bar, by steps
+    evaluation = next(line for line in done.stderr.splitlines() if line.startswith("FinalEvaluation: "))
+    assert "synthetic" not in evaluation  # the quickstart trained on the packaged OpenWebText sample
+    assert yaml.safe_load((run / "config.yaml").read_text())["data"]["init_args"]["source"] == "sample"
+
+
+def test_the_final_evaluation_says_rouge_is_expected_near_zero_on_a_synthetic_stream(tmp_path, caplog) -> None:
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=2, logger=TensorBoardLogger(tmp_path, name="tb"),
+        callbacks=[FinalEvaluation(n_samples=2, batch_size=2)], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1,
+    )
+    data = SyntheticDataModule(block_size=32, batch_size=4, synthetic_vocab_size=64, train_tokens=2_000,
+                               val_tokens=1_000, seed=0)
+    with caplog.at_level("INFO"):
+        trainer.fit(GPTModule(preset="tiny", vocab_size=64, block_size=32, warmup_steps=1), data)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("FinalEvaluation: ")]
+    assert line.endswith("(synthetic token stream, not text: ROUGE is expected to be ~0 there; train on text, e.g. "
+                         "--data.source sample, for scores that mean something)")
