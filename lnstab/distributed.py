@@ -1,4 +1,5 @@
-"""End a gloo process group while the interpreter is still whole (``import lnstab`` registers it with ``atexit``).
+"""End a gloo process group while the interpreter is still whole (``lnstab fit`` once its trainer has finished;
+``import lnstab`` registers it with ``atexit`` for every other way out).
 
 Why Lightning's own handler is not reused, and what this cannot do (gloo's threads outliving the group, the rare
 SIGABRT at exit): docs/robustness.md, "A gloo group at interpreter exit".

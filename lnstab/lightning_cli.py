@@ -30,6 +30,7 @@ from lnstab.callbacks import FinalEvaluation, Instruments, RunCheckpoint, RunSta
 from lnstab.callbacks.run_status import RunInterrupted
 from lnstab.checkpoint import load_checkpoint
 from lnstab.configfiles import expand_extends, experiment_name
+from lnstab.distributed import end_gloo_group
 from lnstab.errors import ConfigError, exit_for_user_error, one_line
 from lnstab.module import GPTModule
 from lnstab.precision import precision_warning, resolve_precision
@@ -61,7 +62,9 @@ class LNStabCLI(LightningCLI):
         parser.add_class_arguments(Instruments, "instruments")
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
-        super().parse_arguments(parser, args)
+        # args is the expanded command line; sys.argv stays the command as run (not LightningCLI's parse_arguments,
+        # which warns when it sees both): Lightning's subprocess launcher starts a DDP run's other ranks with it
+        self.config = parser.parse_args(args)
         if self.config.get("subcommand"):
             self._resolve_run(self.config.subcommand)
 
@@ -162,6 +165,9 @@ class LNStabCLI(LightningCLI):
     def before_fit(self) -> None:
         self._evaluate_if_owed()
 
+    def after_fit(self) -> None:
+        end_gloo_group()  # now, before the interpreter's exit begins (lnstab.distributed)
+
     def _evaluate_if_owed(self) -> None:
         """A run whose final evaluation a signal interrupted resumes at its last step; with nothing left to train
         Lightning skips the whole training loop, the end-of-fit evaluation included, so evaluate it here (through
@@ -246,23 +252,19 @@ def cli_main(args: list[str] | None = None, run: bool = True) -> LNStabCLI:
     raw = list(sys.argv[1:] if args is None else args)
     raw = _default_config(raw)
     expanded = expand_extends(raw)
-    argv, sys.argv = sys.argv, sys.argv[:1]  # LightningCLI warns when it sees both sys.argv and args
     LNStabCLI.experiment, LNStabCLI.argv = experiment_name(raw), raw
     LNStabArgumentParser.experiment = LNStabCLI.experiment
     LNStabCLI.run_status = None
-    try:
-        return LNStabCLI(
-            GPTModule,
-            LightningDataModule,
-            subclass_mode_data=True,
-            trainer_class=LNStabTrainer,
-            args=expanded,
-            run=run,
-            save_config_callback=SaveRunConfig,
-            parser_class=LNStabArgumentParser,
-        )
-    finally:
-        sys.argv = argv
+    return LNStabCLI(
+        GPTModule,
+        LightningDataModule,
+        subclass_mode_data=True,
+        trainer_class=LNStabTrainer,
+        args=expanded,
+        run=run,
+        save_config_callback=SaveRunConfig,
+        parser_class=LNStabArgumentParser,
+    )
 
 
 
