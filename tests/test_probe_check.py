@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from test_check import ENCODER, GPT, TINY
 
+from lnstab.check.criteria import load_thresholds
 from lnstab.cli import main
 
 ONE_RUN = [*TINY, "--lrs", "1e-2", "--no-reference"]
@@ -137,6 +138,28 @@ def test_a_huge_threshold_expression_is_bounded_and_one_short_line(tmp_path, cap
     code, err = run_check(capsys, *GPT, *ONE_RUN, "--thresholds", str(thresholds), "--out", str(tmp_path / "c"))
     assert code == 2 and "loss.warn=" in err and "a threshold expression has at most 200" in err
     assert len(err) < 400 and not (tmp_path / "c").exists()
+
+
+def test_a_reference_name_in_an_absolute_threshold_is_refused_before_any_training(tmp_path, capsys) -> None:
+    """An absolute threshold is used where no reference has a value, so it cannot name one: refused up front in one
+    line naming the file, the criterion and what is allowed (it was refused only after the whole check had trained,
+    naming neither file nor criterion). Other bad expressions name the file too."""
+    thresholds = tmp_path / "t.yaml"
+    for text, where, allowed in (
+            ("growth_init:\n  absolute: {fail: 2*peri}\n", "growth_init.absolute.fail='2*peri'", "fp16_max, bf16_max"),
+            ("loss:\n  absolute: {warn: 'max(sd, 1)'}\n", "loss.absolute.warn='max(sd, 1)'", "max, min, abs"),
+            ("attention:\n  fail: peri + nope\n", "attention.fail='peri + nope'", "pre, peri, pre_sd")):
+        thresholds.write_text(text)
+        out = tmp_path / "card"
+        code, err = run_check(capsys, *GPT, *ONE_RUN, "--thresholds", str(thresholds), "--out", str(out))
+        assert code == 2 and f"--thresholds {thresholds}: {where} is not allowed; only numbers" in err, err
+        assert allowed in err
+        if "absolute" in where:
+            assert "so it cannot name pre, peri, pre_sd, peri_sd, sd" in err and "pre, peri, pre_sd, peri_sd, sd, " \
+                not in err  # the allowed values leave the reference names out
+        assert not out.exists()  # nothing trained, no run directory
+    thresholds.write_text("overflow:\n  absolute: {warn: fp16_max / 4, fail: null}\n")
+    assert load_thresholds(thresholds)["overflow"]["absolute"] == {"warn": "fp16_max / 4", "fail": None}
 
 
 def test_the_help_documents_every_exit_status(capsys) -> None:

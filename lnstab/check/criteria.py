@@ -6,7 +6,8 @@ hand-picked constants: ``peri``/``pre`` are the Peri-LN and Pre-LN references' v
 spread over seeds (the standard error for a fitted slope) and ``sd`` the larger of the two; ``fp16_max``,
 ``bf16_max`` and ``max``, ``min``, ``abs``, ``log``, ``log10`` are available too. A value above ``fail`` fails, above
 ``warn`` warns, else passes; ``null`` never triggers. ``absolute`` gives the thresholds used with
-``--no-reference`` (or where a reference has no value); those are the only constants, and they are documented here.
+``--no-reference`` (or where a reference has no value), so they name no reference; those are the only constants, and
+they are documented here.
 A ``--thresholds FILE.yaml`` holds any subset of this mapping and overrides it key by key.
 """
 
@@ -172,17 +173,19 @@ def criterion_value(criterion: str, summary: dict[str, Any]) -> tuple[float, flo
     raise KeyError(criterion)
 
 
-def check_expression(where: str, text: Any) -> None:
-    """Refuse anything but numbers, ``null`` and expressions over :data:`NAMES`, constants and functions."""
+def check_expression(where: str, text: Any, names: tuple[str, ...] = NAMES, why: str = "") -> None:
+    """Refuse anything but numbers, ``null`` and expressions over ``names``, constants and functions (one line:
+    ``where``, the value, what is allowed, then ``why``)."""
     if text is None or (isinstance(text, int | float) and not isinstance(text, bool)):
         return
     shown = repr(text) if len(repr(text)) <= 80 else f"{repr(text)[:60]}…({len(str(text))} characters)"
     if not isinstance(text, str):
         raise LNStabError(f"{where}={shown} is not allowed; give a number, null or an expression")
     try:
-        evaluate_expression(text, {n: 1.0 for n in NAMES})
+        evaluate_expression(text, dict.fromkeys(names, 1.0))
     except LNStabError as exc:
-        raise LNStabError(f"{where}={shown} is not allowed; {exc}") from None
+        raise LNStabError(f"{where}={shown} is not allowed; {exc}{why if 'are allowed' in str(exc) else ''}"
+                          ) from None
 
 
 def evaluate_expression(text: Any, names: dict[str, float]) -> float | None:
@@ -212,7 +215,7 @@ def evaluate_expression(text: Any, names: dict[str, float]) -> float | None:
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in FUNCTIONS
                 and node.args and not node.keywords):
             return float(FUNCTIONS[node.func.id](*[ev(a) for a in node.args]))
-        allowed = ", ".join((*NAMES, *CONSTANTS, *FUNCTIONS))
+        allowed = ", ".join((*names, *CONSTANTS, *FUNCTIONS))
         raise LNStabError(f"only numbers, + - * /, and {allowed} are allowed")
 
     try:
@@ -234,6 +237,10 @@ def load_thresholds(path: str | Path | None) -> dict[str, dict[str, Any]]:
     data = load_yaml(path, f"--thresholds {path}") or {}  # bounded: size, UTF-8, nesting, aliases
     if not isinstance(data, dict):
         raise LNStabError(f"--thresholds {path} must hold a mapping of criteria; allowed: {', '.join(IDS)}")
+    # An absolute threshold is used where no reference has a value (--no-reference, or a reference without one):
+    # it cannot name one. Refused here, before any training, rather than when the card is graded.
+    no_reference = (" (an absolute threshold is used where no reference has a value, so it cannot name "
+                    f"{', '.join(NAMES)})")
     for cid, entry in data.items():
         if cid not in merged:
             raise LNStabError(f"--thresholds {path}: criterion {cid!r} is not allowed; allowed: {', '.join(IDS)}")
@@ -244,10 +251,13 @@ def load_thresholds(path: str | Path | None) -> dict[str, dict[str, Any]]:
                 for sub, expr in value.items():
                     if sub not in ("warn", "fail"):
                         raise LNStabError(f"--thresholds {path}: {cid}.absolute.{sub} is not allowed; use warn, fail")
-                    check_expression(f"{cid}.absolute.{sub}", expr)
+                    check_expression(f"--thresholds {path}: {cid}.absolute.{sub}", expr, (), no_reference)
                     merged[cid]["absolute"][sub] = expr
+            elif key == "absolute":
+                raise LNStabError(f"--thresholds {path}: {cid}.absolute as a {type(value).__name__} is not allowed; "
+                                  "give a mapping of warn and fail")
             elif key in ("warn", "fail"):
-                check_expression(f"{cid}.{key}", value)
+                check_expression(f"--thresholds {path}: {cid}.{key}", value)
                 merged[cid][key] = value
             else:
                 raise LNStabError(f"--thresholds {path}: {cid}.{key} is not allowed; use warn, fail, absolute")
