@@ -3,10 +3,12 @@
 Every callback finds lnstab's residual modules by name by default and works on other models through a module-name regex
 (``layer_pattern``) or module types; see each class's docstring for its metrics. The attention and output-logit
 instruments find q, k and the logits of lnstab's GPT and of Hugging Face GPT-2, Llama, Gemma, Mistral, Mixtral, Qwen2,
-Qwen3, Gemma 2, Gemma 3 and OLMo 2 themselves (:mod:`lnstab.callbacks._captures`), or of any model through module-name
-patterns. The activation instruments share one tap per model and read the statistics registry (:class:`Statistic`,
-:func:`register_statistic`); :func:`unsharded` gives any callback a full-parameter view of the model under every served
-strategy. Every metric an instrument logs is also in ``trainer.callback_metrics`` from the step it is measured on
+Qwen3, Gemma 2, Gemma 3 and OLMo 2 and of ``torch.nn.MultiheadAttention`` (``nn.TransformerEncoder``) themselves
+(:mod:`lnstab.callbacks._captures`), or of any model through module-name patterns. The activation instruments share
+one tap per model and read the statistics registry (:class:`Statistic`, :func:`register_statistic`);
+:func:`unsharded` gives any callback a full-parameter view of the model under every served strategy.
+
+Every metric an instrument logs is also in ``trainer.callback_metrics`` from the step it is measured on
 (the latest value until it is measured again), so ``EarlyStopping`` and ``ModelCheckpoint(monitor=...)`` can watch
 it, e.g. ``hidden/mean_abs/final``, ``attn/max_logit/L11``, ``output/log_z_mean``, ``divergence/events`` or
 ``growth/exp_rate``.
