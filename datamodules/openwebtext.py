@@ -15,6 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, IterableDataset
 
 from lnstab import validation as check
+from lnstab.datamodules.docsplit import VAL_SPLITS, split_documents
 from lnstab.datamodules.packing import ArrayWindows, DocumentStream, ShardPlan
 from lnstab.datamodules.prepare import head_documents
 from lnstab.datamodules.prepared import read_meta, verify_split
@@ -33,11 +34,13 @@ from lnstab.datamodules.text import (
     iter_documents,
     open_text_stream,
 )
+from lnstab.datamodules.vocab import VOCABS, VocabMap, compact_map, top_k_map
 from lnstab.datamodules.worker_signals import SignalSafeDataLoader, ignore_stop_signals
 
 log = logging.getLogger(__name__)
 STATE_VERSION = 1
 QUICKSTART_DATASET = "stas/openwebtext-10k"
+VOCAB_FILE = "vocab.json"  # the run directory's record of a compact or top-K vocabulary
 
 
 class OpenWebTextDataModule(pl.LightningDataModule):
@@ -79,6 +82,19 @@ class OpenWebTextDataModule(pl.LightningDataModule):
         synthetic_tokens: Length of the synthetic training stream.
         synthetic_vocab_size: Token ids of the synthetic stream lie in ``[0, synthetic_vocab_size)``.
         verify_checksums: Check the sha256 of prepared files in ``setup`` (sizes are always checked).
+        val_split: ``head`` (validation is the first ``val_tokens`` tokens of the stream, the last document cut) or
+            ``documents`` (``files`` only: validation is the first ``val_documents`` whole documents, training every
+            other one, no document in both; everything is tokenized once in ``setup`` and held in memory, and
+            training takes aligned windows of the training documents, shuffled per pass by ``seed``).
+            ``val_tokens``, if set, then keeps the first ``val_tokens`` of the validation documents' tokens.
+        val_documents: With ``val_split: documents``: validation documents, a count (int) or a fraction (float in
+            (0, 1)).
+        vocab: ``full`` (GPT-2's ids), ``compact`` (exact relabelling of the distinct tokens of training and
+            validation) or ``top_k`` (the ``vocab_top_k`` most frequent training tokens + one UNK id ``vocab_top_k``);
+            see :mod:`lnstab.datamodules.vocab`. Needs ``val_split: documents``. The model's ``vocab_size`` must
+            equal the vocabulary's size (``vocab_top_k + 1`` for ``top_k``; ``setup`` refuses another); the map is in
+            :attr:`vocab_map`, in the checkpoint's data state and in ``vocab.json`` in the run directory.
+        vocab_top_k: ``K`` of ``vocab: top_k``.
 
     Raises:
         DataError: In ``__init__`` for invalid options; in ``setup`` for missing/empty/corrupt data, a missing
@@ -112,6 +128,10 @@ class OpenWebTextDataModule(pl.LightningDataModule):
         synthetic_tokens: int = 1_000_000,
         synthetic_vocab_size: int = 50257,
         verify_checksums: bool = True,
+        val_split: str = "head",
+        val_documents: int | float | None = None,
+        vocab: str = "full",
+        vocab_top_k: int | None = None,
     ) -> None:
         args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__()
@@ -129,6 +149,7 @@ class OpenWebTextDataModule(pl.LightningDataModule):
             check.positive_int("data.val_tokens", val_tokens, error=DataError)
         if source in ("files", "prepared") and not path:
             raise DataError(f"--data.path is required with --data.source {source}")
+        self._check_split_and_vocab(source, path, val_split, val_documents, vocab, vocab_top_k)
         if source in ("sample", "synthetic") and path:
             raise DataError(f"--data.path {path} is not used with --data.source {source}; drop one (a file of your "
                             f"own: --data.source files)")
@@ -141,6 +162,35 @@ class OpenWebTextDataModule(pl.LightningDataModule):
         self._val_docs = 0
         self._train_head: np.ndarray | None = None
         self._train: IterableDataset | None = None
+        self._train_array: np.ndarray | None = None  # val_split documents: the training documents' tokens
+        self.vocab_map: VocabMap | None = None  # vocab compact/top_k, after setup
+
+    @staticmethod
+    def _check_split_and_vocab(source: str, path: str | None, val_split: str, val_documents: int | float | None,
+                               vocab: str, vocab_top_k: int | None) -> None:
+        check.choice("data.val_split", val_split, VAL_SPLITS, error=DataError)
+        check.choice("data.vocab", vocab, VOCABS, error=DataError)
+        if val_split == "documents":
+            if not (source == "files" or (source == "auto" and path)):
+                raise DataError(f"--data.val_split documents is not allowed with --data.source {source}; it splits "
+                                "local text: use --data.source files (or auto with --data.path)")
+            if isinstance(val_documents, bool) or not (
+                (isinstance(val_documents, int) and val_documents >= 1)
+                or (isinstance(val_documents, float) and 0 < val_documents < 1)
+            ):
+                raise DataError(f"--data.val_documents {val_documents!r} is not allowed with --data.val_split "
+                                "documents; give a count >= 1 or a fraction in (0, 1)")
+        elif val_documents is not None:
+            raise DataError(f"--data.val_documents {val_documents!r} is not used with --data.val_split {val_split}; "
+                            "set --data.val_split documents or drop it")
+        if vocab != "full" and val_split != "documents":
+            raise DataError(f"--data.vocab {vocab} is not allowed with --data.val_split {val_split}; the vocabulary "
+                            "is built from the training tokens in memory: use --data.val_split documents")
+        if vocab == "top_k":
+            check.positive_int("data.vocab_top_k", vocab_top_k, error=DataError)
+        elif vocab_top_k is not None:
+            raise DataError(f"--data.vocab_top_k {vocab_top_k!r} is not used with --data.vocab {vocab}; set "
+                            "--data.vocab top_k or drop it")
 
     # ------------------------------------------------------------------ source resolution and setup
     @staticmethod
@@ -182,6 +232,7 @@ class OpenWebTextDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         """Resolve the source, check the data, build the validation tokens (all ranks, deterministic)."""
         if self._val is not None:
+            self._check_model_vocab()
             return
         hp, source = self.hparams, self.resolve_source()
         window, note = hp.block_size + 1, ""
@@ -190,6 +241,8 @@ class OpenWebTextDataModule(pl.LightningDataModule):
             val_n = hp.val_tokens or max(window, n // 10)
             self._synthetic = SyntheticDataModule.markov_stream(n, hp.synthetic_vocab_size, hp.seed, 0).numpy()
             self._val = SyntheticDataModule.markov_stream(val_n, hp.synthetic_vocab_size, hp.seed + 1, 0)
+        elif hp.val_split == "documents":
+            note = self._setup_documents()
         elif source == "prepared":
             meta = read_meta(hp.path)
             self._meta = meta
@@ -214,6 +267,55 @@ class OpenWebTextDataModule(pl.LightningDataModule):
                 f"from source {source}); it must be <= {self._val.numel() - 1}"
             )
         rank_zero_info(f"lnstab data: source={source}, validation {self._val.numel()} tokens{note}")
+        self._check_model_vocab()
+
+    def _setup_documents(self) -> str:
+        """``val_split: documents``: tokenize every document, split, relabel onto the vocabulary asked for."""
+        hp = self.hparams
+        tok = DocTokenizer(hp.tokenizer, hp.tokenizer_threads)
+        stats = DocStats()
+        train_docs, val_docs = split_documents(self.text_spec(), tok, hp.val_documents, stats)
+        train, val = np.concatenate(train_docs), np.concatenate(val_docs)
+        if hp.vocab == "top_k":
+            if hp.vocab_top_k >= tok.encoding.n_vocab:
+                raise DataError(f"--data.vocab_top_k {hp.vocab_top_k} is not allowed; it must be below the "
+                                f"tokenizer's {tok.encoding.n_vocab} ids (use --data.vocab full or compact)")
+            self.vocab_map = top_k_map(train, hp.vocab_top_k)
+        elif hp.vocab == "compact":
+            self.vocab_map = compact_map(train, val)
+        vm = self.vocab_map
+        if vm is not None:
+            dtype = np.uint16 if vm.size <= 1 << 16 else np.int64
+            train, val = vm.apply(train).astype(dtype), vm.apply(val).astype(dtype)
+        self._val_docs, self._train_docs = len(val_docs), len(train_docs)
+        self._val = torch.from_numpy(val[: hp.val_tokens] if hp.val_tokens else val).to(torch.int64)
+        self._train_array = train
+        note = f", {len(val_docs)} documents; training {len(train)} tokens, {len(train_docs)} documents"
+        if vm is not None:
+            unk = int((train == vm.unk).sum()) if vm.unk is not None else 0
+            note += f"; vocab {hp.vocab}: {vm.size} ids" + (
+                f", UNK {unk / len(train):.1%} of training tokens" if vm.unk is not None else "")
+        return note
+
+    def _check_model_vocab(self) -> None:
+        """The model's ``vocab_size`` must be the relabelled vocabulary's size; ``vocab.json`` goes in the run dir."""
+        vm, trainer = self.vocab_map, self.trainer
+        if vm is None or trainer is None:
+            return
+        config = getattr(trainer.lightning_module, "config", None)
+        size = getattr(config, "vocab_size", None)
+        if size is not None and size != vm.size:
+            raise DataError(f"model.vocab_size={size} is not allowed with --data.vocab {vm.kind}: the relabelled "
+                            f"vocabulary has {vm.size} ids; set --model.vocab_size {vm.size}")
+        if trainer.is_global_zero:
+            from lnstab.rundir import run_dir, write_json
+
+            try:
+                directory = run_dir(trainer)
+            except Exception:  # noqa: BLE001 - a Trainer without a run directory (no logger): nothing to record in
+                return
+            directory.mkdir(parents=True, exist_ok=True)
+            write_json(directory / VOCAB_FILE, vm.as_dict())
 
     @property
     def validation_documents(self) -> int:
@@ -237,6 +339,11 @@ class OpenWebTextDataModule(pl.LightningDataModule):
         hp, source = self.hparams, self.resolve_source()
         if source == "synthetic":
             return int(hp.synthetic_vocab_size)
+        if hp.vocab == "top_k":
+            return int(hp.vocab_top_k) + 1
+        if hp.vocab == "compact":
+            self.setup("fit")
+            return self.vocab_map.size
         name = hp.tokenizer
         if source == "prepared":
             name = read_meta(hp.path).get("tokenizer", name)
@@ -255,6 +362,8 @@ class OpenWebTextDataModule(pl.LightningDataModule):
         self.setup("fit")
         hp, plan = self.hparams, plan or self.shard_plan()
         source = self.resolve_source()
+        if self._train_array is not None:
+            return ArrayWindows(self._train_array, hp.block_size, hp.batch_size, plan, hp.seed, passes=passes)
         if source == "synthetic":
             return ArrayWindows(self._synthetic, hp.block_size, hp.batch_size, plan, hp.seed, passes=passes)
         if source == "prepared":
@@ -329,6 +438,7 @@ class OpenWebTextDataModule(pl.LightningDataModule):
             "world_size": trainer.world_size if trainer is not None else 1,
             "seed": hp.seed,
             "val_documents": self._val_docs,
+            **({"vocab": self.vocab_map.as_dict()} if self.vocab_map is not None else {}),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -352,4 +462,10 @@ class OpenWebTextDataModule(pl.LightningDataModule):
                     f"--data.{key} {value!r} differs from the checkpoint's {state_dict.get(key)!r}; exact resumption "
                     f"needs the same value"
                 )
+        mine = self.vocab_map.as_dict() if self.vocab_map is not None else None
+        if "vocab" in state_dict and mine is not None and state_dict["vocab"] != mine:
+            raise DataError(
+                f"--data.vocab {hp.vocab}: this data's {mine['kind']} vocabulary ({mine['size']} ids) differs from the "
+                f"checkpoint's ({state_dict['vocab'].get('size')} ids); exact resumption needs the same data"
+            )
         self.batches_consumed = int(state_dict["batches_consumed"])

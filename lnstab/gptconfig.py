@@ -24,6 +24,9 @@ PRESETS: dict[str, dict[str, int]] = {
     "deep-narrow": dict(n_layer=24, n_head=2, n_embd=64, block_size=128),
 }
 
+# Initialisations of the weights (GPTConfig.init): GPT-2's, and Xavier's without residual scaling.
+INITS = ("gpt2", "xavier")
+
 
 @dataclass
 class GPTConfig:
@@ -58,6 +61,14 @@ class GPTConfig:
         layerscale_init: LayerScale's λ at initialisation; ``None``: CaiT's depth rule
             (:func:`~lnstab.layers.cait_layerscale_init`: 0.1 up to 18 layers, 1e-5 up to 24, 1e-6 beyond). Used
             with ``residual_gate='layerscale'`` only.
+        tie_embeddings: The output head shares the token embedding's weight (GPT-2); ``False``: ``lm_head`` is its
+            own matrix (the untied embeddings of Wortsman et al. 2023's small-scale proxies).
+        init: :data:`INITS`. ``gpt2``: N(0, 0.02) for every linear weight and embedding, residual projections
+            (``c_proj``) N(0, 0.02/√(2·n_layer)). ``xavier``: Xavier-uniform (Glorot & Bengio 2010, gain 1,
+            U(±√(6/(fan_in+fan_out)))) for every linear weight of the blocks and for an untied ``lm_head``, the
+            query, key and value projections each as its own ``n_embd × n_embd`` matrix, and no residual scaling:
+            the initialisation of the Post-LN Transformers that fail to train without warm-up (Xiong et al. 2020);
+            embeddings stay N(0, 0.02) and biases 0. A placement's own initialisation (DeepNorm) still applies after.
     """
 
     block_size: int = 1024
@@ -77,11 +88,14 @@ class GPTConfig:
     dyt_alpha_init: float = 0.5
     residual_gate: str = "none"
     layerscale_init: float | None = None
+    tie_embeddings: bool = True
+    init: str = "gpt2"
 
     def __post_init__(self) -> None:
         check.choice("norm_placement", self.norm_placement, list(PLACEMENTS))
         check.choice("norm_type", self.norm_type, NORM_TYPES)
         check.choice("residual_gate", self.residual_gate, RESIDUAL_GATES)
+        check.choice("init", self.init, INITS)
         for name in ("block_size", "vocab_size", "pad_vocab_multiple", "n_layer", "n_head", "n_embd"):
             check.positive_int(name, getattr(self, name))
         for name in ("residual_scale", "norm_eps", "dyt_alpha_init"):
@@ -89,8 +103,9 @@ class GPTConfig:
         check.number("dropout", self.dropout, 0.0, 1.0, high_open=True)
         check.number("z_loss", self.z_loss, 0.0)
         check.optional_number("layerscale_init", self.layerscale_init, 0.0, low_open=True)
-        if not isinstance(self.qk_norm, bool):
-            raise ConfigError(f"qk_norm={self.qk_norm!r} is not allowed; it must be true or false")
+        for name in ("qk_norm", "tie_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} is not allowed; it must be true or false")
         if self.n_embd % self.n_head:
             raise ConfigError(
                 f"n_embd={self.n_embd} is not allowed with n_head={self.n_head}; n_embd must be divisible by n_head"

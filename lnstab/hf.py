@@ -6,7 +6,8 @@ copied as is. Imported lazily: ``transformers`` is needed only when these functi
 
 The export refuses, in one line, every option Hugging Face's GPT-2 cannot express: a placement other than Pre-LN
 (or one that weights the stream, as DeepNorm), RMSNorm or DyT, ``qk_norm``, a residual gate, Δt ≠ 1, no biases.
-``z_loss`` exports: it shapes training only, and the exported model computes the same logits.
+``z_loss`` and ``init`` export: they shape training only, and the exported model computes the same logits; untied
+embeddings (``tie_embeddings=False``) export as ``tie_word_embeddings=False`` with their own ``lm_head.weight``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> GPTConfig:
         norm_eps=hf_config.layer_norm_epsilon,
         norm_placement="pre",
         norm_type="layernorm",
+        tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", True)),
     )
     values.update(overrides)
     return GPTConfig(**values)
@@ -106,7 +108,7 @@ def gpt_to_hf(model: GPT) -> GPT2LMHeadModel:
         resid_pdrop=c.dropout,
         embd_pdrop=c.dropout,
         attn_pdrop=c.dropout,
-        tie_word_embeddings=True,
+        tie_word_embeddings=c.tie_embeddings,
     )
     hf_model = GPT2LMHeadModel(hf_config)
     target = hf_model.state_dict()

@@ -22,7 +22,9 @@ DeepNorm's initialisation; ``Block``, ``GPT``, the Hugging Face export (:mod:`ln
 Adding a placement is one :class:`Placement` row plus its tests. The other options are :class:`GPTConfig` fields,
 all off by default (the default is GPT-2 and loads its weights): ``norm_type`` (LayerNorm, RMSNorm or DyT for every
 norm), ``qk_norm`` (``attn.q_norm``/``attn.k_norm``), ``residual_gate`` (``gate_attn``/``gate_mlp``: ReZero,
-LayerScale), ``z_loss`` (in the loss, :mod:`lnstab.loss`). The pieces themselves live in :mod:`lnstab.layers`.
+LayerScale), ``z_loss`` (in the loss, :mod:`lnstab.loss`), ``tie_embeddings`` (``False``: ``lm_head`` has its own
+weight) and ``init`` (``xavier``: Xavier-uniform linear weights without GPT-2's residual scaling). The pieces
+themselves live in :mod:`lnstab.layers`.
 :class:`GPTConfig` and the named shapes live in :mod:`lnstab.gptconfig` (re-exported here).
 ``resid_attn`` and ``resid_mlp`` are parameter-free :class:`~lnstab.layers.Residual` modules: a forward hook on them
 sees the residual stream after every half-step (for ``post``/``deepnorm`` that is the sum *before* its norm), which
@@ -166,19 +168,30 @@ class GPT(nn.Module):
             )
         )
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # weight tying, as GPT-2
+        if config.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight  # weight tying, as GPT-2
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """GPT-2 init: N(0, 0.02) weights, zero biases, residual projections N(0, 0.02/√(2·n_layer)), unit norms,
-        gates at their init. A placement with an ``init_gain`` β (DeepNorm) then redraws the block matrices as
-        DeepNet does: Xavier normal with gain 1 for the query and key projections, gain β for the value, attention
-        output and both MLP projections (each of q, k, v with its own fans, as three ``C × C`` matrices)."""
+        gates at their init; an untied ``lm_head`` is N(0, 0.02) too. With ``init='xavier'`` every linear weight
+        (the blocks' and an untied ``lm_head``) is Xavier-uniform with gain 1 instead, q, k and v each with its own
+        fans, and no residual scaling (:class:`GPTConfig`). A placement with an ``init_gain`` β (DeepNorm) then
+        redraws the block matrices as DeepNet does: Xavier normal with gain 1 for the query and key projections,
+        gain β for the value, attention output and both MLP projections (each of q, k, v with its own fans, as
+        three ``C × C`` matrices)."""
         resid_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        c = self.config
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
-                std = resid_std if name.endswith("c_proj") else 0.02
-                nn.init.normal_(module.weight, mean=0.0, std=std)
+                xavier = c.init == "xavier" and not (name == "lm_head" and c.tie_embeddings)  # tied: wte's N(0, .02)
+                if xavier and name.endswith("c_attn"):
+                    for w in module.weight.split(c.n_embd):  # q, k, v: 3 × (C, C) views
+                        nn.init.xavier_uniform_(w)
+                elif xavier:
+                    nn.init.xavier_uniform_(module.weight)
+                else:
+                    nn.init.normal_(module.weight, mean=0.0, std=resid_std if name.endswith("c_proj") else 0.02)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
@@ -217,7 +230,7 @@ class GPT(nn.Module):
         return [gate for block in self.transformer.h for gate in (block.gate_attn, block.gate_mlp)]
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
-        """Unique parameters (the tied head counted once); optionally without the position embedding."""
+        """Unique parameters (a tied head counted once); optionally without the position embedding."""
         n = sum(p.numel() for p in self.parameters())
         return n - self.transformer.wpe.weight.numel() if exclude_embeddings else n
 

@@ -19,7 +19,7 @@ from lnstab.errors import ConfigError
 from lnstab.evaluation.core import safe_exp
 from lnstab.flops import training_flops
 from lnstab.model import GPT
-from lnstab.moduleargs import MODEL_ARGS, gpt_config  # noqa: F401  (MODEL_ARGS: lnstab.module's API)
+from lnstab.moduleargs import MODEL_ARGS, WEIGHT_DECAY_MODES, gpt_config  # noqa: F401  (MODEL_ARGS: API)
 from lnstab.rundir import update_summary
 
 
@@ -44,14 +44,20 @@ class GPTModule(pl.LightningModule):
         residual_scale: Δt > 0, the residual step size.
         block_size: Context length (linked to the data's block size by the CLI).
         n_layer, n_head, n_embd, vocab_size, pad_vocab_multiple, bias, dropout: Overrides of the preset.
-        qk_norm, z_loss, dyt_alpha_init, residual_gate, layerscale_init: The model options of
-            :class:`lnstab.model.GPTConfig` (all off by default): query/key norms, the z-loss coefficient, DyT's
-            initial α, ``none``/``rezero``/``layerscale`` gates and LayerScale's initial λ (``None``: CaiT's rule).
+        qk_norm, z_loss, dyt_alpha_init, residual_gate, layerscale_init, tie_embeddings, init: The model options
+            of :class:`lnstab.model.GPTConfig` (all off by default): query/key norms, the z-loss coefficient, DyT's
+            initial α, ``none``/``rezero``/``layerscale`` gates, LayerScale's initial λ (``None``: CaiT's rule),
+            untied input and output embeddings (``False``), and ``gpt2`` or ``xavier`` initialisation.
         learning_rate: Peak learning rate after warmup.
         min_lr: Learning rate at the end of the cosine decay.
         warmup_steps: Linear warmup steps.
         lr_decay_steps: Step at which the cosine reaches ``min_lr``; ``None`` uses the trainer's total steps.
-        weight_decay: AdamW decay on ≥ 2-D weights only (``0`` is the paper's "WD off").
+        weight_decay: AdamW decay λ on ≥ 2-D weights only (``0`` is the paper's "WD off").
+        weight_decay_mode: ``coupled`` (PyTorch's AdamW: ``θ ← θ − η_t·Δ − η_t·λ·θ``, the decay scaled by the
+            learning rate) or ``independent`` (Loshchilov & Hutter's original form, Wortsman et al. 2023's
+            "independent" decay: ``θ ← θ − η_t·Δ − s_t·λ·θ``, ``s_t = η_t/η_max`` the schedule's multiplier, so the
+            decay follows the schedule but not the peak rate). ``independent`` is AdamW with the decaying group's
+            ``weight_decay`` set to ``λ/η_max`` (AdamW multiplies it by ``η_t = s_t·η_max``).
         betas: AdamW betas.
         eps: AdamW epsilon.
         compile: Compile the model's forward with ``torch.compile`` (module names, hence hooks, are unchanged).
@@ -84,11 +90,14 @@ class GPTModule(pl.LightningModule):
         dyt_alpha_init: float = 0.5,
         residual_gate: str = "none",
         layerscale_init: float | None = None,
+        tie_embeddings: bool = True,
+        init: str = "gpt2",
         learning_rate: float = 6e-4,
         min_lr: float = 6e-5,
         warmup_steps: int = 2000,
         lr_decay_steps: int | None = None,
         weight_decay: float = 0.1,
+        weight_decay_mode: str = "coupled",
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         compile: bool = False,
@@ -101,6 +110,12 @@ class GPTModule(pl.LightningModule):
         check.integer("warmup_steps", warmup_steps, 0)
         if lr_decay_steps is not None:
             check.positive_int("lr_decay_steps", lr_decay_steps)
+        check.choice("weight_decay_mode", weight_decay_mode, WEIGHT_DECAY_MODES)
+        if weight_decay_mode == "independent" and weight_decay > 0 and learning_rate == 0:
+            raise ConfigError(
+                "weight_decay_mode='independent' is not allowed with learning_rate=0 and weight_decay > 0; it sets "
+                "AdamW's decay to weight_decay/learning_rate (use learning_rate > 0 or weight_decay 0)"
+            )
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ConfigError(f"betas={tuple(betas)!r} is not allowed; each must be in [0, 1)")
         self.save_hyperparameters()
@@ -185,12 +200,19 @@ class GPTModule(pl.LightningModule):
         self._log_eval("test", self.test_loss)
 
     def parameter_groups(self) -> list[dict[str, Any]]:
-        """AdamW groups: every ≥ 2-D weight (matrices, embeddings) decays; biases and norm gains do not."""
+        """AdamW groups: every ≥ 2-D weight (matrices, embeddings) decays; biases and norm gains do not.
+
+        The decaying group's ``weight_decay`` is λ (``coupled``) or λ/η_max (``independent``: AdamW's step then
+        decays by ``η_t·λ/η_max = s_t·λ``)."""
+        hp = self.hparams
         params = [p for p in self.model.parameters() if p.requires_grad]
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
+        wd = hp.weight_decay
+        if hp.weight_decay_mode == "independent":
+            wd = wd / hp.learning_rate if wd > 0 else 0.0
         return [
-            {"params": decay, "weight_decay": self.hparams.weight_decay},
+            {"params": decay, "weight_decay": wd},
             {"params": no_decay, "weight_decay": 0.0},
         ]
 

@@ -82,3 +82,31 @@ def test_z_loss_exports_with_the_same_logits() -> None:
     idx = torch.randint(0, 211, (2, 32))
     with torch.no_grad():
         torch.testing.assert_close(gpt_to_hf(ours).eval()(idx).logits, ours(idx), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("pad", [1, 64])
+def test_untied_embeddings_export_as_untied_and_round_trip(pad: int) -> None:
+    # Hugging Face's GPT-2 holds a separate head with tie_word_embeddings=False; a tied export would replace the
+    # trained head with the input embedding and change the logits
+    torch.manual_seed(3)
+    ours = GPT(GPTConfig.preset("tiny", vocab_size=211, block_size=32, tie_embeddings=False,
+                                pad_vocab_multiple=pad)).eval()
+    assert ours.lm_head.weight.data_ptr() != ours.transformer.wte.weight.data_ptr()
+    hf = gpt_to_hf(ours).eval()
+    assert hf.config.tie_word_embeddings is False
+    assert hf.lm_head.weight.data_ptr() != hf.transformer.wte.weight.data_ptr()
+    idx = torch.randint(0, 211, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, ours(idx), rtol=0, atol=1e-5)
+        back = gpt_from_hf(hf, pad_vocab_multiple=pad).eval()
+        assert back.config.tie_embeddings is False
+        torch.testing.assert_close(back(idx), ours(idx), rtol=0, atol=0)
+
+
+def test_xavier_initialised_model_exports_with_the_same_logits() -> None:
+    # the initialisation shapes training only; the trained weights are copied as they are
+    torch.manual_seed(4)
+    ours = GPT(GPTConfig.preset("tiny", vocab_size=211, block_size=32, init="xavier")).eval()
+    idx = torch.randint(0, 211, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(gpt_to_hf(ours).eval()(idx).logits, ours(idx), rtol=0, atol=1e-5)

@@ -165,11 +165,12 @@ def load_tokens(protocol: Protocol, vocab_size: int, seq_len: int, own_vocab: bo
 
 
 def compact_vocabulary(tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The windows relabelled onto the distinct tokens they hold (``0 … V'−1`` in the order of the original ids), and
-    ``V'``: the protocol vocabulary. The text is the same; only the ids of tokens that never occur are gone, so a
-    model with ``V'`` outputs learns the same sequence with a head ``V / V'`` times smaller."""
-    distinct, inverse = torch.unique(tokens, return_inverse=True)
-    return inverse.view_as(tokens).to(torch.long), int(distinct.numel())
+    """The windows relabelled onto the distinct tokens they hold, and ``V'``: the protocol vocabulary. The one
+    implementation is :func:`lnstab.datamodules.vocab.compact_vocabulary` (``--data.vocab compact`` of the
+    OpenWebText DataModule), imported here when called so the check's parent process stays free of Lightning."""
+    from lnstab.datamodules.vocab import compact_vocabulary as shared
+
+    return shared(tokens)
 
 
 @contextlib.contextmanager
