@@ -24,14 +24,15 @@ class FailsWithGrad(EncoderLM):
 
 
 class ExitsInTraining(EncoderLM):
-    """Ends the process in its first training forward: ``sys.exit(0)`` (``how='sys'``) or ``os._exit(0)``."""
+    """Ends the process in its first training forward (with ``always``, in its first forward, the check's probe):
+    ``sys.exit(0)`` (``how='sys'``) or ``os._exit(0)``."""
 
-    def __init__(self, how: str) -> None:
+    def __init__(self, how: str, always: bool = False) -> None:
         super().__init__()
-        self.how = how
+        self.how, self.always = how, always
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled():
+        if self.always or torch.is_grad_enabled():
             if self.how == "sys":
                 sys.exit(0)
             os._exit(0)
@@ -94,6 +95,16 @@ def sys_exits() -> nn.Module:
 def os_exits() -> nn.Module:
     """A model whose training forward calls ``os._exit(0)``."""
     return ExitsInTraining("os")
+
+
+def sys_exits_when_probed() -> nn.Module:
+    """A model whose every forward calls ``sys.exit(0)``."""
+    return ExitsInTraining("sys", always=True)
+
+
+def os_exits_when_probed() -> nn.Module:
+    """A model whose every forward calls ``os._exit(0)``."""
+    return ExitsInTraining("os", always=True)
 
 
 def nan_logits() -> nn.Module:

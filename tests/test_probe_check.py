@@ -48,6 +48,14 @@ def test_a_model_that_fails_in_training_is_exit_3_with_one_line(factory, said, t
     assert not (out / "report.json").exists()  # no card: nothing a gate could read as a verdict
 
 
+def check_process(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """``lnstab check *args`` in a process of its own (a model's os._exit would end pytest's), finding
+    ``check_faulty``."""
+    cmd = [str(Path(sys.executable).with_name("lnstab")), "check", *args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=540)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("workers", ["1", "2"], ids=["in-process", "workers"])
@@ -57,16 +65,28 @@ def test_a_model_that_ends_the_process_in_training_is_exit_3_with_one_line(facto
     fails', with no card (SystemExit passed `except Exception`; os._exit ended the check's own process), so a CI gate
     passed a model that never trained. In its own process, since os._exit would have ended pytest's."""
     out = tmp_path / "card"
-    cmd = [str(Path(sys.executable).with_name("lnstab")), "check", "--factory", f"check_faulty:{factory}",
-           "--layer-pattern", r"layers\.(\d+)$", *ONE_RUN, "--workers", workers, "--out", str(out)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540)
+    done = check_process(tmp_path, "--factory", f"check_faulty:{factory}", "--layer-pattern", r"layers\.(\d+)$",
+                         *ONE_RUN, "--workers", workers, "--out", str(out))
     assert done.returncode == 3, done.stderr[-2000:]
     err = done.stderr.strip()
     assert err.startswith("lnstab: error: ") and "\n" not in err, err
     assert f"checked (check_faulty:{factory}) failed in its stress run at lr 0.01, seed 0" in err
     assert f"the model ended the process during training ({call})" in err, err
     assert not (out / "report.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("factory", "call"), [("sys_exits_when_probed", "sys.exit(0)"),
+                                               ("os_exits_when_probed", "os._exit(0)")])
+def test_a_model_that_ends_the_process_when_first_run_is_exit_2_with_one_line(factory, call, tmp_path) -> None:
+    """The same model ending the process in the check's probe of its forward, before any run (exit 0 before)."""
+    out = tmp_path / "card"
+    done = check_process(tmp_path, "--factory", f"check_faulty:{factory}", "--layer-pattern", r"layers\.(\d+)$",
+                         *ONE_RUN, "--out", str(out))
+    err = done.stderr.strip()
+    assert done.returncode == 2 and err.startswith("lnstab: error: ") and "\n" not in err, done.stderr[-2000:]
+    assert f"the model ended the process ({call}) on token ids of shape (2, 16), before any training" in err, err
+    assert not out.exists()
 
 
 def test_logits_nan_at_initialisation_are_refused_as_such_and_nan_in_training_fails_on_divergence(tmp_path,

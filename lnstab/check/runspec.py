@@ -53,10 +53,15 @@ def logits_of(out: Any) -> Any:
 
 def probe_forward(model: nn.Module, ids: torch.Tensor, label: str) -> Any:
     """The logits of ``model`` (:func:`logits_of`; eval mode, no grad) for ``ids``, or a one-line error naming
-    ``label`` when its forward fails."""
+    ``label`` when its forward fails or ends the process (``sys.exit``, ``os._exit``)."""
+    from lnstab.check.workers import exit_call, exits_caught
+
     try:
-        with torch.no_grad():
+        with exits_caught(), torch.no_grad():
             return logits_of(model.eval()(ids))
+    except SystemExit as exc:  # would end the check with the model's status (0: 'nothing fails') before any run
+        raise LNStabError(f"{label} ended the process ({exit_call(exc)}) on token ids of shape {tuple(ids.shape)}, "
+                          "before any training; lnstab check needs a forward that returns its logits") from None
     except Exception as exc:
         first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")[:300]
         raise LNStabError(f"{label} failed on token ids of shape {tuple(ids.shape)} "

@@ -99,10 +99,10 @@ def exits_caught() -> Iterator[None]:
         os._exit = real
 
 
-def ended_process(exc: SystemExit) -> str:
-    """The line of a run whose model ended the process: ``sys.exit(0)`` or ``os._exit(0)``."""
+def exit_call(exc: SystemExit) -> str:
+    """How a model ended the process: ``sys.exit(0)`` or ``os._exit(0)``."""
     call = "os._exit" if isinstance(exc, ModelExit) else "sys.exit"
-    return f"the model ended the process during training ({call}({'' if exc.code is None else repr(exc.code)}))"
+    return f"{call}({'' if exc.code is None else repr(exc.code)})"
 
 
 def run_job(job: Job) -> Any:
@@ -121,7 +121,8 @@ def run_job(job: Job) -> Any:
                 return stress_run(job.subject.key, model, job.subject.sites, job.tokens, lr=job.lr, seed=job.seed,
                                   log_root=job.log_root, z_loss=job.subject.z_loss, **job.settings)
     except SystemExit as exc:  # would pass `except Exception` and end the check with the model's status (0: a pass)
-        return Failure(job.index, "SystemExit", ended_process(exc), "".join(traceback.format_exception(exc)))
+        return Failure(job.index, "SystemExit", f"the model ended the process during training ({exit_call(exc)})",
+                       "".join(traceback.format_exception(exc)))
     except Exception as exc:
         first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
         return Failure(job.index, type(exc).__name__, first, "".join(traceback.format_exception(exc)))
