@@ -26,8 +26,9 @@ PREFIX = r"^(?:[\w.-]+/)*"  # an instrument's metric_prefix (``mlp/hidden/mean_a
 
 @dataclass(frozen=True)
 class Chart:
-    """One chart: its title, the regexes of its tags and the callback class whose tags they are (``None``: the
-    LightningModule's or the trainer's own, always charted)."""
+    """One chart: its title, the regexes of its tags and what logs them: a callback class, ``z_loss`` (a module
+    trained with a z-loss, ``train/z_loss``) or ``None`` (the LightningModule's or the trainer's own, always charted).
+    """
 
     title: str
     regexes: tuple[str, ...]
@@ -63,16 +64,16 @@ def categories() -> dict[str, list[Chart]]:
         "Training": [
             exact("loss (train, val, test)", None, "train/loss", "val/loss", "test/loss"),
             exact("perplexity (val, test)", None, "val/ppl", "test/ppl"),
+            exact("z-loss", "z_loss", "train/z_loss"),
             exact("learning rate", None, "train/lr"),
             exact("tokens seen", None, "train/tokens"),
-            exact("epoch", None, "epoch"),
             exact("tokens/s (all devices, one device)", "Throughput",
                   "throughput/tokens_per_s", "throughput/device/tokens_per_s"),
             exact("samples/s", "Throughput", "throughput/samples_per_s"),
             exact("FLOP/s (one device, its peak)", "Throughput", "throughput/device/flops_per_s",
                   "throughput/peak_flops"),
             exact("MFU", "Throughput", "throughput/mfu"),
-            exact("z-loss (with model.z_loss > 0)", None, "train/z_loss"),
+            exact("epoch", None, "epoch"),
         ],
         "Hidden states": hidden,
         "Growth bound": [
@@ -113,8 +114,8 @@ def stability_layout(sources: Collection[str] | None = None) -> dict[str, dict[s
     """The layout for ``SummaryWriter.add_custom_scalars``: category → chart title → ``["Multiline", [regex]]``.
 
     Args:
-        sources: Names of the callback classes present (``None``: every chart). A chart whose tags come from a
-            callback not named is left out, and so is a category left empty.
+        sources: Names of the callback classes present, and ``z_loss`` where the module trains with a z-loss
+            (``None``: every chart). A chart whose source is not named is left out, and so is a category left empty.
     """
     out: dict[str, dict[str, list[Any]]] = {}
     for category, charts in categories().items():
@@ -127,7 +128,8 @@ def stability_layout(sources: Collection[str] | None = None) -> dict[str, dict[s
 
 class StabilityLayout(Callback):
     """Adds :func:`stability_layout` to the TensorBoard run once, in ``setup`` (no-op without a TensorBoardLogger):
-    the training charts and those of the instruments among ``trainer.callbacks`` (subclasses count).
+    the training charts (z-loss where the module's ``hparams.z_loss`` > 0) and those of the instruments among
+    ``trainer.callbacks`` (subclasses count).
 
     **Logged metrics**: none (a layout in the TensorBoard *Custom Scalars* tab; docs/dashboard.md).
 
@@ -142,12 +144,15 @@ class StabilityLayout(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if not self.added:
-            self._add(trainer)
+            self._add(trainer, pl_module)
             self.added = True
 
     @rank_zero_only
-    def _add(self, trainer: pl.Trainer) -> None:
+    def _add(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         writer = tensorboard_writer(trainer)
         if writer is not None:
             sources = {cls.__name__ for callback in trainer.callbacks for cls in type(callback).__mro__}
+            z_loss = pl_module.hparams.get("z_loss")
+            if isinstance(z_loss, int | float) and z_loss > 0:
+                sources.add("z_loss")
             writer.add_custom_scalars(stability_layout(sources))

@@ -73,6 +73,7 @@ def test_series_file_tensorboard_scalars_heatmap_and_layout(tmp_path):
     written = layout_pb2.Layout()
     written.ParseFromString(events.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
     assert [c.title for c in written.category] == ["Training", "Hidden states"]  # the instruments present only
+    assert "z-loss" not in [chart.title for chart in written.category[0].chart]  # a module without a z-loss
 
 
 def test_hooks_removed_in_teardown(tmp_path):

@@ -93,6 +93,7 @@ def test_layout_leaves_out_the_charts_of_instruments_not_present():
     layout = stability_layout({"HiddenStateStatistics"})
     assert list(layout) == ["Training", "Hidden states"]  # no empty charts for absent instruments
     assert "MFU" not in layout["Training"] and "loss (train, val, test)" in layout["Training"]
+    assert "z-loss" not in layout["Training"] and "z-loss" in stability_layout({"z_loss"})["Training"]
     assert list(stability_layout()) == ["Training", "Hidden states", "Growth bound", "Growth across depth",
                                         "Gradients and weights", "Jacobian", "Attention logits", "Output logits",
                                         "Divergence", "Evaluation"]
