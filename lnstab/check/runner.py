@@ -44,29 +44,35 @@ def load_data(protocol: Protocol, subject: Subject, seq_len: int, vocab_mode: st
     """The windows and the subject to train on them: with ``vocab_mode='protocol'`` and a subject that allows it
     (:meth:`Subject.with_vocab`), the windows are relabelled onto the distinct tokens they hold and the subject is
     built with that many outputs; else the model's own vocabulary (``files`` then needs GPT-2's). With ``pool``, the
-    text is read and tokenised in one of its workers (:func:`windows`), which import Lightning anyway."""
+    text is read, tokenised and relabelled in one of its workers (:func:`windows`), which import Lightning anyway."""
     probe = subject.with_vocab(2) if vocab_mode == "protocol" else None
     compact = probe is not None
     vocab = subject.shape.vocab_size
     args = (protocol, vocab, seq_len, not compact)
-    array, info = pool.call(windows, *args) if pool else windows(*args)
+    array, info, size = pool.call(windows, *args) if pool else windows(*args)
     tokens = torch.from_numpy(array)
     if info["source"] == "files":
         info["identity"] = file_identity(protocol.data_path)
     if not compact:
         check_model(subject, vocab, seq_len, width=False)
         return Data(tokens, info, {"mode": "model", "size": vocab, "own": vocab}), subject
-    tokens, size = compact_vocabulary(tokens)
     source_vocab = info.get("vocab_size", vocab)
     compacted = subject.with_vocab(size)
     check_model(compacted, size, seq_len)
     return Data(tokens, info, {"mode": "protocol", "size": size, "own": vocab, "source": source_vocab}), compacted
 
 
-def windows(protocol: Protocol, vocab: int, seq_len: int, own_vocab: bool) -> tuple[np.ndarray, dict[str, Any]]:
-    """:func:`~lnstab.check.protocol.load_tokens` with the windows as a numpy array (what a worker sends back)."""
+def windows(protocol: Protocol, vocab: int, seq_len: int, own_vocab: bool
+            ) -> tuple[np.ndarray, dict[str, Any], int]:
+    """:func:`~lnstab.check.protocol.load_tokens` with the windows as a numpy array (what a worker sends back) and
+    the vocabulary they are in: without ``own_vocab``, relabelled onto the tokens they hold
+    (:func:`~lnstab.check.protocol.compact_vocabulary`, whose one implementation lives with the data modules, which
+    import Lightning: so here, where the text was read)."""
     tokens, info = load_tokens(protocol, vocab, seq_len, own_vocab=own_vocab)
-    return tokens.numpy(), info
+    size = vocab
+    if not own_vocab:
+        tokens, size = compact_vocabulary(tokens)
+    return tokens.numpy(), info, size
 
 
 def check_model(subject: Subject, vocab_size: int, seq_len: int, *, width: bool = True, causal: bool = True) -> None:
