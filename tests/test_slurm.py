@@ -287,7 +287,7 @@ def test_a_two_node_job_is_preempted_resumed_on_both_nodes_and_equals_one_node_o
     script = done.stdout
     assert "#SBATCH --nodes=2\n" in script and "--trainer.num_nodes 2 --trainer.devices 1" in script
     job = submit(two_nodes, script, env, tmp_path)
-    before = wait_for("a rank on each node", lambda: len(ranks_of(run)) == 2 and ranks_of(run), timeout=300)
+    before = wait_for("a rank on each node", lambda: r if len(r := ranks_of(run)) == 2 else None, timeout=300)
     assert before == {("n1", "0", "0"), ("n2", "1", "0")}
     wait_for("a checkpoint", lambda: (run / "checkpoints" / "last.ckpt").exists(), timeout=300)
     two_nodes.run("scancel", "--signal=USR1", "--full", job)  # the batch shell, srun and both ranks
