@@ -365,3 +365,99 @@ def test_z_loss_off_logs_no_z_loss_and_val_loss_is_the_cross_entropy(tmp_path) -
             assert module(x, y).item() == pytest.approx((parts.cross_entropy + parts.z_loss).item(), rel=1e-6)
         assert t.callback_metrics["val/loss"].item() == pytest.approx(ce, rel=1e-5)  # not the objective
         assert (parts.z_loss.item() > 1.0) == (z_loss > 0)  # 0.5·(log Z)², log Z ≈ log 64 at this stage
+
+
+# ------------------------------------------------------------------ untied embeddings, Xavier initialisation
+
+
+def test_untied_head_is_its_own_weight_and_trains_separately() -> None:
+    torch.manual_seed(0)
+    model = GPT(tiny(tie_embeddings=False))
+    head, wte = model.lm_head.weight, model.transformer.wte.weight
+    assert head is not wte and head.data_ptr() != wte.data_ptr()
+    assert model.num_params() == GPT(tiny()).num_params() + head.numel()
+    state = model.state_dict()
+    assert state["lm_head.weight"].data_ptr() != state["transformer.wte.weight"].data_ptr()
+    before_head, before_wte = head.detach().clone(), wte.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model(tokens(), tokens(1)).backward()
+    assert not torch.equal(head.grad, wte.grad)  # the head's gradient is not added into the embedding's
+    opt.step()
+    assert not torch.equal(head, before_head) and not torch.equal(wte, before_wte)
+    torch.testing.assert_close(head - before_head, -model.lm_head.weight.grad, rtol=0, atol=1e-7)
+    torch.testing.assert_close(wte - before_wte, -model.transformer.wte.weight.grad, rtol=0, atol=1e-7)
+
+
+def gpt2_reference_init(model: GPT, n_layer: int) -> None:
+    """GPT-2's initialisation as lnstab drew it before the init option: the default must draw exactly this."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("c_proj") else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+
+def test_default_init_and_tying_draw_gpt2_weights_as_before() -> None:
+    ours, ref = GPT(tiny()), GPT(tiny())
+    assert ours.lm_head.weight is ours.transformer.wte.weight and list(ours.state_dict()) == list(ref.state_dict())
+    torch.manual_seed(123)
+    gpt2_reference_init(ref, 2)
+    torch.manual_seed(123)
+    ours.reset_parameters()
+    for (name, a), (_, b) in zip(ours.state_dict().items(), ref.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def xavier_bound(weight: torch.Tensor) -> float:
+    fan_out, fan_in = weight.shape
+    return math.sqrt(6.0 / (fan_in + fan_out))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_xavier_init_is_xavier_uniform_without_residual_scaling(tie: bool) -> None:
+    torch.manual_seed(0)
+    config = GPTConfig.preset("mini", vocab_size=512, init="xavier", tie_embeddings=tie)
+    model, gpt2 = GPT(config).requires_grad_(False), GPT(dataclasses.replace(config, init="gpt2"))
+    c = config.n_embd
+    for block, ref in zip(model.transformer.h, gpt2.transformer.h, strict=True):
+        q, k, v = block.attn.c_attn.weight.split(c)  # each its own (C, C) Xavier matrix
+        for w, ref_w in ((q, ref.attn.c_attn.weight), (k, None), (v, None), (block.attn.c_proj.weight,
+                         ref.attn.c_proj.weight), (block.mlp.c_fc.weight, ref.mlp.c_fc.weight),
+                         (block.mlp.c_proj.weight, ref.mlp.c_proj.weight)):
+            bound = xavier_bound(w)
+            assert float(w.abs().max()) <= bound and float(w.abs().max()) > 0.97 * bound  # U(-a, a)
+            assert float(w.std()) == pytest.approx(bound / math.sqrt(3), rel=0.03)  # sqrt(2 / (fan_in + fan_out))
+            if ref_w is not None:
+                assert float(w.std()) > 2 * float(ref_w.std())  # not GPT-2's 0.02 nor its 0.02/sqrt(2N)
+    # c_proj of the MLP and the attention: fan-based, the same std at every depth (no 1/sqrt(2N))
+    assert float(model.transformer.h[0].attn.c_proj.weight.std()) == pytest.approx(math.sqrt(1 / c), rel=0.03)
+    assert float(model.transformer.wte.weight.std()) == pytest.approx(0.02, rel=0.03)  # embeddings: GPT-2's
+    head = model.lm_head.weight
+    if tie:
+        assert head is model.transformer.wte.weight
+    else:
+        assert float(head.std()) == pytest.approx(xavier_bound(head) / math.sqrt(3), rel=0.03)
+
+
+def test_deepnorm_keeps_its_own_init_with_xavier() -> None:
+    torch.manual_seed(0)
+    a = GPT(GPTConfig.preset("mini", vocab_size=64, norm_placement="deepnorm", init="xavier"))
+    v = a.transformer.h[0].attn.c_attn.weight.split(128)[2]
+    beta = PLACEMENTS["deepnorm"].init_gain(4)
+    assert float(v.std()) == pytest.approx(beta * math.sqrt(2 / 256), rel=0.05)  # DeepNet's Xavier normal, gain β
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(init="he"), "init='he'"),
+        (dict(tie_embeddings="no"), "tie_embeddings='no' is not allowed; it must be true or false"),
+    ],
+)
+def test_bad_init_and_tying_are_one_line(overrides: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match) as info:
+        tiny(**overrides)
+    assert "\n" not in str(info.value)

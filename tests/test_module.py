@@ -261,3 +261,47 @@ def test_fsdp_clips_through_the_sharded_root_and_fused_adamw_where_clipping_allo
         module.trainer = t
         optimizer = module.configure_optimizers()["optimizer"]
         assert optimizer.defaults[expected], (precision, clip)
+
+
+@pytest.mark.parametrize("mode", ["coupled", "independent"])
+def test_weight_decay_modes_against_a_hand_computed_adamw(mode: str) -> None:
+    # two AdamW steps of the module's own optimizer and schedule (2 warm-up steps: s = 1/2, then 1) against the
+    # update written out: theta <- theta - eta_t * Adam(g) - d_t * theta, with d_t = eta_t * lambda (coupled) or
+    # s_t * lambda (independent: not scaled by the peak rate eta_max)
+    eta_max, lam, b1, b2, eps = 0.01, 0.1, 0.9, 0.95, 1e-8
+    module = small_module(learning_rate=eta_max, min_lr=0.0, warmup_steps=2, lr_decay_steps=100, weight_decay=lam,
+                          weight_decay_mode=mode, betas=(b1, b2), eps=eps)
+    opt_conf = module.configure_optimizers()
+    optimizer, scheduler = opt_conf["optimizer"], opt_conf["lr_scheduler"]["scheduler"]
+    weight, gain = module.model.transformer.h[0].mlp.c_fc.weight, module.model.transformer.h[0].ln_1.weight
+    theta = {"w": weight.detach().clone().double(), "g": gain.detach().clone().double()}
+    m = {k: torch.zeros_like(v) for k, v in theta.items()}
+    v = {k: torch.zeros_like(t) for k, t in theta.items()}
+    gen = torch.Generator().manual_seed(0)
+    for t, s in ((1, 0.5), (2, 1.0)):
+        grads = {p: torch.randn(p.shape, generator=gen) for p in module.parameters()}
+        for p, g in grads.items():
+            p.grad = g.clone()
+        eta = s * eta_max
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(eta)
+        for key, param, decays in (("w", weight, True), ("g", gain, False)):
+            g = grads[param].double()
+            m[key] = b1 * m[key] + (1 - b1) * g
+            v[key] = b2 * v[key] + (1 - b2) * g * g
+            adam = (m[key] / (1 - b1**t)) / ((v[key] / (1 - b2**t)).sqrt() + eps)
+            decay = (s * lam if mode == "independent" else eta * lam) if decays else 0.0
+            theta[key] = theta[key] * (1 - decay) - eta * adam
+        optimizer.step()
+        scheduler.step()
+        torch.testing.assert_close(weight.detach().double(), theta["w"], rtol=0, atol=1e-6)
+        torch.testing.assert_close(gain.detach().double(), theta["g"], rtol=0, atol=1e-6)
+    if mode == "independent":
+        assert optimizer.param_groups[0]["weight_decay"] == pytest.approx(lam / eta_max)
+
+
+def test_bad_weight_decay_mode_is_one_line() -> None:
+    with pytest.raises(ConfigError, match="weight_decay_mode='decoupled'") as info:
+        small_module(weight_decay_mode="decoupled")
+    assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="weight_decay_mode='independent' is not allowed with learning_rate=0"):
+        small_module(weight_decay_mode="independent", learning_rate=0.0, min_lr=0.0)
