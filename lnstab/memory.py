@@ -82,10 +82,11 @@ def block_params(config: GPTConfig) -> int:
 
 
 def total_params(config: GPTConfig) -> int:
-    """Unique parameters of the GPT (tied head counted once), as ``GPT(config).num_params()``."""
+    """Unique parameters of the GPT (a tied head counted once), as ``GPT(config).num_params()``."""
     C = config.n_embd
     final = norm_params(config, C) if PLACEMENTS[config.norm_placement].final else 0
-    return config.padded_vocab_size * C + config.block_size * C + config.n_layer * block_params(config) + final
+    embeddings = (1 if config.tie_embeddings else 2) * config.padded_vocab_size * C  # wte (+ an untied lm_head)
+    return embeddings + config.block_size * C + config.n_layer * block_params(config) + final
 
 
 def norm_bytes_per_token(config: GPTConfig) -> int:

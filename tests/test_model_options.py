@@ -58,6 +58,8 @@ OPTIONS = {
     "rezero": dict(residual_gate="rezero", norm_placement="none"),
     "layerscale": dict(residual_gate="layerscale", layerscale_init=0.1),
     "deepnorm": dict(norm_placement="deepnorm"),
+    "untied": dict(tie_embeddings=False),
+    "xavier_post": dict(init="xavier", norm_placement="post", tie_embeddings=False),
 }
 
 
@@ -249,6 +251,7 @@ def test_every_option_keeps_the_module_names(name: str) -> None:
 def test_default_is_gpt2_with_no_option_on() -> None:
     config = GPTConfig()
     assert (config.qk_norm, config.z_loss, config.norm_type, config.residual_gate) == (False, 0.0, "layernorm", "none")
+    assert (config.tie_embeddings, config.init) == (True, "gpt2")
     model = GPT(tiny())
     assert not any(isinstance(m, Gate | DyT) for m in model.modules())
     assert all(b.resid_attn.stream == 1.0 for b in model.transformer.h)
