@@ -11,7 +11,9 @@ import yaml
 from test_report import make_run, write_scalars
 
 from lnstab.report import collect
-from lnstab.report.ladder import designs, ladder_figure, ladder_table, mean_interval, welch_interval
+from lnstab.report.figures import lr_ladder, palette
+from lnstab.report.ladder import designs, ladder_table, mean_interval, welch_interval
+from lnstab.report.tables import group
 
 # design -> seed -> {lr: final val loss}; inf: diverged. Initial loss 6.0 (train/loss at step 0) everywhere.
 LOSSES = {
@@ -85,14 +87,32 @@ def test_welch_interval_against_a_hand_computation() -> None:
     assert math.isnan(welch_interval([1.0], b)[1])
 
 
-def test_the_figure_draws_loss_logit_and_log_z_per_design_in_one_colour(tmp_path) -> None:
-    records = collect([ladder_runs(tmp_path)])
-    path = ladder_figure(records, tmp_path / "lr_ladder.png", colours={"pre": "#123456", "peri": "#abcdef"})
-    assert path is not None and path.stat().st_size > 0
-    import matplotlib.pyplot as plt
+def test_the_figure_draws_loss_logit_and_log_z_per_design_in_its_colour(tmp_path) -> None:
+    _, configs = group(collect([ladder_runs(tmp_path)]))
+    fig = lr_ladder(configs)
+    assert fig is not None
+    loss_ax, logit_ax, z_ax = fig.axes[:3]
+    colours = palette(configs)
+    for ax in (loss_ax, logit_ax, z_ax):
+        lines = {line.get_label(): line for line in ax.get_lines() if not line.get_label().startswith("L_init")}
+        assert set(lines) == {"pre", "peri"}
+        for label, line in lines.items():
+            assert line.get_color() == colours[label]
+            assert list(line.get_xdata()) == [1e-3, 1e-2, 1e-1]
+    pre = {line.get_label(): line for line in loss_ax.get_lines()}["pre"]
+    assert list(pre.get_ydata()) == pytest.approx([4.1, 3.0, 5.5])  # the diverged seed counts as L_init = 6
+    from matplotlib.collections import PolyCollection
+    from matplotlib.colors import to_rgba
 
-    img = plt.imread(path)
-    assert img.shape[1] > img.shape[0]  # three panels side by side
+    (band,) = [c.get_paths()[0].vertices[:, 1] for c in loss_ax.collections
+               if isinstance(c, PolyCollection) and tuple(c.get_facecolor()[0][:3]) == to_rgba(
+                   colours["pre"])[:3]]
+    assert min(band) == pytest.approx(2.9) and max(band) == pytest.approx(6.0)  # best and worst seed
+    logit = {line.get_label(): line for line in logit_ax.get_lines()}["pre"]
+    assert list(logit.get_ydata()) == pytest.approx([10.0, 100.0, 1000.0])  # the larger layer's, the seeds' mean
+    z = {line.get_label(): line for line in z_ax.get_lines()}["peri"]
+    assert list(z.get_ydata()) == pytest.approx([7.001, 7.01, 7.1])  # the last log Z, not the first
+    assert logit_ax.get_yscale() == "log"
 
 
 def test_no_ladder_no_figure(tmp_path) -> None:
@@ -100,5 +120,5 @@ def test_no_ladder_no_figure(tmp_path) -> None:
     make_run(g, "pre_s0", "pre", 0, "completed", val_loss=3.0)
     make_run(g, "peri_s0", "peri", 0, "completed", val_loss=3.1)
     records = collect([g])
-    assert ladder_figure(records, tmp_path / "x.png") is None
+    assert lr_ladder(group(records)[1]) is None
     assert ladder_table(records).rows == []

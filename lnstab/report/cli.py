@@ -19,6 +19,7 @@ from pathlib import Path
 from lnstab.errors import LNStabError, writing
 from lnstab.report.collect import RunRecord, collect
 from lnstab.report.figures import FIGURES, draw_all
+from lnstab.report.ladder import ladder_table
 from lnstab.report.logits import logit_table
 from lnstab.report.lr_sensitivity import lr_sensitivity_table
 from lnstab.report.tables import divergence_table, group, performance_table, runs_table, stability_table
@@ -32,6 +33,9 @@ TABLES = {
     "stability": ("Stability: end of training, mean ± std over the runs with data (n = used/all)", stability_table),
     "lr_sensitivity": ("LR sensitivity (Wortsman et al. 2023): mean over the learning-rate ladder of "
                        "min(L, L_init) − L* per configuration", lr_sensitivity_table),
+    "lr_ladder": ("LR sensitivity per seed: mean with Student's 95 % interval, the difference to the first "
+                  "configuration with Welch's, and the final loss at each rate as mean [min, max] over seeds",
+                  ladder_table),
     "logits": ("Attention and output logits: largest attention logit (over layers and steps), smallest attention "
                "entropy, largest collapsed fraction, last mean log Z, largest output logit; mean ± std over runs",
                logit_table),

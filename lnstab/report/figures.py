@@ -12,6 +12,7 @@ them.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,9 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from lnstab.report.collect import RunRecord
+from lnstab.report.ladder import Design, designs
+from lnstab.report.ladder import rate as design_rate
+from lnstab.report.logits import logit_metrics
 from lnstab.report.lr_sensitivity import ladders
 from lnstab.report.tables import Configuration, _norm, jacobian_points, join_label, label_part, last_site, short_names
 
@@ -348,6 +352,63 @@ def lr_sensitivity(configs: list[Configuration]) -> Figure | None:
     return fig
 
 
+def _per_rate_logit(design: Design, key: str, metric: str) -> tuple[list[float], list[float]]:
+    """``(rates, mean over the design's runs at each rate of one of logits.LOGIT_METRICS)``."""
+    xs, ys = [], []
+    for lr in sorted({lr for r in design.runs if (lr := design_rate(r, key)) is not None}):
+        values = [v for r in design.runs_at(lr, key) if (v := logit_metrics(r).get(metric)) is not None
+                  and math.isfinite(v)]
+        if values:
+            xs.append(lr)
+            ys.append(statistics.fmean(values))
+    return xs, ys
+
+
+def lr_ladder(configs: list[Configuration]) -> Figure | None:
+    """Wortsman et al.'s Figure 1 with the seeds' spread, beside its mechanisms: the final loss against learning rate
+    (mean over seeds; the band from the best to the worst seed; × where a run diverged, counted as L_init), the
+    largest attention logit and the last mean log Z against learning rate; one line per design (a configuration
+    without its learning rate), in its colour of every figure."""
+    key, _, found = designs([r for c in configs for r in c.runs])
+    found = [d for d in found if len(d.rates()) >= 2]
+    if key is None or not found:
+        return None
+    colours = palette(configs)
+    fig = Figure(figsize=(15, 4.6))
+    loss_ax, logit_ax, z_ax = fig.subplots(1, 3)
+    for d in found:
+        colour = colours.get(d.label, _colour(len(colours)))
+        rates = d.rates()
+        losses = [d.losses_at(lr) for lr in rates]
+        _line(loss_ax, rates, [statistics.fmean(v) for v in losses], colour, d.label, marker="o", ms=4)
+        loss_ax.fill_between(rates, [min(v) for v in losses], [max(v) for v in losses], color=colour, alpha=0.15,
+                             linewidth=0)
+        bad = [lr for lr in rates if any(r.status == "diverged" for r in d.runs_at(lr, key))]
+        if bad:
+            loss_ax.scatter(bad, [statistics.fmean(d.losses_at(lr)) for lr in bad], marker="x", s=60, color=colour,
+                            zorder=3)
+        for ax, metric in ((logit_ax, "attn_max_logit"), (z_ax, "log_z_last")):
+            xs, ys = _per_rate_logit(d, key, metric)
+            if xs:
+                _line(ax, xs, ys, colour, d.label, marker="o", ms=4)
+    if found[0].initial is not None:
+        loss_ax.axhline(found[0].initial, color="grey", lw=0.8, ls=":", label="L_init")
+    loss_ax.set_title("Final loss against learning rate (band: seeds; ×: diverged)")
+    loss_ax.set_ylabel("final validation loss, min(L, L_init)")
+    logit_ax.set_title("Largest attention logit (over layers and steps)")
+    z_ax.set_title("Mean log Z at the last measurement")
+    for ax in (loss_ax, logit_ax, z_ax):
+        ax.set_xscale("log")
+        ax.set_xlabel("learning rate")
+        ax.grid(alpha=0.3)
+    _log_if_positive(logit_ax)
+    for ax in (logit_ax, z_ax):
+        if not ax.get_lines():
+            ax.set_title(ax.get_title() + ": not logged")
+    _legend(fig)
+    return fig
+
+
 FIGURES: dict[str, tuple[str, Callable[[list[Configuration]], Figure | None]]] = {
     "depth_profile.png": ("MA, entry-wise and data-wise variance against depth at the end of training", depth_profile),
     "last_layer_steps.png": ("the same for the last layer over training steps", last_layer_over_steps),
@@ -357,6 +418,8 @@ FIGURES: dict[str, tuple[str, Callable[[list[Configuration]], Figure | None]]] =
     "attention_max_logit.png": ("the largest attention logit over layers, over training steps", attention_max_logit),
     "log_z.png": ("mean log Z of the output logits over training steps", log_z_over_steps),
     "lr_sensitivity.png": ("final loss against learning rate, one line per configuration", lr_sensitivity),
+    "lr_ladder.png": ("final loss with the seeds' band, largest attention logit and log Z against learning rate",
+                      lr_ladder),
 }
 
 

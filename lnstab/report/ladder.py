@@ -8,8 +8,8 @@ module keeps the seeds apart, so a difference between two designs comes with an 
   ``L_init`` and the final loss of a run are read the same way, a diverged run counting as ``L_init``);
 * per configuration: the mean of ``S`` over seeds with Student's 95 % interval, and the difference to the *first*
   configuration (the reference: a grid's first design) with Welch's 95 % interval;
-* per configuration and rate: the final loss's mean, min and max over seeds, diverged runs, the largest attention
-  logit and the last mean log Z (means over the seeds that logged them).
+* per configuration and rate: the final loss's mean, min and max over seeds and the diverged runs
+  (:func:`lnstab.report.figures.lr_ladder` draws them beside the largest attention logit and the last mean log Z).
 
 A seed that ran fewer than two rates of a ladder has no sensitivity and is left out of ``S`` (it still shows in the
 per-rate rows).
@@ -20,13 +20,9 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from matplotlib.figure import Figure
-
 from lnstab.report.collect import RunRecord
-from lnstab.report.logits import logit_metrics
 from lnstab.report.lr_sensitivity import final_loss, initial_loss, lr_key
 from lnstab.report.tables import (
     Table,
@@ -38,8 +34,6 @@ from lnstab.report.tables import (
     short_names,
     varying_keys,
 )
-
-DPI = 110
 
 
 def t_quantile(df: float, level: float = 0.975) -> float:
@@ -116,7 +110,7 @@ class Design:
 
     def runs_at(self, lr: float, key: str) -> list[RunRecord]:
         """The runs of this design at ``lr``."""
-        return [r for r in self.runs if _rate(r, key) == lr]
+        return [r for r in self.runs if rate(r, key) == lr]
 
     def best(self) -> tuple[float, float] | None:
         """``(η*, L*)`` of the mean-over-seeds curve."""
@@ -124,7 +118,8 @@ class Design:
         return min(curve.items(), key=lambda p: (p[1], p[0])) if curve else None
 
 
-def _rate(run: RunRecord, key: str) -> float | None:
+def rate(run: RunRecord, key: str) -> float | None:
+    """The run's learning rate under ``key`` (``None``: not a number)."""
     lr = run.config.get(key)
     return float(lr) if isinstance(lr, int | float) and not isinstance(lr, bool) else None
 
@@ -151,7 +146,7 @@ def designs(records: list[RunRecord]) -> tuple[str | None, list[str], list[Desig
         starts = [v for v in map(initial_loss, design.runs) if v is not None]
         design.initial = statistics.fmean(starts) if starts else None
         for r in design.runs:
-            lr, loss = _rate(r, key), final_loss(r)
+            lr, loss = rate(r, key), final_loss(r)
             if lr is None or loss is None or design.initial is None:
                 continue
             ladder = design.seeds.setdefault(_seed(r), SeedLadder(_seed(r)))
@@ -205,59 +200,3 @@ def ladder_table(records: list[RunRecord]) -> Table:
         rows.append(row)
         md.append(shown)
     return Table(list(rows[0]), rows, list(md[0]), md)
-
-
-def _per_rate_metric(design: Design, key: str, metric: str) -> tuple[list[float], list[float]]:
-    xs, ys = [], []
-    for lr in design.rates() or sorted({lr for r in design.runs if (lr := _rate(r, key)) is not None}):
-        values = [v for r in design.runs_at(lr, key) if (v := logit_metrics(r).get(metric)) is not None
-                  and math.isfinite(v)]
-        if values:
-            xs.append(lr)
-            ys.append(statistics.fmean(values))
-    return xs, ys
-
-
-def ladder_figure(records: list[RunRecord], path: Path, colours: dict[str, str] | None = None) -> Path | None:
-    """Wortsman et al.'s Figure 1 and its mechanisms, one line per configuration in one colour throughout: final
-    loss against learning rate (mean over seeds, the band from the best to the worst seed, × where a run diverged),
-    the largest attention logit against learning rate, and the last mean log Z against learning rate."""
-    key, _, found = designs(records)
-    found = [d for d in found if len(d.rates()) >= 2]
-    if key is None or not found:
-        return None
-    fig = Figure(figsize=(15, 4.6))
-    loss_ax, logit_ax, z_ax = fig.subplots(1, 3)
-    for i, d in enumerate(found):
-        colour = (colours or {}).get(d.label, f"C{i % 10}")
-        style = "-" if i < 10 else "--"
-        rates = d.rates()
-        losses = [d.losses_at(lr) for lr in rates]
-        loss_ax.plot(rates, [statistics.fmean(v) for v in losses], style, marker="o", ms=4, color=colour,
-                     label=d.label)
-        loss_ax.fill_between(rates, [min(v) for v in losses], [max(v) for v in losses], color=colour, alpha=0.15,
-                             linewidth=0)
-        bad = [lr for lr in rates if any(r.status == "diverged" for r in d.runs_at(lr, key))]
-        if bad:
-            loss_ax.scatter(bad, [statistics.fmean(d.losses_at(lr)) for lr in bad], marker="x", s=60, color=colour,
-                            zorder=3)
-        for ax, metric in ((logit_ax, "attn_max_logit"), (z_ax, "log_z_last")):
-            xs, ys = _per_rate_metric(d, key, metric)
-            if xs:
-                ax.plot(xs, ys, style, marker="o", ms=4, color=colour, label=d.label)
-    if found[0].initial is not None:
-        loss_ax.axhline(found[0].initial, color="grey", lw=0.8, ls=":", label="L_init")
-    loss_ax.set_title("Final loss against learning rate (band: seeds; ×: diverged)")
-    loss_ax.set_ylabel("final validation loss, min(L, L_init)")
-    logit_ax.set_title("Largest attention logit (over layers, steps)")
-    logit_ax.set_yscale("log")
-    z_ax.set_title("Mean log Z at the last measurement")
-    for ax in (loss_ax, logit_ax, z_ax):
-        ax.set_xscale("log")
-        ax.set_xlabel("learning rate")
-        ax.grid(alpha=0.3)
-    handles, labels = loss_ax.get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 0.95))
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI, bbox_inches="tight")
-    return path
