@@ -83,7 +83,7 @@ class OpenWebTextDataModule(pl.LightningDataModule):
         synthetic_vocab_size: Token ids of the synthetic stream lie in ``[0, synthetic_vocab_size)``.
         verify_checksums: Check the sha256 of prepared files in ``setup`` (sizes are always checked).
         val_split: ``head`` (validation is the first ``val_tokens`` tokens of the stream, the last document cut) or
-            ``documents`` (``files`` only: validation is the first ``val_documents`` whole documents, training every
+            ``documents`` (``files`` or ``sample``: validation is the first ``val_documents`` whole documents, training every
             other one, no document in both; everything is tokenized once in ``setup`` and held in memory, and
             training takes aligned windows of the training documents, shuffled per pass by ``seed``).
             ``val_tokens``, if set, then keeps the first ``val_tokens`` of the validation documents' tokens.
@@ -171,9 +171,9 @@ class OpenWebTextDataModule(pl.LightningDataModule):
         check.choice("data.val_split", val_split, VAL_SPLITS, error=DataError)
         check.choice("data.vocab", vocab, VOCABS, error=DataError)
         if val_split == "documents":
-            if not (source == "files" or (source == "auto" and path)):
+            if not (source in ("files", "sample") or (source == "auto" and path)):
                 raise DataError(f"--data.val_split documents is not allowed with --data.source {source}; it splits "
-                                "local text: use --data.source files (or auto with --data.path)")
+                                "local text: use --data.source files or sample (or auto with --data.path)")
             if isinstance(val_documents, bool) or not (
                 (isinstance(val_documents, int) and val_documents >= 1)
                 or (isinstance(val_documents, float) and 0 < val_documents < 1)

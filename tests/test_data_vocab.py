@@ -165,3 +165,14 @@ def test_the_proxy_split_of_the_900_document_sample_is_810_and_90() -> None:
     eot = int(dm.vocab_map.apply(np.array([EOT_TOKEN]))[0])
     assert len(documents_of(dm.validation_tokens().numpy(), eot)) == 90
     assert len(documents_of(dm.train_dataset().tokens, eot)) == 810
+
+
+def test_the_split_needs_local_text() -> None:
+    for source in ("hf", "prepared", "synthetic"):
+        with pytest.raises(DataError, match=f"--data.val_split documents is not allowed with --data.source {source}"):
+            OpenWebTextDataModule(source=source, path="x" if source == "prepared" else None, val_split="documents",
+                                  val_documents=5)
+    dm = OpenWebTextDataModule(block_size=32, source="sample", val_split="documents", val_documents=25,
+                               num_workers=0, tokenizer_threads=1)  # the packaged sample is local text too
+    dm.setup("fit")
+    assert dm.validation_documents == 25 and dm._train_docs == 225
