@@ -83,9 +83,9 @@ class OpenWebTextDataModule(pl.LightningDataModule):
         synthetic_vocab_size: Token ids of the synthetic stream lie in ``[0, synthetic_vocab_size)``.
         verify_checksums: Check the sha256 of prepared files in ``setup`` (sizes are always checked).
         val_split: ``head`` (validation is the first ``val_tokens`` tokens of the stream, the last document cut) or
-            ``documents`` (``files`` or ``sample``: validation is the first ``val_documents`` whole documents, training every
-            other one, no document in both; everything is tokenized once in ``setup`` and held in memory, and
-            training takes aligned windows of the training documents, shuffled per pass by ``seed``).
+            ``documents`` (``files`` or ``sample``: validation is the first ``val_documents`` whole documents,
+            training every other one, no document in both; everything is tokenized once in ``setup`` and held in
+            memory, and training takes aligned windows of the training documents, shuffled per pass by ``seed``).
             ``val_tokens``, if set, then keeps the first ``val_tokens`` of the validation documents' tokens.
         val_documents: With ``val_split: documents``: validation documents, a count (int) or a fraction (float in
             (0, 1)).
