@@ -8,6 +8,8 @@ The export refuses, in one line, every option Hugging Face's GPT-2 cannot expres
 (or one that weights the stream, as DeepNorm), RMSNorm or DyT, ``qk_norm``, a residual gate, Δt ≠ 1, no biases.
 ``z_loss`` and ``init`` export: they shape training only, and the exported model computes the same logits; untied
 embeddings (``tie_embeddings=False``) export as ``tie_word_embeddings=False`` with their own ``lm_head.weight``.
+A model trained on a relabelled vocabulary (``--data.vocab compact|top_k``) exports as it is, ids and all: its ids
+are not GPT-2's, and the run's ``vocab.json`` maps them back (``kept[i]`` is the GPT-2 id of id ``i``).
 """
 
 from __future__ import annotations
