@@ -7,8 +7,9 @@ second :func:`hold` of the same directory, from any process on this machine but 
 a ``spawn`` launcher starts), fails in one line naming the holder.
 
 A lock never goes stale: the kernel releases a ``flock`` when its holder ends, however it ends (``kill -9``
-included), so the file a killed run leaves behind is simply taken over by the next run, which says so. ``flock`` is
-per machine on most network filesystems: two hosts training into one shared directory are not caught.
+included), so the file a killed run leaves behind is simply taken over by the next run, which says so. Whether a second
+host is caught depends on the filesystem (NFS carries ``flock`` between hosts, Lustre only with ``-o flock``):
+docs/runs.md.
 """
 
 from __future__ import annotations
