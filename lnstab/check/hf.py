@@ -141,13 +141,21 @@ class HFRecipe:
 
     def build(self) -> nn.Module:
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
         config = self.config()
-        if self.init:
-            config.pad_token_id = None  # the windows hold no padding: no real token gets a zero, frozen embedding
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(self.name, config=config, trust_remote_code=False)
+        # transformers' construction advice (is_decoder for an encoder, bos/eos ids outside the protocol vocabulary)
+        # is not the check's to print: what matters for the check it says itself, in one line
+        level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            if self.init:
+                config.pad_token_id = None  # the windows hold no padding: no real token gets a zero, frozen embedding
+                model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(self.name, config=config, trust_remote_code=False)
+        finally:
+            hf_logging.set_verbosity(level)
         for module in model.modules():  # trained weights: the padding row trains like any token's (no padding here)
             if isinstance(module, nn.Embedding):
                 module.padding_idx = None
