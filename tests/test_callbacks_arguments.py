@@ -251,6 +251,7 @@ class MyData(pl.LightningDataModule):
 '''
 
 
+@pytest.mark.system
 def test_the_docs_lightningcli_entry_point_gives_one_line_and_the_signal_exit_status(tmp_path) -> None:
     """docs/library.md's snippet, run as a user's main.py: a bad callback argument is lnstab's one line (jsonargparse
     printed ~80 lines with a traceback), and a good config trains and exits 0."""

@@ -386,6 +386,7 @@ def lnstab_warnings(stderr: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("extra", [
     [],  # the quickstart as shipped (precision auto: bf16 where the CPU has it), every instrument, a probe

@@ -306,6 +306,7 @@ def test_default_run_directories_are_never_overwritten(tmp_path, monkeypatch) ->
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_console_script_exit_status(tmp_path) -> None:
     """``lnstab check`` as a CI gate: exit 1 when a criterion fails, 2 with one line on misuse."""
     exe = Path(sys.executable).with_name("lnstab")

@@ -60,6 +60,7 @@ def text_file(path: Path, documents: int) -> Path:
     return path
 
 
+@pytest.mark.system
 def test_help_compare_and_usage_errors_start_without_lightning(tmp_path) -> None:
     validation = str(ROOT / "docs" / "check" / "validation")
     got, _ = parent(["--help"], ["check", "--help"], ["check", "--compare", validation, validation],
@@ -69,6 +70,7 @@ def test_help_compare_and_usage_errors_start_without_lightning(tmp_path) -> None
     assert got["heavy"] == []
 
 
+@pytest.mark.system
 @pytest.mark.parametrize(("model", "source"), [("lnstab", "synthetic"), ("lnstab", "files"), ("factory", "synthetic")])
 def test_a_check_with_workers_trains_and_grades_without_lightning_in_its_parent(tmp_path, model, source) -> None:
     data = (["--data.source", "synthetic"] if source == "synthetic" else
@@ -82,6 +84,7 @@ def test_a_check_with_workers_trains_and_grades_without_lightning_in_its_parent(
     assert got["heavy"] == []  # the workers imported them; the parent did not
 
 
+@pytest.mark.system
 def test_a_data_error_in_the_worker_that_reads_the_data_is_one_line_and_leaves_nothing(tmp_path) -> None:
     """The error crosses from the worker as it was raised; the workers end at once and leak no semaphore (tqdm's
     multiprocessing lock, which the data module's reader would create in a worker, is switched off there)."""

@@ -64,6 +64,7 @@ def running(marks: Path, n: int) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.parametrize(("signum", "group", "workers"), [
     (signal.SIGINT, True, 2),  # Ctrl-C: the terminal sends it to the whole process group, workers included
     (signal.SIGTERM, False, 2),  # kill, a scheduler's stop
@@ -91,6 +92,7 @@ def test_a_signal_ends_the_check_at_once_in_one_line_with_no_worker_left(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_the_workers_die_with_a_killed_parent(tmp_path) -> None:
     proc, _, marks = start(tmp_path, 2)
     pids = running(marks, 2)
@@ -100,6 +102,7 @@ def test_the_workers_die_with_a_killed_parent(tmp_path) -> None:
     wait_for(lambda: not any(alive(p) for p in pids), "the orphaned workers to end", limit=30)
 
 
+@pytest.mark.system
 def test_a_signal_inside_a_deferred_block_is_raised_once_the_block_is_done() -> None:
     written, before = [], signal.getsignal(signal.SIGTERM)
     with pytest.raises(Interrupted) as info, interruptible():
@@ -116,6 +119,7 @@ def tree(root: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_an_interrupted_overwrite_leaves_the_earlier_validation_as_it_was(tmp_path, capsys, monkeypatch) -> None:
     out = tmp_path / "validation"
     args = ["check", "--validate", *SHAPE, *TINY, "--lrs", "1e-2", "--rows", "pre-ln,peri-ln", "--out", str(out)]

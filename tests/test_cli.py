@@ -117,6 +117,7 @@ def test_bad_model_input_is_one_line_exit_2_and_writes_nothing(args, expected, t
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_console_script_fit_writes_a_run_directory(tmp_path) -> None:
     """What a new user runs: the ``lnstab`` console script, a few steps of the quickstart, offline."""
     exe = Path(sys.executable).with_name("lnstab")

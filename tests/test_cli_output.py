@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_a_quickstart_fit_ends_with_its_run_directory_and_shows_no_lightning_noise(tmp_path) -> None:
     exe = Path(sys.executable).with_name("lnstab")
     cmd = [str(exe), "fit", "--config", str(ROOT / "experiments" / "quickstart.yaml"), "--trainer.max_steps", "2",

@@ -183,6 +183,7 @@ return cards.map(card => {
 """
 
 
+@pytest.mark.system
 def test_a_browser_draws_every_chart_of_the_layout_with_data(run, tmp_path):
     """TensorBoard's HTTP API gives every chart's regexes data; headless chromium then draws each chart's lines.
     ``LNSTAB_DASHBOARD_PNG=docs/dashboard.png`` keeps the screenshot (docs/dashboard.md)."""

@@ -84,6 +84,7 @@ class GlooThreadsAtExit(Callback):
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_lnstab_fits_own_ddp_ranks_start_and_end_cleanly(tmp_path) -> None:
     """``lnstab fit --trainer.strategy ddp --trainer.devices 2`` on CPU: Lightning's subprocess launcher starts rank
     1 with the command as run, both ranks train, and gloo's threads have ended before either interpreter starts its

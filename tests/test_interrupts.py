@@ -41,6 +41,7 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240.0) -> None
 
 
 @pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])  # both, whichever auto picks on this CPU
 def test_sigterm_stops_at_a_step_boundary_and_resumes_exactly(tmp_path, precision: str) -> None:
     cfg = tiny_config(tmp_path, **{"evaluation.n_samples": 2})
@@ -69,6 +70,7 @@ def test_sigterm_stops_at_a_step_boundary_and_resumes_exactly(tmp_path, precisio
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_ctrl_c_to_the_whole_process_group_with_loader_workers(tmp_path) -> None:
     """A terminal's Ctrl-C reaches the DataLoader workers too; the run must still stop cleanly."""
     cfg = tiny_config(tmp_path)
@@ -113,6 +115,7 @@ def test_the_temporary_file_is_in_the_destination_whatever_tmpdir_says(tmp_path,
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_sigkill_during_writes_never_leaves_a_truncated_checkpoint(tmp_path) -> None:
     path = tmp_path / "last.ckpt"
     writer = (
@@ -206,6 +209,7 @@ print("ok", flush=True)
 """
 
 
+@pytest.mark.system
 def test_loader_workers_ignore_stop_signals_from_others_and_end_with_their_parent(tmp_path) -> None:
     """SIGINT, SIGTERM, SIGUSR1, SIGUSR2 and SIGHUP from another process (a terminal, a scheduler signalling every
     process of a job) leave the workers serving batches and never run a handler they inherited from the parent (a

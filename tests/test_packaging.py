@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.system  # builds a wheel and installs it into a new venv
 
 
 @pytest.mark.slow

@@ -57,6 +57,7 @@ def check_process(cwd: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("workers", ["1", "2"], ids=["in-process", "workers"])
 @pytest.mark.parametrize(("factory", "call"), [("sys_exits", "sys.exit(0)"), ("os_exits", "os._exit(0)")])
@@ -76,6 +77,7 @@ def test_a_model_that_ends_the_process_in_training_is_exit_3_with_one_line(facto
 
 
 @pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.parametrize(("factory", "call"), [("sys_exits_when_probed", "sys.exit(0)"),
                                                ("os_exits_when_probed", "os._exit(0)")])
 def test_a_model_that_ends_the_process_when_first_run_is_exit_2_with_one_line(factory, call, tmp_path) -> None:

@@ -93,6 +93,7 @@ def test_lnstab_fit_refuses_a_linked_lock_file_in_one_line(tmp_path, capsys) -> 
     assert sorted(p.name for p in run.iterdir()) == [runlock.LOCK_FILE]  # nothing written beside it
 
 
+@pytest.mark.system
 def test_a_full_disk_under_the_lock_is_one_line(full_disk) -> None:
     run = full_disk / "run"
     with pytest.raises(MachineError) as info:
@@ -152,6 +153,7 @@ def test_sweep_status_shows_a_run_with_a_number_too_long_as_damaged(tmp_path, ca
     assert f"damaged: s1: {runs / 's1' / 'summary.json'} is damaged: holds a number of 5001 characters" in out
 
 
+@pytest.mark.system
 def test_a_resume_past_a_summary_with_a_number_too_long_keeps_it_and_trains_on(tmp_path) -> None:
     """``--ckpt_path last`` with such a summary: a damaged summary, which the resume sets aside byte for byte and
     repairs (as it does a truncated one), instead of a ValueError after a new event file was written."""
@@ -172,6 +174,7 @@ def test_a_resume_past_a_summary_with_a_number_too_long_keeps_it_and_trains_on(t
 # ------------------------------------------------------------------------------------ a full disk: one line
 
 
+@pytest.mark.system
 def test_lnstab_report_on_a_full_disk_is_one_line_and_exit_1(grid, full_disk, capsys) -> None:  # noqa: F811
     out = full_disk / "report"
     with pytest.raises(SystemExit) as info:
@@ -182,6 +185,7 @@ def test_lnstab_report_on_a_full_disk_is_one_line_and_exit_1(grid, full_disk, ca
     assert not any(p.name.endswith(".tmp") for p in out.iterdir())  # no partial file left
 
 
+@pytest.mark.system
 def test_lnstab_sweep_on_a_full_disk_is_one_line_and_exit_1(full_disk, tmp_path, capsys) -> None:
     grid_file = tmp_path / "g.yaml"
     grid_file.write_text(yaml.safe_dump({"base": QUICKSTART, "axes": {"seed_everything": [0]}}))
@@ -193,6 +197,7 @@ def test_lnstab_sweep_on_a_full_disk_is_one_line_and_exit_1(full_disk, tmp_path,
     assert info.value.code == 1 and err == f"lnstab: error: {manifest} {ENOSPC}", err
 
 
+@pytest.mark.system
 def test_lnstab_check_on_a_full_disk_ends_in_one_line_naming_the_file_and_exit_3(full_disk, capsys) -> None:
     """A check is a gate: a full disk is a failure with no verdict (3), never "a criterion fails" (1)."""
     from test_check import GPT, TINY

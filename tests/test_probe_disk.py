@@ -18,7 +18,10 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from test_cli_runs import tiny_config
+
+pytestmark = pytest.mark.system  # a mounted tmpfs and a file-size rlimit, in child processes
 
 SAVE_TWICE = r"""
 import json, resource, signal, sys, torch

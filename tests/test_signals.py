@@ -26,6 +26,7 @@ def ckpt_step(path: Path) -> int:
     return torch.load(path, weights_only=True)["global_step"]
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT", "SIGHUP"])
 def test_a_signal_during_the_final_evaluation_ends_the_run_interrupted_and_a_resume_evaluates(
         signame, tmp_path, monkeypatch) -> None:
@@ -109,6 +110,7 @@ def with_helpers(tmp_path: Path, monkeypatch, callback: dict | None = None, data
     return cfg
 
 
+@pytest.mark.system
 def test_a_second_ctrl_c_stops_at_once_with_exit_130(tmp_path, monkeypatch) -> None:
     """Before: the second Ctrl-C's KeyboardInterrupt made Lightning exit 1."""
     cfg = with_helpers(tmp_path, monkeypatch, callback={"at": 2, "signum": int(signal.SIGINT), "times": 2})
@@ -121,6 +123,7 @@ def test_a_second_ctrl_c_stops_at_once_with_exit_130(tmp_path, monkeypatch) -> N
     assert summary["interrupted_step"] is None  # no checkpoint of the step it stopped in
 
 
+@pytest.mark.system
 def test_an_error_after_a_signal_is_an_interruption_that_resumes_exactly(tmp_path, monkeypatch, capsys) -> None:
     """Before: a loader worker killed by the job's signal failed the run (``failed``), and the requeued sweep
     element then skipped it for ever."""
@@ -142,6 +145,7 @@ def test_an_error_after_a_signal_is_an_interruption_that_resumes_exactly(tmp_pat
         torch.testing.assert_close(resumed[key], value, rtol=0, atol=0, msg=key)
 
 
+@pytest.mark.system
 def test_a_second_fit_into_a_live_run_directory_is_refused_and_writes_nothing(tmp_path, capsys) -> None:
     """Before: both trained into it (two event files, the other's config beside the first's, a crashed save)."""
     cfg = tiny_config(tmp_path, **{"trainer.max_steps": 100000})
@@ -170,6 +174,7 @@ def test_a_second_fit_into_a_live_run_directory_is_refused_and_writes_nothing(tm
     assert read_summary(run)["status"] == "completed"
 
 
+@pytest.mark.system
 def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path) -> None:
     run = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from lnstab import runlock; "
@@ -245,6 +250,7 @@ def test_a_logger_directory_under_a_file_is_one_line(tmp_path, capsys) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_a_closed_terminal_stops_the_run_resumably(tmp_path) -> None:
     """A run in a terminal that closes (an ssh session dropped): the kernel sends SIGHUP to the terminal's foreground
     process group and every later write to it fails. Before: a traceback, and ``summary.json`` left ``running``."""

@@ -27,7 +27,7 @@ from lnstab.rundir import read_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.system]
 
 def started(tmp_path_factory, nodes: int):
     why = missing()

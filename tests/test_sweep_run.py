@@ -21,7 +21,7 @@ from lnstab.rundir import read_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 GRID = ROOT / "experiments" / "grids" / "mini-smoke.yaml"
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.system]
 
 
 def paced_grid(tmp: Path) -> Path:
