@@ -1,10 +1,11 @@
 """Test-wide settings: no test may reach a network (set before any Hugging Face library is imported), and
-torch.compile's on-disk cache is kept per CPU instruction set."""
+torch.compile's on-disk cache is kept per CPU instruction set; the fixtures several test modules share."""
 
 import getpass
 import os
 import tempfile
 
+import pytest
 import torch
 
 for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
@@ -27,6 +28,14 @@ if _WORKERS > 1:
     _threads = max(1, _cpus // _WORKERS)
     torch.set_num_threads(_threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
+
+
+@pytest.fixture
+def offline(monkeypatch) -> None:
+    """``HF_HUB_OFFLINE=1`` for one test even where the environment says ``0`` (the ``setdefault`` above yields to
+    it): the data modules read it when called and refuse the hub in one line. A module whose tests read text asks
+    for it with ``pytestmark = pytest.mark.usefixtures("offline")``."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:

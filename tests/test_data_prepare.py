@@ -29,9 +29,7 @@ SAMPLE = Path(
 needs_sample = pytest.mark.skipif(not SAMPLE.is_file(), reason=f"OpenWebText sample {SAMPLE} is absent")
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+pytestmark = pytest.mark.usefixtures("offline")  # tests/conftest.py: the hub refused, whatever the environment
 
 
 @pytest.fixture

@@ -25,9 +25,7 @@ OWT_900 = Path(
 needs_900 = pytest.mark.skipif(not OWT_900.is_file(), reason=f"OpenWebText sample {OWT_900} is absent")
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+pytestmark = pytest.mark.usefixtures("offline")  # tests/conftest.py: the hub refused, whatever the environment
 
 
 def packaged_lines() -> list[bytes]:

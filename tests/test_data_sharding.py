@@ -19,9 +19,7 @@ from lnstab.tokenizer import EOT_TOKEN, gpt2_encoding
 T, B = 8, 2
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+pytestmark = pytest.mark.usefixtures("offline")  # tests/conftest.py: the hub refused, whatever the environment
 
 
 @pytest.fixture

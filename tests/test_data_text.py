@@ -35,9 +35,7 @@ DOCS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+pytestmark = pytest.mark.usefixtures("offline")  # tests/conftest.py: the hub refused, whatever the environment
 
 
 def write_jsonl(path: Path, docs: list[str], field: str = "text", gz: bool = False) -> Path:

@@ -27,9 +27,7 @@ OWT_900 = Path(
 )
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+pytestmark = pytest.mark.usefixtures("offline")  # tests/conftest.py: the hub refused, whatever the environment
 
 
 def documents_of(tokens: np.ndarray, eot: int) -> list[tuple[int, ...]]:
