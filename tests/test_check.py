@@ -252,6 +252,7 @@ def test_a_block_skipped_in_training_is_named_as_why_growth_after_training_is_n_
         ([*GPT, "--hf", "x"], "exactly one of"),
         ([*GPT, "--model.norm_placement", "sideways"], "norm_placement='sideways' is not allowed"),
         ([*GPT, "--model.min_lr", "1e-4"], "--model.min_lr is not used"),
+        ([*GPT, "--model.weight_decay_mode", "independent"], "--model.weight_decay_mode=independent is not used"),
         ([*GPT, "--measure-every", "4"], "it must divide the number of steps"),
         ([*GPT, "--warmup-steps", "7"], "--warmup-steps=7 is not allowed with --steps=6"),
         ([*GPT, "--seq-len", "33"], "context of 32; it must be at most 32"),
@@ -373,3 +374,13 @@ def test_worker_processes_give_the_same_card(tmp_path) -> None:
     assert [(r["id"], r["status"]) for r in one["criteria"]] == [(r["id"], r["status"]) for r in two["criteria"]]
     for a, b in zip(one["criteria"], two["criteria"], strict=True):
         assert a["measured"] == pytest.approx(b["measured"], rel=1e-4, nan_ok=True), a["id"]
+
+
+def test_a_card_names_an_untied_or_xavier_initialised_model() -> None:
+    """Before, the label and name of an untied, Xavier-initialised GPT read as those of a GPT-2-initialised, tied one."""
+    from lnstab.check.subjects import lnstab_subject
+
+    subject, _ = lnstab_subject({"preset": "tiny", "tie_embeddings": False, "init": "xavier"})
+    assert subject.label.endswith("untied, xavier init)") and subject.name.endswith("-untied-xavier")
+    default, _ = lnstab_subject({"preset": "tiny"})
+    assert "untied" not in default.label and "init" not in default.label

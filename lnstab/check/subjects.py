@@ -193,6 +193,8 @@ def describe_config(config: GPTConfig) -> str:
     parts += ["qk_norm"] if config.qk_norm else []
     parts += [f"z_loss {config.z_loss:g}"] if config.z_loss else []
     parts += [config.residual_gate] if config.residual_gate != "none" else []
+    parts += ["untied"] if not config.tie_embeddings else []
+    parts += [f"{config.init} init"] if config.init != "gpt2" else []
     return ", ".join(parts)
 
 
@@ -209,6 +211,11 @@ def lnstab_subject(args: dict[str, Any]) -> tuple[Subject, dict[str, Any]]:
             raise LNStabError(f"--model.{key} is not allowed; GPTModule takes: {', '.join(allowed)}")
         if key == "compile":
             raise LNStabError("--model.compile is not used by lnstab check; its short runs are eager")
+        if key == "weight_decay_mode" and args[key] != "coupled":
+            raise LNStabError(
+                f"--model.weight_decay_mode={args[key]} is not used by lnstab check; its runs decay weights as "
+                "PyTorch's AdamW does (coupled to the learning rate), by --weight-decay"
+            )
         if key in UNUSED_ARGS:
             raise LNStabError(
                 f"--model.{key} is not used by lnstab check; its runs warm up for --warmup-steps and decay by cosine "
@@ -218,7 +225,9 @@ def lnstab_subject(args: dict[str, Any]) -> tuple[Subject, dict[str, Any]]:
     given = gpt_config(arch)
     config = dataclasses.replace(given, dropout=0.0)
     options = "".join(f"-{o}" for o, on in (("qknorm", config.qk_norm), (f"z{config.z_loss:g}", config.z_loss),
-                                               (config.residual_gate, config.residual_gate != "none")) if on)
+                                               (config.residual_gate, config.residual_gate != "none"),
+                                               ("untied", not config.tie_embeddings),
+                                               (config.init, config.init != "gpt2")) if on)
     name = (f"{arch.get('preset', 'gpt2')}-{config.norm_placement}-{config.norm_type}-dt{config.residual_scale:g}"
             + options)
     subject = Subject(
