@@ -377,7 +377,7 @@ def test_worker_processes_give_the_same_card(tmp_path) -> None:
 
 
 def test_a_card_names_an_untied_or_xavier_initialised_model() -> None:
-    """Before, the label and name of an untied, Xavier-initialised GPT read as those of a GPT-2-initialised, tied one."""
+    """Before, the label and name of an untied, Xavier-initialised GPT read as a GPT-2-initialised, tied one's."""
     from lnstab.check.subjects import lnstab_subject
 
     subject, _ = lnstab_subject({"preset": "tiny", "tie_embeddings": False, "init": "xavier"})
