@@ -198,6 +198,7 @@ def test_lnstab_sweep_on_a_full_disk_is_one_line_and_exit_1(full_disk, tmp_path,
 
 
 @pytest.mark.system
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # the event writer's thread too
 def test_lnstab_check_on_a_full_disk_ends_in_one_line_naming_the_file_and_exit_3(full_disk, capsys) -> None:
     """A check is a gate: a full disk is a failure with no verdict (3), never "a criterion fails" (1)."""
     from test_check import GPT, TINY
@@ -205,8 +206,10 @@ def test_lnstab_check_on_a_full_disk_ends_in_one_line_naming_the_file_and_exit_3
     out = full_disk / "check"
     with pytest.raises(SystemExit) as info:
         main(["check", *GPT, *TINY, "--lrs", "1e-2", "--out", str(out)])
-    last = capsys.readouterr().err.strip().splitlines()[-1]
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
     assert info.value.code == 3 and last.startswith("lnstab: error: lnstab check: ") and ENOSPC in last, last
+    assert "Traceback" not in err and "Exception in thread" not in err, err  # nor the event writer's thread
     assert f"{out}/" in last, last  # a file of the check's directory is named
 
 

@@ -11,9 +11,12 @@ its z-loss when the config has one), other models on the cross-entropy of their 
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,28 @@ from lnstab.callbacks import (
 from lnstab.check.runspec import Optimisation, RunResult, Sites, logits_of, probe_forward  # noqa: F401
 from lnstab.model import GPT
 from lnstab.module import lr_at
+
+
+@contextlib.contextmanager
+def event_writer_errors() -> Iterator[list[OSError]]:
+    """Holds what TensorBoard's event-writer thread raises (an ``OSError``: a full disk) instead of letting the
+    thread print a traceback; the writer raises it again in the fit's own thread at its next write, and the caller
+    raises it once, naming the run's directory."""
+    held: list[OSError] = []
+    previous = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        writer = type(args.thread).__module__.startswith("tensorboard") if args.thread is not None else False
+        if writer and args.exc_type is not None and issubclass(args.exc_type, OSError):
+            held.append(args.exc_value)  # type: ignore[arg-type]
+            return
+        previous(args)
+
+    threading.excepthook = hook
+    try:
+        yield held
+    finally:
+        threading.excepthook = previous
 
 
 class StressModule(pl.LightningModule):
@@ -234,7 +259,15 @@ def stress_run(
         deterministic=False,
     )
     module = StressModule(model, lr, optimisation, z_loss)
-    trainer.fit(module, train_dataloaders=batches(tokens, seed, batch_size))
+    with event_writer_errors() as held:
+        try:
+            trainer.fit(module, train_dataloaders=batches(tokens, seed, batch_size))
+            logger.experiment.flush()
+        except OSError:
+            if not held:  # not the event writer's: its own message
+                raise
+    if held:  # the events could not be written (a full disk): the run's files are incomplete, so no verdict
+        raise OSError(held[0].errno, held[0].strerror, str(Path(logger.log_dir)))
     diverged = monitor.diverged_step is not None or not all(math.isfinite(v) for v in module.losses)
     return RunResult(
         subject=subject,
