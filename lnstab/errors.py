@@ -53,32 +53,28 @@ def find_user_error(exc: BaseException) -> BaseException | None:
     # it (lnstab check, report, --help) do not for their errors either
     lightning = sys.modules.get("lightning.fabric.utilities.exceptions")
     user = (LNStabError, lightning.MisconfigurationException) if lightning else (LNStabError,)
+    return next((e for e in _chain(exc) if isinstance(e, user)), None)
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and every exception behind it (causes and contexts), each once."""
     seen: set[int] = set()
-    stack = [exc]
+    stack: list[BaseException | None] = [exc]
     while stack:
         e = stack.pop()
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, user):
-            return e
+        yield e
         stack += [e.__cause__, e.__context__]
-    return None
 
 
 def refused_write(exc: BaseException, where: str = "a file") -> MachineError | None:
     """:func:`cannot_write`'s one line for an ``OSError`` of :data:`REFUSED_WRITES` behind ``exc`` (itself, or its
     cause or context), naming its file where the error names one (else ``where``); ``None`` if there is none."""
-    seen: set[int] = set()
-    stack = [exc]
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
+    for e in _chain(exc):
         if isinstance(e, OSError) and e.errno in REFUSED_WRITES:
             return cannot_write(e.filename or where, e)
-        stack += [e.__cause__, e.__context__]
     return None
 
 

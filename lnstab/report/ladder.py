@@ -23,16 +23,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lnstab.report.collect import RunRecord
-from lnstab.report.lr_sensitivity import final_loss, initial_loss, lr_key
+from lnstab.report.lr_sensitivity import final_loss, ladders
 from lnstab.report.tables import (
     Table,
     _norm,
     _show,
     is_seed,
-    join_label,
-    label_part,
     short_names,
-    varying_keys,
 )
 
 
@@ -129,22 +126,11 @@ def _seed(run: RunRecord) -> str:
 
 
 def designs(records: list[RunRecord]) -> tuple[str | None, list[str], list[Design]]:
-    """``(LR key, configuration keys, one Design per configuration in first-seen order)``."""
-    key = lr_key(records)
-    keys = [k for k in varying_keys(records) if k != key]
-    names = short_names(keys)
-    out: dict[tuple[str, ...], Design] = {}
-    for r in records:
-        ident = tuple(_norm(r.config.get(k)) for k in keys)
-        if ident not in out:
-            values = {k: r.config.get(k) for k in keys}
-            out[ident] = Design(values, join_label([label_part(names[k], v) for k, v in values.items()]) or "all runs")
-        out[ident].runs.append(r)
-    if key is None:
-        return key, keys, list(out.values())
-    for design in out.values():
-        starts = [v for v in map(initial_loss, design.runs) if v is not None]
-        design.initial = statistics.fmean(starts) if starts else None
+    """``(LR key, configuration keys, one Design per configuration in first-seen order)``: the configurations and
+    initial losses of :func:`lnstab.report.lr_sensitivity.ladders`, each seed's ladder kept apart."""
+    key, keys, found = ladders(records)
+    out = [Design(ladder.values, ladder.label, ladder.runs, ladder.initial) for ladder in found]
+    for design in out if key is not None else []:
         for r in design.runs:
             lr, loss = rate(r, key), final_loss(r)
             if lr is None or loss is None or design.initial is None:
@@ -153,7 +139,7 @@ def designs(records: list[RunRecord]) -> tuple[str | None, list[str], list[Desig
             ladder.points[lr] = min(loss, design.initial)
         for ladder in design.seeds.values():
             ladder.points = dict(sorted(ladder.points.items()))
-    return key, keys, list(out.values())
+    return key, keys, out
 
 
 def _num(value: float | None, digits: int = 4) -> str:
