@@ -29,7 +29,8 @@ def test_wheel_installs_namespaced_packages_into_a_fresh_venv(tmp_path: Path) ->
     assert tops == {"lnstab"}, tops  # no generic 'callbacks' or 'datamodules' at the top of site-packages
     for module in ("lnstab/callbacks/__init__.py", "lnstab/datamodules/__init__.py", "lnstab/model.py"):
         assert module in names
-    for data in ("lnstab/datamodules/data/owt-sample-250.jsonl.gz", "lnstab/datamodules/data/README.md"):
+    for data in ("lnstab/datamodules/data/owt-sample-250.jsonl.gz", "lnstab/datamodules/data/README.md",
+                 "lnstab/check/thresholds.yaml"):
         assert data in names  # the OpenWebText sample the quickstart reads offline, and its notice
 
     env_dir = tmp_path / "venv"
