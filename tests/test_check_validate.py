@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_check import TINY
 
-from lnstab.check.cli import build_parser, make_protocol, split_model_args
+from lnstab.check.options import build_parser, make_protocol, split_model_args
 from lnstab.check.subjects import lnstab_subject
 from lnstab.check.validate import default_protocol, pairs, prepare_out, protocol_args, replace_cards, unique_runs
 from lnstab.check.validation import (

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
-import warnings
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +13,7 @@ import torch
 from lnstab import validation
 from lnstab.check.runspec import Optimisation, RunResult
 from lnstab.check.subjects import Subject
+from lnstab.check.workers import Failure, Job, RunPool, final_loss, quiet
 from lnstab.errors import LNStabError
 
 GPT2_VOCAB = 50257
@@ -173,22 +171,6 @@ def compact_vocabulary(tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
     return shared(tokens)
 
 
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """Lightning's per-fit chatter (devices, tips, ``max_steps`` reached) and routine warnings, silenced."""
-    loggers = [logging.getLogger(n) for n in ("lightning", "lightning.pytorch", "lightning.fabric", "lnstab")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
-
-
 def plan(subjects: list[Subject], protocol: Protocol) -> list[tuple[Subject, float, int]]:
     """The runs in order: every subject that is not a copy of another, every learning rate, every seed."""
     return [(s, lr, seed) for s in subjects if s.same_as is None for lr in protocol.lrs for seed in protocol.seeds]
@@ -204,7 +186,6 @@ def run_ladder(subjects: list[Subject], protocol: Protocol, tokens: torch.Tensor
     """
     from tqdm.auto import tqdm
 
-    from lnstab.check.workers import Failure, Job, RunPool, final_loss
 
     settings = {"batch_size": protocol.batch_size, "optimisation": protocol.optimisation,
                 "measure_every": protocol.measure_every, "jacobian_iters": protocol.jacobian_iters,

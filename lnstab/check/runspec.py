@@ -7,6 +7,9 @@ send back (:class:`RunResult`, pickled by this module's name) and grades them; o
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +57,6 @@ def logits_of(out: Any) -> Any:
 def probe_forward(model: nn.Module, ids: torch.Tensor, label: str) -> Any:
     """The logits of ``model`` (:func:`logits_of`; eval mode, no grad) for ``ids``, or a one-line error naming
     ``label`` when its forward fails or ends the process (``sys.exit``, ``os._exit``)."""
-    from lnstab.check.workers import exit_call, exits_caught
 
     try:
         with exits_caught(), torch.no_grad():
@@ -119,3 +121,31 @@ class RunResult:
     wall_s: float = 0.0
     repeated: dict[str, int] = field(default_factory=dict)  # block module -> calls in one forward, when above 1
     bound_unchecked: str = ""  # why output norms that were located did not get Theorem 4's bound checked
+
+
+class ModelExit(SystemExit):
+    """``os._exit`` called while a model was built or trained, raised instead (:func:`exits_caught`)."""
+
+
+@contextlib.contextmanager
+def exits_caught() -> Iterator[None]:
+    """Within: ``os._exit(n)`` raises :class:`ModelExit` instead of ending the process, so that a model (or its
+    factory) that ends the process leaves the check alive to say so; with ``sys.exit`` (a :class:`SystemExit`), the
+    caller's ``except SystemExit`` sees both. A model that kills its process otherwise (a signal) still ends it: in a
+    worker, the parent reads that as a failed run; in the check's own process, the exit status is the signal's."""
+    real = os._exit
+
+    def refused(code: int) -> None:
+        raise ModelExit(code)
+
+    os._exit = refused
+    try:
+        yield
+    finally:
+        os._exit = real
+
+
+def exit_call(exc: SystemExit) -> str:
+    """How a model ended the process: ``sys.exit(0)`` or ``os._exit(0)``."""
+    call = "os._exit" if isinstance(exc, ModelExit) else "sys.exit"
+    return f"{call}({'' if exc.code is None else repr(exc.code)})"

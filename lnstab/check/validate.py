@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from lnstab.check.criteria import load_thresholds
+from lnstab.check.options import FACTORY_OPTIONS, build_parser, make_protocol, worker_counts
 from lnstab.check.protocol import plan, run_ladder
 from lnstab.check.runner import check_model, grade, lnstab_version, load_data, machine, public_command, public_path
 from lnstab.check.signals import Interrupted, deferred
@@ -147,7 +148,6 @@ def main(args: argparse.Namespace, model_args: dict[str, Any], argv: list[str], 
     started = time.perf_counter()
     if args.hf or args.factory:
         raise LNStabError("--validate checks its own set of models; --hf and --factory are not used with it")
-    from lnstab.check.cli import FACTORY_OPTIONS
 
     unused = [f"--{dest.replace('_', '-')}" for dest in ("hf_init", *FACTORY_OPTIONS, "z_loss", "no_reference", "name")
               if getattr(args, dest) not in (None, False)]
@@ -167,7 +167,6 @@ def main(args: argparse.Namespace, model_args: dict[str, Any], argv: list[str], 
                           f"{', '.join(r.id for r in every)}")
     rows = [r for r in every if not wanted or r.id in wanted]
     heldout = args.set == "heldout"
-    from lnstab.check.cli import make_protocol
 
     protocol = make_protocol(args, {})
     thresholds = load_thresholds(args.thresholds)
@@ -211,7 +210,6 @@ def validate_rows(args: argparse.Namespace, argv: list[str], typed: list[str], s
                   protocol: Any, thresholds: dict[str, Any], started: float) -> tuple[int, float]:
     """Train every row's runs, grade the cards and replace ``out``'s validation with them; ``(agreeing rows, wall
     seconds)``."""
-    from lnstab.check.cli import worker_counts
 
     rows, sup, wanted = selection.rows, selection.sup, selection.wanted
     model_args, shape = selection.model_args, selection.shape
@@ -297,7 +295,6 @@ def protocol_args(argv: list[str]) -> list[str]:
 
 def default_protocol(protocol: Any) -> bool:
     """Whether ``protocol`` is the check's default one, whatever its data and accelerator."""
-    from lnstab.check.cli import build_parser, make_protocol
 
     default = make_protocol(build_parser().parse_args([]), {})
     loose = {"data_source": "auto", "data_path": None, "accelerator": "cpu"}

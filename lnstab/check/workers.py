@@ -19,12 +19,14 @@ once the job is in its hands.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import multiprocessing
 import os
 import signal
 import sys
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
@@ -33,6 +35,7 @@ from typing import Any
 
 import torch
 
+from lnstab.check.runspec import exit_call, exits_caught
 from lnstab.parentdeath import blocked, die_with_parent
 
 AUTO_MAX_WORKERS = 4
@@ -77,38 +80,9 @@ class Failure:
     traceback: str
 
 
-class ModelExit(SystemExit):
-    """``os._exit`` called while a model was built or trained, raised instead (:func:`exits_caught`)."""
-
-
-@contextlib.contextmanager
-def exits_caught() -> Iterator[None]:
-    """Within: ``os._exit(n)`` raises :class:`ModelExit` instead of ending the process, so that a model (or its
-    factory) that ends the process leaves the check alive to say so; with ``sys.exit`` (a :class:`SystemExit`), the
-    caller's ``except SystemExit`` sees both. A model that kills its process otherwise (a signal) still ends it: in a
-    worker, the parent reads that as a failed run; in the check's own process, the exit status is the signal's."""
-    real = os._exit
-
-    def refused(code: int) -> None:
-        raise ModelExit(code)
-
-    os._exit = refused
-    try:
-        yield
-    finally:
-        os._exit = real
-
-
-def exit_call(exc: SystemExit) -> str:
-    """How a model ended the process: ``sys.exit(0)`` or ``os._exit(0)``."""
-    call = "os._exit" if isinstance(exc, ModelExit) else "sys.exit"
-    return f"{call}({'' if exc.code is None else repr(exc.code)})"
-
-
 def run_job(job: Job) -> Any:
     """Build the seeded model and train it (in this process or a worker); the ``RunResult``, or a
     :class:`Failure` when the model (or the check) raised, or ended the process (``sys.exit``, ``os._exit``)."""
-    from lnstab.check.protocol import quiet
     from lnstab.check.training import stress_run
 
     try:
@@ -250,3 +224,19 @@ def final_loss(result: Any) -> float:
     """The last training loss of a run result (``nan`` without one)."""
     losses = getattr(result, "losses", None)
     return losses[-1] if losses else math.nan
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Lightning's per-fit chatter (devices, tips, ``max_steps`` reached) and routine warnings, silenced."""
+    loggers = [logging.getLogger(n) for n in ("lightning", "lightning.pytorch", "lightning.fabric", "lnstab")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)

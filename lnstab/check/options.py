@@ -1,0 +1,175 @@
+"""``lnstab check``'s command line: the parser, the ``--model.*`` arguments, and the :class:`Protocol` and worker
+counts they make. Both the single check (:mod:`lnstab.check.cli`) and the validation (:mod:`lnstab.check.validate`)
+read their options here, so neither imports the other."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from lnstab.check.protocol import Protocol
+from lnstab.check.runner import VOCAB_MODES
+from lnstab.check.runspec import Optimisation
+from lnstab.check.subjects import parse_value
+from lnstab.check.workers import auto_workers
+from lnstab.errors import LNStabError
+
+EXIT_FAILED = 3  # the checked model or the check itself failed: not a verdict
+# The options that describe a --factory model (argparse dests; --name-with-dashes on the command line).
+FACTORY_OPTIONS = ("layer_pattern", "module_types", "embed_pattern", "final_pattern", "norm_pattern", "head_pattern",
+                   "q_pattern", "k_pattern", "n_head")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line through lnstab's LNStabError handler, exit 2
+        raise LNStabError(f"lnstab check: {message}")
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every option but ``--model.KEY VALUE`` (collected by :func:`split_model_args`)."""
+    p = _Parser(prog="lnstab check", description=__doc__.splitlines()[0], allow_abbrev=False,
+                epilog="--model.KEY VALUE: any lnstab GPTModule argument (preset, norm_placement, norm_type, "
+                       "residual_scale, n_layer, ...). Exit status: 0 no criterion fails, 1 one fails, 2 usage error, "
+                       f"{EXIT_FAILED} the checked model or the check itself failed (one line; traceback in "
+                       "<out>/error.txt; a full disk: one line naming the file), 128 + signal when SIGINT, SIGTERM "
+                       "or SIGHUP ended it (no verdict). --validate: 0 every row agrees, 1 one does not. --compare: "
+                       "0 the same verdicts on the same cards, 1 not, 2 a usage error or a malformed card, "
+                       f"{EXIT_FAILED} the comparison failed.")
+    src = p.add_argument_group("model to check (one of --model.*, --hf, --factory)")
+    src.add_argument("--hf", help="Hugging Face causal LM: local directory or hub name (never remote code).")
+    src.add_argument("--hf-init", action="store_true", help="Freshly initialise --hf from its config.")
+    src.add_argument("--factory", help="package.module:function: an nn.Module, token ids (B, T) -> logits (B, T, V) "
+                     "(alone, first in a tuple or a dict's 'logits'), trained in float32.")
+    src.add_argument("--layer-pattern", help="Regex of the blocks' module names (first group: layer index).")
+    src.add_argument("--module-types", help="Comma-separated dotted classes of the blocks.")
+    src.add_argument("--embed-pattern", help="Regex of the module whose output is X_0 (default: first block input).")
+    src.add_argument("--final-pattern", help="Regex of the module whose input is X_D (e.g. the final norm).")
+    src.add_argument("--norm-pattern", help="Regex of the output norms, one per residual update (Theorem 4).")
+    src.add_argument("--head-pattern", help="Regex of the output head whose output is the logits (default lm_head).")
+    src.add_argument("--q-pattern", help="Regex of the query projections, one per layer, for attention the check does "
+                                         "not recognise (with --k-pattern and --n-head).")
+    src.add_argument("--k-pattern", help="Regex of the key projections, one per layer.")
+    src.add_argument("--n-head", type=int, help="Query heads per layer, for --q-pattern.")
+    src.add_argument("--z-loss", type=float, help="Train an --hf or --factory model on cross-entropy + Z_LOSS·mean "
+                     "(log Z)² (PaLM's z-loss; the references without it; lnstab's GPT: --model.z_loss).")
+    pro = p.add_argument_group("protocol")
+    pro.add_argument("--lrs", type=_floats, help="Learning-rate ladder (default 1e-3,1e-2,1e-1).")
+    pro.add_argument("--seeds", type=_ints, help="Seeds (default 0,1).")
+    pro.add_argument("--steps", type=int, default=30, help="Optimizer steps per stress run.")
+    pro.add_argument("--warmup-steps", type=int, help="Linear warmup steps (default 3).")
+    pro.add_argument("--min-lr-ratio", type=float, default=0.1, help="Cosine end as a fraction of the rate.")
+    pro.add_argument("--weight-decay", type=float, help="AdamW decay on matrices (default 0.1).")
+    pro.add_argument("--grad-clip", type=float, default=1.0, help="Gradient-norm clipping, 0 for none.")
+    pro.add_argument("--batch-size", type=int, default=8)
+    pro.add_argument("--seq-len", type=int, help="Tokens per sequence (default 64, cut to the context; given: at "
+                     "most the context).")
+    pro.add_argument("--measure-every", type=int, help="Steps between hidden-state measurements; must divide --steps "
+                                                       "(default: the largest divisor up to a third of them).")
+    pro.add_argument("--jacobian-iters", type=int, default=8, help="Power iterations per Jacobian norm.")
+    pro.add_argument("--probe-size", type=int, default=2, help="Sequences in the Jacobian probe.")
+    pro.add_argument("--data.path", dest="data_path", help="Text to train on (e.g. the OpenWebText sample).")
+    pro.add_argument("--data.source", dest="data_source", default="auto", help="auto, files or synthetic.")
+    pro.add_argument("--accelerator", default="cpu", help="cpu (default), gpu or auto; always fp32.")
+    pro.add_argument("--threads", type=int, help="torch CPU threads in all (default: torch's), shared by the "
+                                                 "workers.")
+    pro.add_argument("--workers", type=int, help="Processes running the stress runs, one thread each by default "
+                                                 "(default: one per thread, at most 4; 1: this process).")
+    pro.add_argument("--vocab", choices=VOCAB_MODES, default="protocol",
+                     help="protocol (default): build the models with the distinct tokens of the windows as their "
+                          "vocabulary where the model allows it (lnstab's family, --hf-init, a factory taking "
+                          "vocab_size); model: the model's own vocabulary.")
+    out = p.add_argument_group("output")
+    out.add_argument("--no-reference", action="store_true", help="Skip the Pre-LN and Peri-LN references.")
+    out.add_argument("--thresholds", help="YAML overriding the default thresholds (see lnstab.check.criteria).")
+    out.add_argument("--out", help="Run directory (default runs/check/<name>; never overwritten).")
+    out.add_argument("--name", help="Name of the default run directory.")
+    out.add_argument("--no-progress", action="store_true", help="No progress bar.")
+    out.add_argument("--validate", action="store_true", help="Run the validation set (lnstab.check.validation) at "
+                     "the default shape and write its README (--out, default docs/check/validation).")
+    out.add_argument("--overwrite", action="store_true", help="With --validate: replace an earlier validation.")
+    out.add_argument("--rows", help="With --validate: comma-separated row ids (default: every row).")
+    out.add_argument("--set", choices=("main", "heldout"), default="main",
+                     help="With --validate: main (default; docs/check/validation) or heldout, the designs that played "
+                          "no part in fixing the thresholds (docs/check/validation/heldout).")
+    out.add_argument("--supplement", help="With --validate: run one supplement of the main set (lnstab.check."
+                                          "validation.SUPPLEMENTS): its rows and arguments, its protocol's expected "
+                                          "verdicts (--out default docs/check/validation/supplements/ID).")
+    out.add_argument("--compare", nargs=2, metavar=("OLD", "NEW"),
+                     help="Compare two cards, or two --validate directories, already made (e.g. on two machines): "
+                          "changed verdicts, changed criterion statuses, how far the measurements moved; trains "
+                          "nothing. Exit status 0 the same verdicts, 1 a verdict or the set of cards changed, 2 a "
+                          f"usage error or a malformed card (one line), {EXIT_FAILED} the comparison failed.")
+    return p
+
+
+def split_model_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """``--model.KEY VALUE`` / ``--model.KEY=VALUE`` pairs (values parsed as YAML) and the remaining arguments."""
+    model: dict[str, Any] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--model."):
+            key, eq, value = arg[len("--model."):].partition("=")
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise LNStabError(f"{arg} needs a value")
+                value, i = argv[i + 1], i + 1
+            model[key.replace("-", "_")] = parse_value(value)
+        else:
+            rest.append(arg)
+        i += 1
+    return model, rest
+
+
+def make_protocol(args: argparse.Namespace, extra: dict[str, Any]) -> Protocol:
+    """The :class:`Protocol` of the flags, ``--model.*`` optimisation arguments filling unset ones."""
+    for option, given in (("--lrs", args.lrs), ("--seeds", args.seeds)):
+        if given is not None and not given:
+            raise LNStabError(f"{option} '' is not allowed; give a comma-separated list (e.g. {option} "
+                              f"{'1e-3,1e-2' if option == '--lrs' else '0,1'}) or leave {option} out for the default")
+    if "learning_rate" in extra and args.lrs:
+        raise LNStabError("give --lrs or --model.learning_rate, not both")
+    lrs = args.lrs or ((float(extra["learning_rate"]),) if "learning_rate" in extra else Protocol.lrs)
+    default = Optimisation()
+    pick = lambda flag, key, fallback: flag if flag is not None else extra.get(key, fallback)  # noqa: E731
+    optimisation = Optimisation(
+        steps=args.steps,
+        warmup_steps=pick(args.warmup_steps, "warmup_steps", min(default.warmup_steps, max(args.steps, 0))),
+        min_lr_ratio=args.min_lr_ratio,
+        weight_decay=pick(args.weight_decay, "weight_decay", default.weight_decay),
+        betas=tuple(extra.get("betas", default.betas)),
+        eps=extra.get("eps", default.eps),
+        grad_clip=args.grad_clip,
+    )
+    every = args.measure_every
+    if every is None:  # measured at initialisation, about three times during training, and after it
+        every = max(d for d in range(1, max(1, args.steps // 3) + 1) if args.steps % d == 0) if args.steps > 0 else 1
+    return Protocol(lrs=tuple(lrs), seeds=args.seeds or Protocol.seeds, batch_size=args.batch_size,
+                    seq_len=Protocol.seq_len if args.seq_len is None else args.seq_len, measure_every=every,
+                    jacobian_iters=args.jacobian_iters,
+                    probe_size=args.probe_size, optimisation=optimisation, data_source=args.data_source,
+                    data_path=args.data_path, accelerator=args.accelerator)
+
+
+def worker_counts(args: argparse.Namespace, n_runs: int) -> tuple[int, int]:
+    """``(workers, torch threads per worker)`` from ``--workers`` and the thread count."""
+    threads = torch.get_num_threads()
+    workers = args.workers or auto_workers(n_runs, threads)
+    return workers, max(1, threads // workers)
