@@ -122,3 +122,14 @@ def test_no_ladder_no_figure(tmp_path) -> None:
     records = collect([g])
     assert lr_ladder(group(records)[1]) is None
     assert ladder_table(records).rows == []
+
+
+def test_a_configuration_whose_options_are_all_off_is_named_by_them_not_all_runs() -> None:
+    """Pre-LN beside Pre-LN + QK-norm was labelled "all runs" (every part of its name an option that is off)."""
+    from lnstab.report.tables import config_label
+
+    names = {"model.qk_norm": "qk_norm", "model.residual_scale": "residual_scale"}
+    assert config_label(names, {"model.qk_norm": False}) == "qk_norm=False"
+    assert config_label(names, {"model.qk_norm": True}) == "qk_norm"
+    assert config_label(names, {"model.qk_norm": False, "model.residual_scale": 0.1}) == "Δt=0.1"
+    assert config_label(names, {}) == "all runs"

@@ -24,7 +24,7 @@ from lnstab.report.ladder import Design, designs
 from lnstab.report.ladder import rate as design_rate
 from lnstab.report.logits import logit_metrics
 from lnstab.report.lr_sensitivity import ladders
-from lnstab.report.tables import Configuration, _norm, jacobian_points, join_label, label_part, last_site, short_names
+from lnstab.report.tables import Configuration, _norm, config_label, jacobian_points, last_site, short_names
 
 STATS = (("mean_abs", "mean |x| (MA)"), ("var_entry", "entry-wise variance"), ("var_data", "data-wise variance"))
 DPI = 110
@@ -272,7 +272,7 @@ def _by_learning_rate(configs: list[Configuration]) -> list[tuple[Any, list[tupl
     names = short_names(sorted(keys))
     panels: dict[Any, list[tuple[str, Configuration]]] = {}
     for c in configs:
-        label = join_label([label_part(names[k], v) for k, v in c.values.items() if k != lr]) or "all runs"
+        label = config_label(names, {k: v for k, v in c.values.items() if k != lr})
         panels.setdefault(c.values.get(lr), []).append((label, c))
     return sorted(panels.items(), key=lambda item: (item[0] is None, item[0] if item[0] is not None else 0))
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lnstab.report.collect import RunRecord
-from lnstab.report.tables import Table, _norm, _show, join_label, label_part, short_names, varying_keys
+from lnstab.report.tables import Table, _norm, _show, config_label, short_names, varying_keys
 
 LR_NAMES = ("learning_rate", "lr")
 
@@ -105,7 +105,7 @@ def ladders(records: list[RunRecord]) -> tuple[str | None, list[str], list[Ladde
         ident = tuple(_norm(r.config.get(k)) for k in keys)
         if ident not in out:
             values = {k: r.config.get(k) for k in keys}
-            out[ident] = Ladder(values, join_label([label_part(names[k], v) for k, v in values.items()]) or "all runs")
+            out[ident] = Ladder(values, config_label(names, values))
         out[ident].runs.append(r)
     for ladder in out.values():
         starts = [v for v in map(initial_loss, ladder.runs) if v is not None]

@@ -97,6 +97,16 @@ def label_part(name: str, value: Any) -> str:
     return f"{short}={_show(value)}" if short else _show(value)
 
 
+def config_label(names: dict[str, str], values: dict[str, Any]) -> str:
+    """A configuration's legend name: its :func:`label_part` s; where every one is an option that is off (Pre-LN
+    beside Pre-LN + QK-norm: ``qk_norm=False``), the values written out, since an empty name would read as "all
+    runs"; ``all runs`` only where nothing varies."""
+    label = join_label([label_part(names[k], v) for k, v in values.items()])
+    if label or not values:
+        return label or "all runs"
+    return join_label([f"{LABELS.get(names[k], names[k]) or names[k]}={_show(v)}" for k, v in values.items()])
+
+
 def join_label(parts: list[str]) -> str:
     """Legend parts joined with ``, ``, the empty ones left out."""
     return ", ".join(p for p in parts if p)
@@ -120,7 +130,7 @@ def group(records: list[RunRecord]) -> tuple[list[str], list[Configuration]]:
         ident = tuple(_norm(r.config.get(k)) for k in keys)
         if ident not in groups:
             values = {k: r.config.get(k) for k in keys}
-            label = join_label([label_part(names[k], v) for k, v in values.items()]) or "all runs"
+            label = config_label(names, values)
             groups[ident] = Configuration(values, label)
         groups[ident].runs.append(r)
     return keys, list(groups.values())
