@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from lnstab.report.collect import RunRecord
-from lnstab.report.lr_sensitivity import final_loss, ladders
+from lnstab.report.lr_sensitivity import Ladder, final_loss, ladders
 from lnstab.report.tables import (
     Table,
     _norm,
@@ -84,13 +84,10 @@ class SeedLadder:
 
 
 @dataclass
-class Design:
-    """A configuration (every varying value but the learning rate and the seed) over the ladder."""
+class Design(Ladder):
+    """A configuration (every varying value but the learning rate and the seed) over the ladder: its
+    :class:`~lnstab.report.lr_sensitivity.Ladder` (the mean curve, ``best``) with each seed's ladder kept apart."""
 
-    values: dict[str, Any]
-    label: str
-    runs: list[RunRecord] = field(default_factory=list)
-    initial: float | None = None
     seeds: dict[str, SeedLadder] = field(default_factory=dict)
 
     def sensitivities(self) -> list[float]:
@@ -109,11 +106,6 @@ class Design:
         """The runs of this design at ``lr``."""
         return [r for r in self.runs if rate(r, key) == lr]
 
-    def best(self) -> tuple[float, float] | None:
-        """``(η*, L*)`` of the mean-over-seeds curve."""
-        curve = {lr: statistics.fmean(self.losses_at(lr)) for lr in self.rates()}
-        return min(curve.items(), key=lambda p: (p[1], p[0])) if curve else None
-
 
 def rate(run: RunRecord, key: str) -> float | None:
     """The run's learning rate under ``key`` (``None``: not a number)."""
@@ -129,7 +121,7 @@ def designs(records: list[RunRecord]) -> tuple[str | None, list[str], list[Desig
     """``(LR key, configuration keys, one Design per configuration in first-seen order)``: the configurations and
     initial losses of :func:`lnstab.report.lr_sensitivity.ladders`, each seed's ladder kept apart."""
     key, keys, found = ladders(records)
-    out = [Design(ladder.values, ladder.label, ladder.runs, ladder.initial) for ladder in found]
+    out = [Design(**{f.name: getattr(ladder, f.name) for f in fields(Ladder)}) for ladder in found]
     for design in out if key is not None else []:
         for r in design.runs:
             lr, loss = rate(r, key), final_loss(r)
@@ -165,7 +157,7 @@ def ladder_table(records: list[RunRecord]) -> Table:
         sens = d.sensitivities()
         mean, low, high = mean_interval(sens)
         diff, dlow, dhigh = welch_interval(sens, reference)
-        best = d.best()
+        best = d.best
         diverged = sum(r.status == "diverged" for r in d.runs)
         cells = {names[k]: _show(d.values[k]) for k in keys}
         row: dict[str, Any] = {**cells, "seeds": len(sens), "lr_sensitivity": mean, "ci_low": low, "ci_high": high,
