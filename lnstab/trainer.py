@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -30,6 +31,10 @@ class _CloudTips(logging.Filter):
 
 
 _CLOUD_TIPS = _CloudTips()
+# Lightning 2.6 builds torch's deprecated LeafSpec on every batch it moves (torch >= 2.10 warns once per process): a
+# FutureWarning a user cannot act on, in every fit. Only that message, only from that module.
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning,
+                        module=r"lightning\.pytorch\.utilities\._pytree")
 
 
 class LNStabTrainer(pl.Trainer):

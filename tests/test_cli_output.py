@@ -37,6 +37,7 @@ def test_a_quickstart_fit_ends_with_its_run_directory_and_shows_no_lightning_noi
     shown = done.stdout + done.stderr
     assert "litlogger" not in shown and "💡 Tip" not in shown  # Lightning's cloud advertisement
     assert "FLOPs" not in shown and "Flops" not in shown  # Lightning measured none: no column of zeros, no total
+    assert "LeafSpec" not in shown  # torch's deprecation of what Lightning builds on every batch
     assert "Trainable params" in done.stderr  # the model summary itself is still there
     assert "Epoch 0" not in done.stdout and "Training steps:   0%|          | 0/2" in done.stdout  # one bar, by steps
     evaluation = next(line for line in done.stderr.splitlines() if line.startswith("FinalEvaluation: "))
