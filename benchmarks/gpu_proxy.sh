@@ -24,14 +24,19 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLE
 if [[ -d .whl && "$ACCEL" == gpu ]]; then  # packages the GPU image lacks, carried as wheels
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "gpu_proxy: wheel install failed"; exit 2; }
-  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
-else
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+# lnstab as pyproject lays it out (callbacks/ and datamodules/ are lnstab.callbacks and lnstab.datamodules), unbuilt.
+PKG=${GPU_PROXY_PKG:-/tmp/gpu_proxy_pkg}
+rm -rf "$PKG" && mkdir -p "$PKG" && cp -r lnstab "$PKG/lnstab" \
+  && ln -s "$PWD/callbacks" "$PKG/lnstab/callbacks" && ln -s "$PWD/datamodules" "$PKG/lnstab/datamodules" \
+  || { echo "gpu_proxy: could not lay out the package in $PKG"; exit 2; }
+export PYTHONPATH=$PKG${PYTHONPATH:+:$PYTHONPATH}
 DATA=${GPU_PROXY_DATA:-.gpu/owt-sample-900.jsonl.gz}
 [[ -f "$DATA" ]] || { echo "gpu_proxy: no data at $DATA"; exit 2; }
 
 # A two-step run first: a broken environment costs seconds, not the grid's time.
+rm -rf /tmp/gpu_proxy_smoke
 if ! timeout 180 python3 -m lnstab.cli fit --config experiments/proxy.yaml --trainer.accelerator "$ACCEL" \
     --data.init_args.path "$DATA" --evaluation.bertscore_model roberta-large --trainer.max_steps 2 \
     --trainer.val_check_interval 2 --checkpoint.every_n_train_steps 2 --run_dir /tmp/gpu_proxy_smoke \
