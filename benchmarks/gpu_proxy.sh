@@ -34,6 +34,10 @@ rm -rf "$PKG" && mkdir -p "$PKG" && cp -r lnstab "$PKG/lnstab" \
 export PYTHONPATH=$PKG${PYTHONPATH:+:$PYTHONPATH}
 DATA=${GPU_PROXY_DATA:-.gpu/owt-sample-900.jsonl.gz}
 [[ -f "$DATA" ]] || { echo "gpu_proxy: no data at $DATA"; exit 2; }
+DATA=$(realpath "$DATA")
+# Run from the laid-out package: `python -m` puts the working directory first on sys.path, and the checkout's own
+# lnstab/ (no callbacks/ inside) would shadow it.
+ln -s "$PWD/experiments" "$PKG/experiments" && cd "$PKG" || exit 2
 
 # A two-step run first: a broken environment costs seconds, not the grid's time.
 rm -rf /tmp/gpu_proxy_smoke
