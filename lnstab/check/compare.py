@@ -20,9 +20,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from lnstab.check.criteria import display
 from lnstab.check.report import MARK, cell, provenance
 from lnstab.check.runner import public_path
-from lnstab.check.validation_notes import display
 from lnstab.errors import LNStabError, one_line
 from lnstab.rundir import read_json
 
@@ -132,7 +132,7 @@ def moved(a: Any, b: Any) -> float | None:
 
 
 def shown(cid: str, value: Any) -> str:
-    """A value as the card reads it (:func:`~lnstab.check.validation_notes.display`; a number too large for its
+    """A value as the card reads it (:func:`~lnstab.check.criteria.display`; a number too large for its
     units, e.g. a growth exponent of 1e299 as a factor, as the number itself), anything else as text."""
     if not isinstance(value, int | float) or isinstance(value, bool):
         return str(value)

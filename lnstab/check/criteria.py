@@ -1,6 +1,9 @@
 """The report card's criteria and their thresholds.
 
-Every criterion is one number that is *worse when larger* (see :data:`CRITERIA`). Its ``warn`` and ``fail``
+Every criterion is one :class:`Criterion` record in :data:`CRITERIA`: how its value is read from a subject's
+summary, the sentence that says why, how it reads beside the references and how the card shows it; adding a
+criterion is one record here, its thresholds in ``thresholds.yaml`` and its measurement in
+:func:`~lnstab.check.analysis.summarise`. Every criterion is one number that is *worse when larger*. Its ``warn`` and ``fail``
 thresholds are expressions over what the references measured in the same check, so the defaults need no
 hand-picked constants: ``peri``/``pre`` are the Peri-LN and Pre-LN references' values, ``peri_sd``/``pre_sd`` their
 spread over seeds (the standard error for a fitted slope) and ``sd`` the larger of the two; ``fp16_max``,
@@ -16,6 +19,7 @@ from __future__ import annotations
 import ast
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,45 +50,270 @@ MAX_EXPRESSION = 200  # characters of one threshold expression (the defaults nee
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
 
+Summary = dict[str, Any]  # one subject's :func:`~lnstab.check.analysis.summarise` output
+
+
 @dataclass(frozen=True)
 class Criterion:
-    """One row of the card: ``value(summary)`` gives ``(value, sd)``; larger is worse."""
+    """One row of the card, all of it in one place (its thresholds are data: ``thresholds.yaml``).
+
+    Args:
+        id: The key of the row in ``thresholds.yaml``, ``report.json`` and ``--compare``.
+        title: The row's title on the card.
+        unit: What ``value`` is measured in; larger is always worse.
+        value: ``(value, sd)`` of one subject's summary.
+        explain: The sentence saying what was measured, from ``(summary, value, sd)``, for a finite value.
+        missing: The sentence for a value that is not finite, from ``(summary, sites)`` (``None``: ``explain`` says
+            it too).
+        quote: How a reference's value is quoted after the sentence (``None``: not quoted).
+        phrases: How the value reads near a reference (``{ref}``), below both, above both (``None``: not compared).
+        factor_base: A log-scale value is read as the factor ``factor_base ** value`` (gradient spread in decades,
+            growth in doublings).
+        show: The value as the card and the validation notes read it (see :func:`display`).
+    """
 
     id: str
     title: str
     unit: str
+    value: Callable[[Summary], tuple[float, float]]
+    explain: Callable[[Summary, float, float], str]
+    missing: Callable[[Summary, dict[str, Any]], str] | None = None
+    quote: Callable[[Summary], str] | None = None
+    phrases: tuple[str, str, str] | None = None
+    factor_base: float | None = None
+    show: Callable[[float], str] | None = None
+
+    def as_factor(self, value: float) -> float:
+        """A log-scale value as the factor the card reads (``×2.1e6`` for a spread of 6.32 decades)."""
+        return self.factor_base ** value if self.factor_base else value
+
+
+def fmt(value: float, digits: int = 3) -> str:
+    """A short number (``n/a`` for ``nan``)."""
+    if value is None or not math.isfinite(value):
+        return "n/a"
+    return f"{value:.{digits}g}"
+
+
+def number(value: float, digits: int = 2) -> str:
+    """A quoted number: ``8.2e3`` from 1000 up, a whole number from 100, else ``digits`` significant digits."""
+    if not math.isfinite(value):
+        return "n/a"
+    if abs(value) >= 1000:
+        mantissa, exponent = f"{value:.{digits - 1}e}".split("e")
+        return f"{mantissa}e{int(exponent)}"
+    if abs(value) >= 100:
+        return f"{value:.0f}"
+    return f"{value:.{digits}g}"
+
+
+def _mean(cid: str) -> Callable[[Summary], tuple[float, float]]:
+    return lambda s: (s[cid]["mean"], s[cid]["sd"])
+
+
+def _all_diverged(what: str) -> Callable[[Summary, dict[str, Any]], str]:
+    return lambda s, sites: "every run diverged" if s["diverged"] == s["runs"] else what
+
+
+def _divergence(s: Summary, value: float, sd: float) -> str:
+    text = f"{s['diverged']} of {s['runs']} runs diverged"
+    if s["first_bad"]:
+        fb = min(s["first_bad"], key=lambda f: (f["lr"], f["step"] if f["step"] is not None else 1 << 30))
+        where = f" in {fb['layer']}" if fb.get("layer") else ""
+        text += f", first at lr {fb['lr']:g} (seed {fb['seed']}) step {fb['step']}{where} ({fb['kind']})"
+    return text
+
+
+def _lr_sensitivity_missing(s: Summary, sites: dict[str, Any]) -> str:
+    return "needs at least two learning rates (--lrs)" if len(s["lr_sensitivity"]["points"]) < 2 else "no initial loss"
+
+
+def _lr_sensitivity(s: Summary, value: float, sd: float) -> str:
+    ls = s["lr_sensitivity"]
+    ladder = ", ".join(f"{float(lr):g}: {fmt(v, 4)}" for lr, v in ls["points"].items())
+    return (f"mean over the ladder of min(L, L_init) − L* = {value:.3f} nats (L_init {fmt(ls['initial'], 4)}; "
+            f"min(L, L_init) by lr {ladder}; a diverged run counts as L_init)")
+
+
+def _growth_skipped(cid: str, s: Summary) -> str:
+    g = s[cid]
+    when = "after training" if cid == "growth_trained" else "at initialisation"
+    return (f"{g['unmeasured']} run(s) not measured {when}: a block did not run at that step (a branch that skips "
+            "blocks in training, such as LayerDrop), or a looped one ran another number of times"
+            ) if g.get("unmeasured") else ""
+
+
+def _growth_missing(cid: str) -> Callable[[Summary, dict[str, Any]], str]:
+    def missing(s: Summary, sites: dict[str, Any]) -> str:
+        if cid == "growth_trained" and s["diverged"] == s["runs"]:
+            return "every run diverged"
+        skipped = _growth_skipped(cid, s)
+        return (f"{skipped}, and no other run fits a growth law" if skipped
+                else "fewer than two layer sites to fit a growth law over depth")
+
+    return missing
+
+
+def _growth(cid: str) -> Callable[[Summary, float, float], str]:
+    def explain(s: Summary, value: float, sd: float) -> str:
+        g, skipped = s[cid], _growth_skipped(cid, s)
+        at = f" at lr {g['lr']:g}" if cid == "growth_trained" and g.get("lr") is not None else ""
+        text = (f"mean |x| grows ×{2.0 ** value:.3g} over the deeper half{at} (linear from 0: ×2); "
+                f"{g['law']} law fits better (R² {fmt(g['exp_r2'], 2)} exponential at ×{fmt(math.exp(g['exp_rate']))}"
+                f"/layer, {fmt(g['lin_r2'], 2)} linear)")
+        return text + (f" ({skipped}; the others are graded)" if skipped else "")
+
+    return explain
+
+
+def _overflow(s: Summary, peak: float, sd: float) -> str:
+    head = (f"{FP16_MAX / peak:.3g}× below fp16's max" if peak < FP16_MAX else
+            f"{peak / FP16_MAX:.3g}× above fp16's max 65504")
+    return f"largest |x| {peak:.3g}: {head}, {BF16_MAX / peak:.2g}× below bf16's"
+
+
+def _attention_missing(s: Summary, sites: dict[str, Any]) -> str:
+    if not sites.get("attention", True):
+        return ("q and k were not found (lnstab's GPT, Hugging Face GPT-2, Llama, Gemma, Mistral, Mixtral, Qwen2/3, "
+                "Gemma 2/3, OLMo and OLMo 2 are recognised; name a factory model's with --q-pattern, --k-pattern and "
+                "--n-head), so the attention logits were not measured")
+    return _all_diverged("no attention logits were measured")(s, sites)
+
+
+def _attention(s: Summary, value: float, sd: float) -> str:
+    a = s["attention"]
+    return (f"largest |q·k|/√d {value:.3g} at lr {a['lr']:g} (from {fmt(a['init'])} at initialisation); largest "
+            f"collapsed-row fraction {fmt(a['collapsed'], 2)}, smallest row entropy {fmt(a['entropy_min'], 2)} nats; "
+            f"{a['events']} attention_collapse events")
+
+
+def _log_z_missing(s: Summary, sites: dict[str, Any]) -> str:
+    if not sites.get("logits", True):
+        return "the output logits were not found (an lm_head, or --head-pattern), so log Z was not measured"
+    return _all_diverged("log Z was not measured")(s, sites)
+
+
+def _log_z(s: Summary, value: float, sd: float) -> str:
+    z = s["log_z"]
+    return (f"largest |mean log Z| {value:.3g} at lr {z['lr']:g} after initialisation (log Z {fmt(z['init'])} at "
+            f"initialisation); {z['events']} logit_drift events")
+
+
+def _sensitivity_missing(s: Summary, sites: dict[str, Any]) -> str:
+    return ("no blocks were probed" if not s["sensitivity"]["points"] else
+            "activation scale does not vary enough over layers to fit a slope")
+
+
+def _sensitivity(s: Summary, value: float, sd: float) -> str:
+    return (f"slope {value:+.2f} ± {fmt(sd, 2)} over {len(s['sensitivity']['points'])} blocks×measurements "
+            "(−1: scale-invariant blocks, ≥ 0: sensitivity does not fall as activations grow)")
+
+
+def _bound_missing(s: Summary, sites: dict[str, Any]) -> str:
+    if sites.get("bound_unchecked"):
+        return (f"output norms were located but not checked: {sites['bound_unchecked']} (give a layer pattern at the "
+                "residual updates, or norms that match them one to one)")
+    where = (f"no output norms matched {sites['norm_pattern']}" if sites.get("norm_pattern") else
+             "no output norms were located (lnstab's placements with output norms, Hugging Face Gemma 2/3 and OLMo 2, "
+             "or --norm-pattern)")
+    return f"{where}, so Theorem 4 does not apply (it needs one output norm per residual update)"
+
+
+def _bound(s: Summary, value: float, sd: float) -> str:
+    verdict = "holds, as Theorem 4 says" if value == 0 else "is violated"
+    return (f"MA(X_D) ≤ RMS(X_0) + ΣΔt(γmax+βmax) {verdict}: {int(value)} violations, smallest slack "
+            f"{fmt(s['bound']['min_slack'])}")
+
+
+def _grad_spread_missing(s: Summary, sites: dict[str, Any]) -> str:
+    if sites.get("param_pattern", "") is None:
+        return "no per-layer gradient norms (block names need a numeric index, e.g. layers.3)"
+    return _all_diverged("no per-layer gradient norms were measured")(s, sites)
+
+
+def _grad_spread(s: Summary, value: float, sd: float) -> str:
+    return (f"per-layer gradient norms span ×{10.0 ** value:.3g} (median over steps, worst at lr "
+            f"{s['grad_spread']['lr']:g})")
+
+
+def _growth_quote(cid: str) -> Callable[[Summary], str]:
+    return lambda r: f"×{fmt(2.0 ** r[cid]['mean'])}"
+
+
+def _factor(base: float) -> Callable[[float], str]:
+    return lambda v: "×" + number(base ** v)
 
 
 CRITERIA: tuple[Criterion, ...] = (
-    Criterion("divergence", "Divergence rate over the learning-rate ladder", "fraction of runs"),
-    Criterion("lr_sensitivity", "LR sensitivity over the ladder (Wortsman et al.)", "nats"),
-    Criterion("growth_init", "Growth over depth at initialisation", "doublings, deeper half"),
-    Criterion("growth_trained", "Growth over depth after stress training", "doublings, deeper half"),
-    Criterion("overflow", "Largest |x| (overflow headroom)", "max |x|"),
-    Criterion("attention", "Attention-logit growth (largest |q·k|/√d)", "logit"),
-    Criterion("log_z", "Output-logit drift (largest |mean log Z|)", "nats"),
-    Criterion("sensitivity", "Jacobian sensitivity against activation scale", "log-log slope"),
-    Criterion("bound", "Theorem 4 bound (output norms)", "violations"),
-    Criterion("grad_spread", "Gradient-norm spread over layers", "log10 max/min"),
-    Criterion("loss", "Learns (final loss at best learning rate)", "nats"),
+    Criterion("divergence", "Divergence rate over the learning-rate ladder", "fraction of runs",
+              value=lambda s: ((s["diverged"] / s["runs"] if s["runs"] else math.nan), 0.0), explain=_divergence,
+              quote=lambda r: f"{r['diverged']}/{r['runs']}",
+              phrases=("diverges as often as {ref}", "diverges less often than both references",
+                       "diverges more often than both references"), show=lambda v: f"{v:.0%}"),
+    Criterion("lr_sensitivity", "LR sensitivity over the ladder (Wortsman et al.)", "nats",
+              value=_mean("lr_sensitivity"), explain=_lr_sensitivity, missing=_lr_sensitivity_missing,
+              quote=lambda r: fmt(r["lr_sensitivity"]["mean"]),
+              phrases=("as sensitive to the learning rate as {ref}", "less sensitive to the learning rate than both "
+                       "references", "more sensitive to the learning rate than both references")),
+    Criterion("growth_init", "Growth over depth at initialisation", "doublings, deeper half",
+              value=_mean("growth_init"), explain=_growth("growth_init"), missing=_growth_missing("growth_init"),
+              quote=_growth_quote("growth_init"),
+              phrases=("grows like {ref}", "grows slower than both references", "grows faster than both references"),
+              factor_base=2.0, show=_factor(2.0)),
+    Criterion("growth_trained", "Growth over depth after stress training", "doublings, deeper half",
+              value=_mean("growth_trained"), explain=_growth("growth_trained"),
+              missing=_growth_missing("growth_trained"), quote=_growth_quote("growth_trained"),
+              phrases=("grows like {ref}", "grows slower than both references", "grows faster than both references"),
+              factor_base=2.0, show=_factor(2.0)),
+    Criterion("overflow", "Largest |x| (overflow headroom)", "max |x|", value=lambda s: (s["max_abs"], 0.0),
+              explain=_overflow,
+              missing=lambda s, sites: "no run completed, so no finite activations to compare with fp16/bf16",
+              quote=lambda r: fmt(r["max_abs"]),
+              phrases=("peaks like {ref}", "peaks lower than both references", "peaks higher than both references")),
+    Criterion("attention", "Attention-logit growth (largest |q·k|/√d)", "logit", value=_mean("attention"),
+              explain=_attention, missing=_attention_missing, quote=lambda r: fmt(r["attention"]["mean"]),
+              phrases=("attention logits grow like {ref}", "attention logits stay smaller than both references'",
+                       "attention logits grow larger than both references'")),
+    Criterion("log_z", "Output-logit drift (largest |mean log Z|)", "nats", value=_mean("log_z"), explain=_log_z,
+              missing=_log_z_missing, quote=lambda r: fmt(r["log_z"]["mean"]),
+              phrases=("log Z drifts like {ref}", "log Z stays nearer 0 than both references'",
+                       "log Z drifts further from 0 than both references'"), show=lambda v: number(v, 3)),
+    Criterion("sensitivity", "Jacobian sensitivity against activation scale", "log-log slope",
+              value=lambda s: (s["sensitivity"]["slope"], s["sensitivity"]["se"]), explain=_sensitivity,
+              missing=_sensitivity_missing, quote=lambda r: f"{r['sensitivity']['slope']:+.2f}",
+              phrases=("{insensitive} to activation scale", "loses sensitivity with scale faster than both references",
+                       "keeps more sensitivity at large scale than both references"),
+              show=lambda v: f"{v:+.2f}".replace("-", "−")),
+    Criterion("bound", "Theorem 4 bound (output norms)", "violations",
+              value=lambda s: (float(s["bound"]["violations"]), 0.0), explain=_bound, missing=_bound_missing,
+              show=lambda v: f"{v:.0f}"),
+    Criterion("grad_spread", "Gradient-norm spread over layers", "log10 max/min", value=_mean("grad_spread"),
+              explain=_grad_spread, missing=_grad_spread_missing,
+              quote=lambda r: f"×{fmt(10.0 ** r['grad_spread']['mean'])}",
+              phrases=("spreads gradients like {ref}", "spreads gradients less than both references",
+                       "spreads gradients more than both references"), factor_base=10.0, show=_factor(10.0)),
+    Criterion("loss", "Learns (final loss at best learning rate)", "nats", value=_mean("loss"),
+              explain=lambda s, v, sd: f"final loss {v:.3f} at lr {s['loss']['lr']:g} (from {fmt(s['loss_init'], 4)} "
+                                       "at initialisation)",
+              missing=lambda s, sites: "every run diverged", quote=lambda r: fmt(r["loss"]["mean"], 4),
+              phrases=("learns like {ref}", "learns faster than both references", "learns slower than both references"),
+              show=lambda v: f"{v:.2f}"),
 )
 IDS = tuple(c.id for c in CRITERIA)
+BY_ID: dict[str, Criterion] = {c.id: c for c in CRITERIA}
 
 
-def criterion_value(criterion: str, summary: dict[str, Any]) -> tuple[float, float]:
+def criterion_value(criterion: str, summary: Summary) -> tuple[float, float]:
     """``(value, sd)`` of ``criterion`` in one subject's :func:`~lnstab.check.analysis.summarise` output."""
-    s = summary
-    if criterion == "divergence":
-        return (s["diverged"] / s["runs"] if s["runs"] else math.nan), 0.0
-    if criterion in ("growth_init", "growth_trained", "grad_spread", "loss", "lr_sensitivity", "attention", "log_z"):
-        return s[criterion]["mean"], s[criterion]["sd"]
-    if criterion == "overflow":
-        return s["max_abs"], 0.0
-    if criterion == "sensitivity":
-        return s["sensitivity"]["slope"], s["sensitivity"]["se"]
-    if criterion == "bound":
-        return float(s["bound"]["violations"]), 0.0
-    raise KeyError(criterion)
+    return BY_ID[criterion].value(summary)
+
+
+def display(cid: str, value: float | None) -> str:
+    """A criterion's value as the card reads it: spreads and growth as factors, losses in nats to 0.01."""
+    if value is None or not math.isfinite(value):
+        return "n/a"
+    show = BY_ID[cid].show if cid in BY_ID else None
+    return show(value) if show else number(value, 2)
 
 
 def check_expression(where: str, text: Any, names: tuple[str, ...] = NAMES, why: str = "") -> None:
