@@ -149,6 +149,9 @@ class OpenWebTextDataModule(pl.LightningDataModule):
             check.positive_int("data.val_tokens", val_tokens, error=DataError)
         if source in ("files", "prepared") and not path:
             raise DataError(f"--data.path is required with --data.source {source}")
+        if isinstance(val_documents, float) and val_documents >= 1 and val_documents.is_integer():
+            # jsonargparse on Python 3.12 reads `90` for `int | float` as 90.0: a whole number >= 1 is a count
+            val_documents = args["val_documents"] = int(val_documents)
         self._check_split_and_vocab(source, path, val_split, val_documents, vocab, vocab_top_k)
         if source in ("sample", "synthetic") and path:
             raise DataError(f"--data.path {path} is not used with --data.source {source}; drop one (a file of your "
