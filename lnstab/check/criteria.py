@@ -3,8 +3,8 @@
 Every criterion is one :class:`Criterion` record in :data:`CRITERIA`: how its value is read from a subject's
 summary, the sentence that says why, how it reads beside the references and how the card shows it; adding a
 criterion is one record here, its thresholds in ``thresholds.yaml`` and its measurement in
-:func:`~lnstab.check.analysis.summarise`. Every criterion is one number that is *worse when larger*. Its ``warn`` and ``fail``
-thresholds are expressions over what the references measured in the same check, so the defaults need no
+:func:`~lnstab.check.analysis.summarise`. Every criterion is one number that is *worse when larger*. Its ``warn``
+and ``fail`` thresholds are expressions over what the references measured in the same check, so the defaults need no
 hand-picked constants: ``peri``/``pre`` are the Peri-LN and Pre-LN references' values, ``peri_sd``/``pre_sd`` their
 spread over seeds (the standard error for a fitted slope) and ``sd`` the larger of the two; ``fp16_max``,
 ``bf16_max`` and ``max``, ``min``, ``abs``, ``log``, ``log10`` are available too. A value above ``fail`` fails, above
