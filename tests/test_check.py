@@ -194,13 +194,13 @@ def test_blocks_that_triple_the_residual_warn_on_the_growth_law(tmp_path) -> Non
 def test_a_thresholds_file_changes_a_verdict(tmp_path) -> None:
     args = [*GPT, "--model.norm_placement", "pre", "--lrs", "1e-2", "--no-reference", *TINY]
     code, report = check(tmp_path / "default", *args)
-    default = rows(report)["growth_init"]
+    default = rows(report)["loss"]  # an outcome: only outcomes can fail (issue 39)
     assert default["status"] != "fail" and default["fail_source"] == "absolute"
     stricter = default["measured"] - 0.1 * abs(default["measured"]) - 1e-3
     thresholds = tmp_path / "strict.yaml"
-    thresholds.write_text(f"growth_init:\n  absolute: {{warn: null, fail: {stricter!r}}}\n")
+    thresholds.write_text(f"loss:\n  absolute: {{warn: null, fail: {stricter!r}}}\n")
     code, report = check(tmp_path / "strict", *args, "--thresholds", str(thresholds))
-    strict = rows(report)["growth_init"]
+    strict = rows(report)["loss"]
     assert strict["measured"] == pytest.approx(default["measured"])  # same seed, same model: same measurement
     assert strict["status"] == "fail" and strict["fail"] == pytest.approx(stricter) and code == 1
     assert f"{stricter!r}" in (tmp_path / "strict" / "thresholds.yaml").read_text()

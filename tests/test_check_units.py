@@ -67,9 +67,11 @@ def test_thresholds_follow_the_references_and_fall_back_without_them() -> None:
     assert resolve(spec, None)["warn"] == 1 and resolve(DEFAULT_THRESHOLDS["loss"], refs)["fail"] is None
     assert resolve(DEFAULT_THRESHOLDS["growth_init"], refs)["fail"] is None  # growth at initialisation only warns
     assert resolve(DEFAULT_THRESHOLDS["growth_trained"], refs)["fail"] is None  # so does growth after training
-    # When the references come in the other order the pass band ends at Peri-LN, the fail band above both.
+    # When the references come in the other order the pass band ends at Peri-LN, the fail band above both: no
+    # warning band is left, and none is shown.
     swapped = resolve(spec, {"pre-ln": (0.2, 0.0), "peri-ln": (0.6, 0.0)})
-    assert swapped["warn"] == swapped["fail"] == pytest.approx(0.6)
+    assert swapped["warn"] is None and swapped["fail"] == pytest.approx(0.6)
+    assert [status(v, swapped) for v in (0.5, 0.7)] == ["pass", "fail"]
 
 
 def test_threshold_expressions_allow_arithmetic_only() -> None:

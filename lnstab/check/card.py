@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from lnstab.check.criteria import BY_ID, CRITERIA, Criterion, resolve, status
+from lnstab.check.criteria import BY_ID, CRITERIA, LABELS, Criterion, resolve, status
 
-LABELS = {"pre-ln": "Pre-LN", "peri-ln": "Peri-LN"}
 # What lnstab.check.validation_notes reads here (it quotes values as the card does).
 FACTOR_BASES = {c.id: c.factor_base for c in CRITERIA if c.factor_base}
 
@@ -45,7 +44,7 @@ def why(criterion: Criterion, s: dict[str, Any], refs: dict[str, dict[str, Any]]
     """One sentence saying what was measured and how it compares (``rel``), with the references' values."""
     if not math.isfinite(value) and criterion.missing is not None:
         return criterion.missing(s, sites)
-    text = criterion.explain(s, value, sd) + (f"; {rel}" if rel else "")
+    text = criterion.explain(s, value, sd, refs) + (f"; {rel}" if rel else "")
     if criterion.quote is None:
         return text
     parts = [f"{LABELS[k]} {criterion.quote(r)}" for k, r in refs.items()]
@@ -65,6 +64,9 @@ def build_rows(summaries: dict[str, dict[str, Any]], thresholds: dict[str, dict[
         limits = resolve(thresholds[cid], refs or None)
         verdict = status(value, limits)
         rel = relation(cid, value, sd, refs)
+        text = why(criterion, checked, ref_summaries, value, sd, rel, sites)
+        if verdict == "warn" and thresholds[cid].get("kind") == "mechanism":
+            text += f"; {criterion.mechanism}"
         rows.append({
             "id": cid,
             "title": criterion.title,
@@ -74,6 +76,6 @@ def build_rows(summaries: dict[str, dict[str, Any]], thresholds: dict[str, dict[
             "references": {k: v[0] for k, v in refs.items()},
             **limits,
             "status": verdict,
-            "why": why(criterion, checked, ref_summaries, value, sd, rel, sites),
+            "why": text,
         })
     return rows

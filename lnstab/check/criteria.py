@@ -12,6 +12,9 @@ spread over seeds (the standard error for a fitted slope) and ``sd`` the larger 
 ``--no-reference`` (or where a reference has no value), so they name no reference; those are the only constants, and
 they are documented here.
 A ``--thresholds FILE.yaml`` holds any subset of this mapping and overrides it key by key.
+Each criterion's ``kind`` (``thresholds.yaml``) is an ``outcome`` (divergence, LR sensitivity, loss: what a user wants
+to avoid, observed) or a ``mechanism`` (what explains outcomes): only outcomes can fail, so a ``fail`` threshold on a
+mechanism is refused, in the package's file or a ``--thresholds`` file, and a mechanism's warning says why.
 """
 
 from __future__ import annotations
@@ -24,15 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from lnstab.check.analysis import BF16_MAX, FP16_MAX
 from lnstab.errors import LNStabError
 from lnstab.safeload import load_yaml
 
-# The default thresholds are package data (lnstab/check/thresholds.yaml): their history is that file's `git log`.
-DEFAULT_THRESHOLDS_YAML = (Path(__file__).parent / "thresholds.yaml").read_text(encoding="utf-8")
-DEFAULT_THRESHOLDS: dict[str, dict[str, Any]] = yaml.safe_load(DEFAULT_THRESHOLDS_YAML)
 NAMES = ("pre", "peri", "pre_sd", "peri_sd", "sd")
 CONSTANTS = {"fp16_max": FP16_MAX, "bf16_max": BF16_MAX}
 
@@ -62,7 +60,8 @@ class Criterion:
         title: The row's title on the card.
         unit: What ``value`` is measured in; larger is always worse.
         value: ``(value, sd)`` of one subject's summary.
-        explain: The sentence saying what was measured, from ``(summary, value, sd)``, for a finite value.
+        explain: The sentence saying what was measured, from ``(summary, value, sd, references' summaries)``, for
+            a finite value.
         missing: The sentence for a value that is not finite, from ``(summary, sites)`` (``None``: ``explain`` says
             it too).
         quote: How a reference's value is quoted after the sentence (``None``: not quoted).
@@ -70,18 +69,21 @@ class Criterion:
         factor_base: A log-scale value is read as the factor ``factor_base ** value`` (gradient spread in decades,
             growth in doublings).
         show: The value as the card and the validation notes read it (see :func:`display`).
+        mechanism: Why it warns and never fails, said on a warning when ``thresholds.yaml`` makes it a mechanism.
     """
 
     id: str
     title: str
     unit: str
     value: Callable[[Summary], tuple[float, float]]
-    explain: Callable[[Summary, float, float], str]
+    explain: Callable[[Summary, float, float, dict[str, Summary]], str]
     missing: Callable[[Summary, dict[str, Any]], str] | None = None
     quote: Callable[[Summary], str] | None = None
     phrases: tuple[str, str, str] | None = None
     factor_base: float | None = None
     show: Callable[[float], str] | None = None
+    mechanism: str = ("a mechanism, so it warns and never fails: only outcomes (divergence, loss, LR sensitivity) "
+                      "fail")
 
     def as_factor(self, value: float) -> float:
         """A log-scale value as the factor the card reads (``×2.1e6`` for a spread of 6.32 decades)."""
@@ -107,6 +109,11 @@ def number(value: float, digits: int = 2) -> str:
     return f"{value:.{digits}g}"
 
 
+LABELS = {"pre-ln": "Pre-LN", "peri-ln": "Peri-LN"}
+# A collapsed-row fraction within this of the references' reads "as the references" (wording, not a threshold).
+COLLAPSED_AS_MUCH = 0.05
+
+
 def _mean(cid: str) -> Callable[[Summary], tuple[float, float]]:
     return lambda s: (s[cid]["mean"], s[cid]["sd"])
 
@@ -115,7 +122,7 @@ def _all_diverged(what: str) -> Callable[[Summary, dict[str, Any]], str]:
     return lambda s, sites: "every run diverged" if s["diverged"] == s["runs"] else what
 
 
-def _divergence(s: Summary, value: float, sd: float) -> str:
+def _divergence(s: Summary, value: float, sd: float, refs: dict[str, Summary]) -> str:
     text = f"{s['diverged']} of {s['runs']} runs diverged"
     if s["first_bad"]:
         fb = min(s["first_bad"], key=lambda f: (f["lr"], f["step"] if f["step"] is not None else 1 << 30))
@@ -128,7 +135,7 @@ def _lr_sensitivity_missing(s: Summary, sites: dict[str, Any]) -> str:
     return "needs at least two learning rates (--lrs)" if len(s["lr_sensitivity"]["points"]) < 2 else "no initial loss"
 
 
-def _lr_sensitivity(s: Summary, value: float, sd: float) -> str:
+def _lr_sensitivity(s: Summary, value: float, sd: float, refs: dict[str, Summary]) -> str:
     ls = s["lr_sensitivity"]
     ladder = ", ".join(f"{float(lr):g}: {fmt(v, 4)}" for lr, v in ls["points"].items())
     return (f"mean over the ladder of min(L, L_init) − L* = {value:.3f} nats (L_init {fmt(ls['initial'], 4)}; "
@@ -154,8 +161,8 @@ def _growth_missing(cid: str) -> Callable[[Summary, dict[str, Any]], str]:
     return missing
 
 
-def _growth(cid: str) -> Callable[[Summary, float, float], str]:
-    def explain(s: Summary, value: float, sd: float) -> str:
+def _growth(cid: str) -> Callable[[Summary, float, float, dict[str, Summary]], str]:
+    def explain(s: Summary, value: float, sd: float, refs: dict[str, Summary]) -> str:
         g, skipped = s[cid], _growth_skipped(cid, s)
         at = f" at lr {g['lr']:g}" if cid == "growth_trained" and g.get("lr") is not None else ""
         text = (f"mean |x| grows ×{2.0 ** value:.3g} over the deeper half{at} (linear from 0: ×2); "
@@ -166,7 +173,7 @@ def _growth(cid: str) -> Callable[[Summary, float, float], str]:
     return explain
 
 
-def _overflow(s: Summary, peak: float, sd: float) -> str:
+def _overflow(s: Summary, peak: float, sd: float, refs: dict[str, Summary]) -> str:
     head = (f"{FP16_MAX / peak:.3g}× below fp16's max" if peak < FP16_MAX else
             f"{peak / FP16_MAX:.3g}× above fp16's max 65504")
     return f"largest |x| {peak:.3g}: {head}, {BF16_MAX / peak:.2g}× below bf16's"
@@ -180,10 +187,27 @@ def _attention_missing(s: Summary, sites: dict[str, Any]) -> str:
     return _all_diverged("no attention logits were measured")(s, sites)
 
 
-def _attention(s: Summary, value: float, sd: float) -> str:
+def _collapsed(a: dict[str, Any], refs: dict[str, Summary]) -> str:
+    """The checked model's largest collapsed-row fraction beside the references' (``as the references`` when they
+    collapse as much: a PASS beside 95 % collapsed rows is then what the references do too)."""
+    theirs = {k: r["attention"]["collapsed"] for k, r in refs.items()
+              if k in LABELS and math.isfinite(r["attention"].get("collapsed", math.nan))}
+    text = f"largest collapsed-row fraction {fmt(a['collapsed'], 2)}"
+    if not theirs or not math.isfinite(a["collapsed"]):
+        return text
+    if a["collapsed"] > max(theirs.values()) + COLLAPSED_AS_MUCH:
+        word = "more than the references"
+    elif a["collapsed"] < min(theirs.values()) - COLLAPSED_AS_MUCH:
+        word = "less than the references"
+    else:
+        word = "as the references"
+    return f"{text}, {word} ({', '.join(f'{LABELS[k]} {fmt(v, 2)}' for k, v in theirs.items())})"
+
+
+def _attention(s: Summary, value: float, sd: float, refs: dict[str, Summary]) -> str:
     a = s["attention"]
-    return (f"largest |q·k|/√d {value:.3g} at lr {a['lr']:g} (from {fmt(a['init'])} at initialisation); largest "
-            f"collapsed-row fraction {fmt(a['collapsed'], 2)}, smallest row entropy {fmt(a['entropy_min'], 2)} nats; "
+    return (f"largest |q·k|/√d {value:.3g} at lr {a['lr']:g} (from {fmt(a['init'])} at initialisation); "
+            f"{_collapsed(a, refs)}, smallest row entropy {fmt(a['entropy_min'], 2)} nats; "
             f"{a['events']} attention_collapse events")
 
 
@@ -193,7 +217,7 @@ def _log_z_missing(s: Summary, sites: dict[str, Any]) -> str:
     return _all_diverged("log Z was not measured")(s, sites)
 
 
-def _log_z(s: Summary, value: float, sd: float) -> str:
+def _log_z(s: Summary, value: float, sd: float, refs: dict[str, Summary]) -> str:
     z = s["log_z"]
     return (f"largest |mean log Z| {value:.3g} at lr {z['lr']:g} after initialisation (log Z {fmt(z['init'])} at "
             f"initialisation); {z['events']} logit_drift events")
@@ -204,7 +228,7 @@ def _sensitivity_missing(s: Summary, sites: dict[str, Any]) -> str:
             "activation scale does not vary enough over layers to fit a slope")
 
 
-def _sensitivity(s: Summary, value: float, sd: float) -> str:
+def _sensitivity(s: Summary, value: float, sd: float, refs: dict[str, Summary]) -> str:
     return (f"slope {value:+.2f} ± {fmt(sd, 2)} over {len(s['sensitivity']['points'])} blocks×measurements "
             "(−1: scale-invariant blocks, ≥ 0: sensitivity does not fall as activations grow)")
 
@@ -219,7 +243,7 @@ def _bound_missing(s: Summary, sites: dict[str, Any]) -> str:
     return f"{where}, so Theorem 4 does not apply (it needs one output norm per residual update)"
 
 
-def _bound(s: Summary, value: float, sd: float) -> str:
+def _bound(s: Summary, value: float, sd: float, refs: dict[str, Summary]) -> str:
     verdict = "holds, as Theorem 4 says" if value == 0 else "is violated"
     return (f"MA(X_D) ≤ RMS(X_0) + ΣΔt(γmax+βmax) {verdict}: {int(value)} violations, smallest slack "
             f"{fmt(s['bound']['min_slack'])}")
@@ -231,7 +255,7 @@ def _grad_spread_missing(s: Summary, sites: dict[str, Any]) -> str:
     return _all_diverged("no per-layer gradient norms were measured")(s, sites)
 
 
-def _grad_spread(s: Summary, value: float, sd: float) -> str:
+def _grad_spread(s: Summary, value: float, sd: float, refs: dict[str, Summary]) -> str:
     return (f"per-layer gradient norms span ×{10.0 ** value:.3g} (median over steps, worst at lr "
             f"{s['grad_spread']['lr']:g})")
 
@@ -291,16 +315,50 @@ CRITERIA: tuple[Criterion, ...] = (
               explain=_grad_spread, missing=_grad_spread_missing,
               quote=lambda r: f"×{fmt(10.0 ** r['grad_spread']['mean'])}",
               phrases=("spreads gradients like {ref}", "spreads gradients less than both references",
-                       "spreads gradients more than both references"), factor_base=10.0, show=_factor(10.0)),
+                       "spreads gradients more than both references"), factor_base=10.0, show=_factor(10.0),
+              mechanism="a mechanism, so it warns and never fails: unbalanced gradients are not the root cause of "
+                        "instability (Liu et al. 2020), the scale of the model update is (DeepNet §3)"),
     Criterion("loss", "Learns (final loss at best learning rate)", "nats", value=_mean("loss"),
-              explain=lambda s, v, sd: f"final loss {v:.3f} at lr {s['loss']['lr']:g} (from {fmt(s['loss_init'], 4)} "
-                                       "at initialisation)",
+              explain=lambda s, v, sd, refs: f"final loss {v:.3f} at lr {s['loss']['lr']:g} (from "
+                                             f"{fmt(s['loss_init'], 4)} at initialisation)",
               missing=lambda s, sites: "every run diverged", quote=lambda r: fmt(r["loss"]["mean"], 4),
               phrases=("learns like {ref}", "learns faster than both references", "learns slower than both references"),
               show=lambda v: f"{v:.2f}"),
 )
 IDS = tuple(c.id for c in CRITERIA)
 BY_ID: dict[str, Criterion] = {c.id: c for c in CRITERIA}
+KINDS = ("outcome", "mechanism")
+
+
+def refuse_mechanism_fail(where: str, cid: str, entry: dict[str, Any]) -> None:
+    """Only an outcome criterion can fail: a ``fail`` threshold (relative or absolute) on a mechanism is refused in
+    one line naming ``where`` and the criterion."""
+    if entry.get("kind") != "mechanism":
+        return
+    for key, value in (("fail", entry.get("fail")), ("absolute.fail", (entry.get("absolute") or {}).get("fail"))):
+        if value is not None:
+            raise LNStabError(f"{where}: {cid}.{key}={value!r} is not allowed; {cid} is a mechanism criterion, which "
+                              "warns and never fails (only outcome criteria fail: divergence, lr_sensitivity, loss); "
+                              "give null or a warn threshold")
+
+
+def read_defaults(path: str | Path) -> dict[str, dict[str, Any]]:
+    """The package's thresholds file, checked: every criterion once, each with its ``kind`` (``outcome`` or
+    ``mechanism``) and no ``fail`` threshold on a mechanism."""
+    data = load_yaml(Path(path), str(path))
+    if not isinstance(data, dict) or set(data) != set(IDS):
+        raise LNStabError(f"{path} must map every criterion ({', '.join(IDS)}) and no other to its thresholds")
+    for cid, entry in data.items():
+        kind = entry.get("kind") if isinstance(entry, dict) else None
+        if kind not in KINDS:
+            raise LNStabError(f"{path}: {cid}.kind={kind!r} is not allowed; use {', '.join(KINDS)}")
+        refuse_mechanism_fail(str(path), cid, entry)
+    return data
+
+
+# The default thresholds are package data (lnstab/check/thresholds.yaml): their history is that file's `git log`.
+DEFAULT_PATH = Path(__file__).parent / "thresholds.yaml"
+DEFAULT_THRESHOLDS: dict[str, dict[str, Any]] = read_defaults(DEFAULT_PATH)
 
 
 def criterion_value(criterion: str, summary: Summary) -> tuple[float, float]:
@@ -402,8 +460,14 @@ def load_thresholds(path: str | Path | None) -> dict[str, dict[str, Any]]:
             elif key in ("warn", "fail"):
                 check_expression(f"--thresholds {path}: {cid}.{key}", value)
                 merged[cid][key] = value
+            elif key == "kind":  # a card's thresholds.yaml given back says it; it cannot change it
+                if value != merged[cid]["kind"]:
+                    raise LNStabError(f"--thresholds {path}: {cid}.kind={value!r} is not allowed; {cid}'s kind is "
+                                      f"{merged[cid]['kind']!r} (lnstab/check/thresholds.yaml), which a thresholds "
+                                      "file cannot change")
             else:
                 raise LNStabError(f"--thresholds {path}: {cid}.{key} is not allowed; use warn, fail, absolute")
+        refuse_mechanism_fail(f"--thresholds {path}", cid, merged[cid])
     return merged
 
 
@@ -426,6 +490,9 @@ def resolve(spec: dict[str, Any], refs: dict[str, tuple[float, float]] | None) -
         out[level] = value
         out[f"{level}_rule"] = None if expr is None else str(expr)
         out[f"{level}_source"] = source
+    if all(out[level] is not None and math.isfinite(out[level]) for level in ("warn", "fail")) and \
+            out["warn"] >= out["fail"]:  # no warning band (divergence where Peri-LN diverges as often as Pre-LN)
+        out["warn"] = out["warn_rule"] = None
     return out
 
 
