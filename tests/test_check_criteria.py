@@ -188,6 +188,8 @@ def test_a_fail_threshold_on_a_mechanism_is_refused_in_one_line(tmp_path) -> Non
             load_thresholds(path)
         message = str(info.value)
         assert f"--thresholds {path}: {said}" in message and "\n" not in message, message
+    assert "only outcome criteria fail: divergence, lr_sensitivity, loss" in str(
+        pytest.raises(LNStabError, load_thresholds, _write(path, "grad_spread:\n  fail: 2\n")).value)
     path.write_text("grad_spread:\n  kind: mechanism\n  fail: null\n  warn: 0.5\n")  # a card's own thresholds.yaml
     assert load_thresholds(path)["grad_spread"]["warn"] == 0.5
     path.write_text("divergence:\n  fail: 0.1\n")  # an outcome may fail
@@ -204,6 +206,25 @@ def test_a_fail_threshold_on_a_mechanism_is_refused_in_one_line(tmp_path) -> Non
     package.write_text(DEFAULT_PATH.read_text().replace("loss:\n  kind: outcome\n", "loss:\n"))
     with pytest.raises(LNStabError, match=f"^{package}: loss.kind=None is not allowed; use outcome, mechanism$"):
         read_defaults(package)
+
+
+def _write(path, text: str):
+    path.write_text(text)
+    return path
+
+
+def test_lnstab_check_refuses_a_fail_threshold_on_a_mechanism_before_training(tmp_path, capsys) -> None:
+    from lnstab.cli import main
+
+    thresholds = _write(tmp_path / "t.yaml", "sensitivity:\n  fail: 0\n")
+    out = tmp_path / "card"
+    with pytest.raises(SystemExit) as info:
+        main(["check", "--model.preset", "tiny", "--thresholds", str(thresholds), "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and "\n" not in err, err
+    assert err.startswith(f"lnstab: error: --thresholds {thresholds}: sensitivity.fail=0 is not allowed; "
+                          "sensitivity is a mechanism criterion"), err
+    assert not out.exists()  # nothing trained
 
 
 def test_divergence_shows_one_threshold_where_warn_and_fail_are_the_same() -> None:

@@ -330,15 +330,17 @@ BY_ID: dict[str, Criterion] = {c.id: c for c in CRITERIA}
 KINDS = ("outcome", "mechanism")
 
 
-def refuse_mechanism_fail(where: str, cid: str, entry: dict[str, Any]) -> None:
+def refuse_mechanism_fail(where: str, cid: str, thresholds: dict[str, dict[str, Any]]) -> None:
     """Only an outcome criterion can fail: a ``fail`` threshold (relative or absolute) on a mechanism is refused in
-    one line naming ``where`` and the criterion."""
+    one line naming ``where`` and the criterion (``thresholds``: every criterion's, with its ``kind``)."""
+    entry = thresholds[cid]
     if entry.get("kind") != "mechanism":
         return
+    outcomes = ", ".join(k for k, v in thresholds.items() if isinstance(v, dict) and v.get("kind") == "outcome")
     for key, value in (("fail", entry.get("fail")), ("absolute.fail", (entry.get("absolute") or {}).get("fail"))):
         if value is not None:
             raise LNStabError(f"{where}: {cid}.{key}={value!r} is not allowed; {cid} is a mechanism criterion, which "
-                              "warns and never fails (only outcome criteria fail: divergence, lr_sensitivity, loss); "
+                              f"warns and never fails (only outcome criteria fail: {outcomes}); "
                               "give null or a warn threshold")
 
 
@@ -352,7 +354,7 @@ def read_defaults(path: str | Path) -> dict[str, dict[str, Any]]:
         kind = entry.get("kind") if isinstance(entry, dict) else None
         if kind not in KINDS:
             raise LNStabError(f"{path}: {cid}.kind={kind!r} is not allowed; use {', '.join(KINDS)}")
-        refuse_mechanism_fail(str(path), cid, entry)
+        refuse_mechanism_fail(str(path), cid, data)
     return data
 
 
@@ -467,7 +469,7 @@ def load_thresholds(path: str | Path | None) -> dict[str, dict[str, Any]]:
                                       "file cannot change")
             else:
                 raise LNStabError(f"--thresholds {path}: {cid}.{key} is not allowed; use warn, fail, absolute")
-        refuse_mechanism_fail(f"--thresholds {path}", cid, merged[cid])
+        refuse_mechanism_fail(f"--thresholds {path}", cid, merged)
     return merged
 
 
