@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import lightning.pytorch as pl
@@ -13,6 +12,7 @@ from typing_extensions import override
 
 from lnstab import validation as check
 from lnstab.layers import NORM_MODULES
+from lnstab.measures import growth_law
 
 from ._sites import (
     EMBED_PATTERN,
@@ -30,20 +30,6 @@ from ._tap_callback import TapCallback
 OUTPUT_NORMS = r"(?:^|\.)h\.(\d+)\.ln_([12])_out$"
 _SIBLING = {"ln_1_out": "resid_attn", "ln_2_out": "resid_mlp"}
 _GATE = {"ln_1_out": "gate_attn", "ln_2_out": "gate_mlp"}
-
-
-def fit_line(x: list[float], y: list[float]) -> tuple[float, float]:
-    """Least-squares slope of ``y`` on ``x`` and its R² (``nan`` when undefined)."""
-    n = len(x)
-    if n < 2 or any(not math.isfinite(v) for v in y):
-        return math.nan, math.nan
-    mx, my = sum(x) / n, sum(y) / n
-    sxx = sum((a - mx) ** 2 for a in x)
-    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y, strict=True))
-    syy = sum((b - my) ** 2 for b in y)
-    slope = sxy / sxx
-    r2 = 1.0 - (syy - slope * sxy) / syy if syy > 0 else 1.0
-    return slope, r2
 
 
 class GrowthBoundMonitor(TapCallback):
@@ -323,11 +309,9 @@ class GrowthBoundMonitor(TapCallback):
                 }
             )
         depth = [self.depths[k] for k in range(n_depth)]
-        slope, r2 = fit_line(depth, ma_values)
-        rate, r2_exp = fit_line(depth, [math.log(v) if v > 0 else math.nan for v in ma_values])
-        metrics.update(
-            {"growth/linear_slope": slope, "growth/linear_r2": r2, "growth/exp_rate": rate, "growth/exp_r2": r2_exp}
-        )
+        fit = growth_law(depth, ma_values, complete=True)  # a site without a finite MA leaves the law undefined
+        metrics.update({"growth/linear_slope": fit["lin_slope"], "growth/linear_r2": fit["lin_r2"],
+                        "growth/exp_rate": fit["exp_rate"], "growth/exp_r2": fit["exp_r2"]})
         self.last = metrics
         self.log_step(trainer, metrics, step)
         return metrics

@@ -9,8 +9,8 @@ import torch
 from test_callbacks_helpers import StepClock, lit, loader, record_outputs, trainer
 
 from lnstab.callbacks import GrowthBoundMonitor
-from lnstab.callbacks.growth_bound import fit_line
 from lnstab.layers import DyT, Gate
+from lnstab.measures import fit_line
 
 
 def manual_bound(module, x0: torch.Tensor, dt: float) -> torch.Tensor:
@@ -122,13 +122,15 @@ def test_violation_when_bound_uses_a_smaller_step_than_the_model():
 
 def test_growth_law_fits():
     depth = [0.0, 0.5, 1.0, 1.5, 2.0]
-    slope, r2 = fit_line(depth, [1 + 3 * d for d in depth])
-    assert slope == pytest.approx(3.0) and r2 == pytest.approx(1.0)
-    rate, r2 = fit_line(depth, [math.log(2.0**d) for d in depth])
-    assert rate == pytest.approx(math.log(2.0)) and r2 == pytest.approx(1.0)
-    _, r2_noisy = fit_line(depth, [1.0, 3.0, 1.5, 4.0, 2.0])
-    assert 0 <= r2_noisy < 0.9
-    assert math.isnan(fit_line([0.0], [1.0])[0])
+    linear = fit_line(depth, [1 + 3 * d for d in depth], complete=True)
+    assert linear["slope"] == pytest.approx(3.0) and linear["r2"] == pytest.approx(1.0)
+    exponential = fit_line(depth, [math.log(2.0**d) for d in depth], complete=True)
+    assert exponential["slope"] == pytest.approx(math.log(2.0)) and exponential["r2"] == pytest.approx(1.0)
+    assert 0 <= fit_line(depth, [1.0, 3.0, 1.5, 4.0, 2.0], complete=True)["r2"] < 0.9
+    assert math.isnan(fit_line([0.0], [1.0], complete=True)["slope"])
+    # The live fit of a profile with a site that is not finite is undefined, not a fit over the other sites.
+    assert math.isnan(fit_line(depth, [1.0, math.inf, 1.5, 4.0, 2.0], complete=True)["slope"])
+    assert math.isfinite(fit_line(depth, [1.0, math.inf, 1.5, 4.0, 2.0])["slope"])
 
 
 @pytest.mark.parametrize("placement", ["pre", "post", "none"])
@@ -145,8 +147,8 @@ def test_growth_logged_for_every_placement_without_bound(tmp_path, placement):
     ]
     ma = [store[(0, n)].abs().mean().item() for n in names]
     depth = [k / 2 for k in range(len(names))]
-    slope, r2 = fit_line(depth, ma)
-    rate, r2_exp = fit_line(depth, [math.log(v) for v in ma])
+    slope, r2 = (fit_line(depth, ma)[k] for k in ("slope", "r2"))
+    rate, r2_exp = (fit_line(depth, [math.log(v) for v in ma])[k] for k in ("slope", "r2"))
     assert callback.last["growth/linear_slope"] == pytest.approx(slope, rel=1e-4, abs=1e-5 * max(ma))
     assert callback.last["growth/linear_r2"] == pytest.approx(r2, rel=1e-3, abs=1e-3)
     assert callback.last["growth/exp_rate"] == pytest.approx(rate, rel=1e-4, abs=1e-5)

@@ -3,7 +3,7 @@
 Depth is counted in layers: the residual stream after half-step ``k`` of a two-half-step block sits at depth
 ``(k + 1) / 2``, after block ``k`` of a one-site block at ``k + 1``. The growth law is measured over those sites (X_0
 is left out: the embedding's scale is arbitrary next to the updates', so a jump from X_0 would read as growth), as
-the doublings of the mean |x| over the deeper half of the depth (:func:`deep_doublings`), with exponential and
+the doublings of the mean |x| over the deeper half of the depth (:func:`lnstab.measures.deep_doublings`), with exponential and
 linear fits beside it.
 """
 
@@ -14,29 +14,10 @@ import statistics
 from typing import Any
 
 from lnstab.check.runspec import RunResult
+from lnstab.measures import best_rate, fit_line, growth_fit, jacobian_points, ladder_sensitivity, log_log_slope
 
 FP16_MAX = 65504.0
 BF16_MAX = 3.3895313892515355e38
-
-
-def fit_line(x: list[float], y: list[float]) -> dict[str, float]:
-    """Least squares ``y = a + b·x``: ``slope``, ``intercept``, ``r2`` and the slope's standard error ``se``."""
-    pts = [(a, b) for a, b in zip(x, y, strict=True) if math.isfinite(a) and math.isfinite(b)]
-    n = len(pts)
-    nan = {"slope": math.nan, "intercept": math.nan, "r2": math.nan, "se": math.nan, "n": n}
-    if n < 2:
-        return nan
-    mx, my = sum(a for a, _ in pts) / n, sum(b for _, b in pts) / n
-    sxx = sum((a - mx) ** 2 for a, _ in pts)
-    if sxx <= 0:
-        return nan
-    sxy = sum((a - mx) * (b - my) for a, b in pts)
-    syy = sum((b - my) ** 2 for _, b in pts)
-    slope = sxy / sxx
-    sse = max(0.0, syy - slope * sxy)
-    r2 = 1.0 - sse / syy if syy > 0 else 1.0
-    se = math.sqrt(sse / (n - 2) / sxx) if n > 2 else 0.0
-    return {"slope": slope, "intercept": my - slope * mx, "r2": r2, "se": se, "n": n}
 
 
 def layer_depths(tags: list[str]) -> dict[str, float]:
@@ -56,39 +37,6 @@ def profile(run: RunResult, stat: str, index: int) -> tuple[list[float], list[fl
     return xs, ys
 
 
-def interpolate(depths: list[float], values: list[float], at: float) -> float:
-    """``values`` linearly interpolated at depth ``at`` (``nan`` outside the measured depths)."""
-    for (d0, v0), (d1, v1) in zip(zip(depths, values, strict=True), zip(depths[1:], values[1:], strict=True),
-                                  strict=False):
-        if d0 <= at <= d1:
-            return v0 if d1 == d0 else v0 + (v1 - v0) * (at - d0) / (d1 - d0)
-    return values[0] if depths and at == depths[0] else math.nan
-
-
-def deep_doublings(depths: list[float], values: list[float]) -> float:
-    """``log2(MA(D) / MA(D/2))``: how often the profile doubles over the deeper half of the depth ``D``.
-
-    Any linear law ``a + b·depth`` with ``a ≥ 0`` (Theorem 4's envelope) gives at most 1, ``√depth`` gives 0.5,
-    a quadratic 2, and an exponential ``e^(r·depth)`` gives ``r·D / (2 ln 2)``, which grows with depth.
-    """
-    if len(depths) < 2:
-        return math.nan
-    top, mid = values[-1], interpolate(depths, values, depths[-1] / 2)
-    return math.log2(top / mid) if mid > 0 and top > 0 and math.isfinite(top) else math.nan
-
-
-def growth_fit(depths: list[float], values: list[float]) -> dict[str, Any]:
-    """Doublings over the deeper half, exponential (per-layer rate of ``log y``) and linear fits of a profile,
-    and which of the two laws fits better."""
-    logs = [math.log(v) if v > 0 and math.isfinite(v) else math.nan for v in values]
-    exp, lin = fit_line(depths, logs), fit_line(depths, values)
-    law = "n/a"
-    if math.isfinite(exp["r2"]) and math.isfinite(lin["r2"]):
-        law = "exponential" if exp["r2"] > lin["r2"] else "linear"
-    return {"doublings": deep_doublings(depths, values), "exp_rate": exp["slope"], "exp_r2": exp["r2"],
-            "lin_slope": lin["slope"], "lin_r2": lin["r2"], "law": law}
-
-
 def law(fits: list[dict[str, Any]]) -> dict[str, Any]:
     """Mean per-layer exponential rate, mean R² of both fits and the law that fits better on average."""
     mean = lambda key: mean_sd([f[key] for f in fits])[0]  # noqa: E731
@@ -103,15 +51,9 @@ def measured_index(run: RunResult, step: int) -> int | None:
     return run.hidden_steps.index(step) if step in run.hidden_steps else None
 
 
-def jacobian_points(run: RunResult, step: int) -> list[tuple[float, float]]:
-    """``(act_scale, sensitivity)`` of every block measured at ``step``."""
-    metrics = run.metrics.get(step, {})
-    points = []
-    for key, value in metrics.items():
-        if key.startswith("jacobian/sensitivity/"):
-            scale = metrics.get("jacobian/act_scale/" + key.rsplit("/", 1)[1], math.nan)
-            points.append((scale, value))
-    return points
+def jacobian_at(run: RunResult, step: int) -> list[tuple[float, float]]:
+    """``(act_scale, sensitivity)`` of every block measured at ``step`` (:func:`lnstab.measures.jacobian_points`)."""
+    return jacobian_points({k: [(step, v)] for k, v in run.metrics.get(step, {}).items()})
 
 
 def grad_spread(run: RunResult) -> float:
@@ -184,15 +126,6 @@ def final_or_initial(run: RunResult, initial: float) -> float:
     return min(last, initial)
 
 
-def ladder_sensitivity(points: dict[float, float]) -> float:
-    """Mean over the ladder of ``L(lr) − L*``, ``L* = min L`` (``nan`` below two learning rates)."""
-    finite = [v for v in points.values() if math.isfinite(v)]
-    if len(points) < 2 or len(finite) != len(points):
-        return math.nan
-    best = min(finite)
-    return statistics.fmean(v - best for v in finite)
-
-
 def lr_sensitivity(runs: list[RunResult]) -> dict[str, Any]:
     """Wortsman et al. (2023)'s LR sensitivity of one subject over its ladder, as :mod:`lnstab.report` computes it:
     ``L(lr)`` = the mean over seeds of :func:`final_or_initial`, ``L_init`` the mean first loss of the runs,
@@ -208,7 +141,7 @@ def lr_sensitivity(runs: list[RunResult]) -> dict[str, Any]:
         start = statistics.fmean(r.losses[0] for r in mine if r.losses) if any(r.losses for r in mine) else math.nan
         per_seed.append(ladder_sensitivity({r.lr: final_or_initial(r, start) for r in mine}))
     value = ladder_sensitivity(points) if math.isfinite(initial) else math.nan
-    best = min(points, key=points.get) if points and math.isfinite(value) else None
+    best = best_rate(points)[0] if points and math.isfinite(value) else None
     return {"mean": value, "sd": mean_sd(per_seed)[1] if len(per_seed) > 1 else 0.0, "points": points,
             "best_lr": best, "best": points[best] if best is not None else math.nan, "initial": initial}
 
@@ -273,12 +206,11 @@ def summarise(runs: list[RunResult], steps: int) -> dict[str, Any]:
     growth_trained["unmeasured"] = sum(measured_index(r, steps) is None for r in completed)
     max_abs = max((v for r in completed for vals in r.hidden.get("max_abs", {}).values() for v in vals
                    if math.isfinite(v)), default=math.nan)
-    points = [p for r in init_runs for p in jacobian_points(r, 0)]
-    points += [p for r in completed for p in jacobian_points(r, steps)]
-    points = [(s, j) for s, j in points if s > 0 and j > 0 and math.isfinite(s) and math.isfinite(j)]
+    points = [p for r in init_runs for p in jacobian_at(r, 0)]
+    points += [p for r in completed for p in jacobian_at(r, steps)]
     logs = [math.log(s) for s, _ in points]
     spread_ok = len(points) >= 3 and max(logs) - min(logs) >= 0.1
-    slope = fit_line(logs, [math.log(j) for _, j in points]) if spread_ok else fit_line([], [])
+    slope = log_log_slope(points) if spread_ok else fit_line([], [])
     bound_runs = [r.metrics[max(r.metrics)] for r in runs if r.metrics and any(
         "bound/violations" in m for m in r.metrics.values())]
     violations = sum(int(m.get("bound/violations", 0)) for m in bound_runs) if bound_runs else math.nan

@@ -24,7 +24,7 @@ from lnstab.report.ladder import Design, designs
 from lnstab.report.ladder import rate as design_rate
 from lnstab.report.logits import logit_metrics
 from lnstab.report.lr_sensitivity import ladders
-from lnstab.report.tables import Configuration, _norm, config_label, jacobian_points, last_site, short_names
+from lnstab.report.tables import Configuration, _norm, config_label, jacobian_pairs, last_site, short_names
 
 STATS = (("mean_abs", "mean |x| (MA)"), ("var_entry", "entry-wise variance"), ("var_data", "data-wise variance"))
 DPI = 110
@@ -171,7 +171,7 @@ def jacobian_vs_scale(configs: list[Configuration]) -> Figure | None:
     ax = fig.subplots()
     drawn = False
     for c in configs:
-        points = [p for r in c.runs for p in jacobian_points(r)[1]]
+        points = [p for r in c.runs for p in jacobian_pairs(r)]
         if points:
             ax.scatter([x for x, _ in points], [y for _, y in points], s=10, alpha=0.6, color=colours[c.label],
                        label=c.label)

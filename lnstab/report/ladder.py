@@ -22,6 +22,7 @@ import statistics
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from lnstab.measures import ladder_sensitivity
 from lnstab.report.collect import RunRecord
 from lnstab.report.lr_sensitivity import Ladder, final_loss, ladders
 from lnstab.report.tables import (
@@ -77,10 +78,7 @@ class SeedLadder:
     @property
     def sensitivity(self) -> float | None:
         """Mean over the rates of ``min(L(η), L_init) − L*`` (``None`` below two rates)."""
-        if len(self.points) < 2:
-            return None
-        best = min(self.points.values())
-        return statistics.fmean(v - best for v in self.points.values())
+        return ladder_sensitivity(self.points) if len(self.points) >= 2 else None
 
 
 @dataclass

@@ -20,6 +20,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from lnstab.measures import best_rate, ladder_sensitivity
 from lnstab.report.collect import RunRecord
 from lnstab.report.tables import Table, _norm, _show, config_label, short_names, varying_keys
 
@@ -85,14 +86,12 @@ class Ladder:
     @property
     def best(self) -> tuple[float, float] | None:
         """``(η*, L*)``: the learning rate of the lowest final loss and that loss."""
-        return min(self.points.items(), key=lambda p: (p[1], p[0])) if self.points else None
+        return best_rate(self.points)
 
     @property
     def sensitivity(self) -> float | None:
         """Mean over the ladder of ``min(L(η), L_init) − L*`` (``None`` below two learning rates)."""
-        if len(self.points) < 2 or self.best is None:
-            return None
-        return statistics.fmean(v - self.best[1] for v in self.points.values())
+        return ladder_sensitivity(self.points) if len(self.points) >= 2 else None
 
 
 def ladders(records: list[RunRecord]) -> tuple[str | None, list[str], list[Ladder]]:

@@ -26,6 +26,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from lnstab.measures import SENSITIVITY, jacobian_points, log_log_slope
 from lnstab.report.collect import RunRecord
 
 FP16_MAX = 65504.0
@@ -316,42 +317,26 @@ def stability_metrics(run: RunRecord) -> dict[str, float]:
     slack = [v for _, v in run.series("bound/slack") if math.isfinite(v)]
     if slack:
         out["thm4_slack_min"] = min(slack)
-    sens, points = jacobian_points(run)
+    sens, points = jacobian_last(run), jacobian_pairs(run)
     if sens:
         out["jacobian_sensitivity_max"] = max(sens)
     if len(points) >= 2:
-        slope = log_slope(points)
-        if slope is not None:
+        slope = log_log_slope(points)["slope"]
+        if math.isfinite(slope):
             out["jacobian_scale_slope"] = slope
     return out
 
 
-def jacobian_points(run: RunRecord) -> tuple[list[float], list[tuple[float, float]]]:
-    """``(sensitivity per layer at the last probe, [(activation scale, sensitivity)] over all layers and probes)``."""
+def jacobian_last(run: RunRecord) -> list[float]:
+    """The Jacobian sensitivity of each layer at its last probe (the finite ones)."""
     scalars = run.scalars()
-    layers = sorted(t.rsplit("/", 1)[-1] for t in scalars if t.startswith("jacobian/sensitivity/"))
-    points, last = [], []
-    for layer in layers:
-        sens = dict(scalars.get(f"jacobian/sensitivity/{layer}", []))
-        scale = dict(scalars.get(f"jacobian/act_scale/{layer}", []))
-        for step in sorted(sens.keys() & scale.keys()):
-            if math.isfinite(sens[step]) and math.isfinite(scale[step]) and sens[step] > 0 and scale[step] > 0:
-                points.append((scale[step], sens[step]))
-        if sens:
-            value = sens[max(sens)]
-            if math.isfinite(value):
-                last.append(value)
-    return last, points
+    series = [dict(v) for t, v in scalars.items() if t.startswith(SENSITIVITY) and v]
+    return [value for sens in series if math.isfinite(value := sens[max(sens)])]
 
 
-def log_slope(points: list[tuple[float, float]]) -> float | None:
-    """Least-squares slope of log y on log x (``None`` when x does not vary)."""
-    xs, ys = [math.log(x) for x, _ in points], [math.log(y) for _, y in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    if sxx == 0:
-        return None
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+def jacobian_pairs(run: RunRecord) -> list[tuple[float, float]]:
+    """:func:`lnstab.measures.jacobian_points` of a run: every layer (in name order) and probe."""
+    return jacobian_points(dict(sorted(run.scalars().items())))
 
 
 def runs_table(records: list[RunRecord]) -> Table:
