@@ -8,21 +8,12 @@ from typing import Any
 
 import yaml
 
+from lnstab.formatting import card_number as num
+from lnstab.formatting import cell
 from lnstab.rundir import atomic_write_text, write_json
 
 SCHEMA = 2
 MARK = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "n/a": "n/a"}
-
-
-def num(value: Any) -> str:
-    """A table cell for a number."""
-    if value is None:
-        return "–"
-    if isinstance(value, float) and not math.isfinite(value):
-        return "n/a"
-    if isinstance(value, float) and value == int(value) and abs(value) < 1e6:
-        return f"{int(value)}"
-    return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
 def threshold(row: dict[str, Any], level: str) -> str:
@@ -59,11 +50,6 @@ def terminal(card: dict[str, Any]) -> str:
         f"report: {card.get('_out', card['out'])}/report.md  (exit {card['exit_code']}, {card['wall_s']:.0f} s)",
     ]
     return "\n".join(out) + "\n"
-
-
-def cell(text: Any) -> str:
-    """Text for a Markdown table cell (pipes escaped, e.g. in ``|x|``)."""
-    return str(text).replace("|", "\\|")
 
 
 def markdown(card: dict[str, Any]) -> str:

@@ -22,6 +22,7 @@ import statistics
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from lnstab.formatting import interval, number
 from lnstab.measures import ladder_sensitivity
 from lnstab.report.collect import RunRecord
 from lnstab.report.lr_sensitivity import Ladder, final_loss, ladders
@@ -132,14 +133,6 @@ def designs(records: list[RunRecord]) -> tuple[str | None, list[str], list[Desig
     return key, keys, out
 
 
-def _num(value: float | None, digits: int = 4) -> str:
-    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}g}"
-
-
-def _interval(low: float, high: float) -> str:
-    return "–" if math.isnan(low) else f"[{low:.3g}, {high:.3g}]"
-
-
 def ladder_table(records: list[RunRecord]) -> Table:
     """Per configuration: LR sensitivity per seed, mean and 95 % interval, the difference to the first configuration
     with Welch's interval, best rate and loss, and the final loss at each rate (mean [min, max] over seeds)."""
@@ -163,10 +156,11 @@ def ladder_table(records: list[RunRecord]) -> Table:
                                "diff_ci_low": dlow, "diff_ci_high": dhigh, "best_lr": best[0] if best else None,
                                "best_loss": best[1] if best else None, "initial_loss": d.initial,
                                "diverged": diverged, "runs": len(d.runs)}
-        shown = {**cells, "seeds": str(len(sens)), "LR sensitivity (95 % CI)": f"{_num(mean)} {_interval(low, high)}",
+        shown = {**cells, "seeds": str(len(sens)),
+                 "LR sensitivity (95 % CI)": f"{number(mean, blank_nan=True)} {interval(low, high)}",
                  "per seed": ", ".join(f"{s:.3g}" for s in sens) or "–",
-                 f"− {found[0].label} (Welch 95 %)": f"{_num(diff, 3)} {_interval(dlow, dhigh)}",
-                 "best lr": _num(best[0] if best else None), "L*": _num(best[1] if best else None),
+                 f"− {found[0].label} (Welch 95 %)": f"{number(diff, 3, blank_nan=True)} {interval(dlow, dhigh)}",
+                 "best lr": number(best[0] if best else None), "L*": number(best[1] if best else None),
                  "diverged": f"{diverged}/{len(d.runs)}"}
         for lr in ladder:
             losses = d.losses_at(lr)

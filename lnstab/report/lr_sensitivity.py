@@ -20,6 +20,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from lnstab.formatting import number
 from lnstab.measures import best_rate, ladder_sensitivity
 from lnstab.report.collect import RunRecord
 from lnstab.report.tables import Table, _norm, _show, config_label, short_names, varying_keys
@@ -135,15 +136,11 @@ def lr_sensitivity_table(records: list[RunRecord]) -> Table:
                "ladder": " ".join(format(lr, "g") for lr in ladder.points), "runs": ladder.counted,
                "all_runs": len(ladder.runs), "diverged": sum(ladder.diverged.values())}
         rows.append(row)
-        md.append({**cells, "LR sensitivity": _num(sens), "best lr": _num(row["best_lr"]),
-                   "L*": _num(row["best_loss"]), "L_init": _num(ladder.initial),
+        md.append({**cells, "LR sensitivity": number(sens), "best lr": number(row["best_lr"]),
+                   "L*": number(row["best_loss"]), "L_init": number(ladder.initial),
                    "ladder (lr)": ", ".join(format(lr, "g") for lr in ladder.points) or "–",
                    "runs": f"{ladder.counted}/{len(ladder.runs)}", "diverged": str(row["diverged"])})
     columns = [*names.values(), "lr_sensitivity", "best_lr", "best_loss", "initial_loss", "ladder", "runs",
                "all_runs", "diverged"]
     md_columns = [*names.values(), "LR sensitivity", "best lr", "L*", "L_init", "ladder (lr)", "runs", "diverged"]
     return Table(columns, rows, md_columns, md)
-
-
-def _num(value: float | None) -> str:
-    return "–" if value is None else f"{value:.4g}"

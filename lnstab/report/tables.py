@@ -26,6 +26,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from lnstab.formatting import cell, mean_pm, number, text
 from lnstab.measures import SENSITIVITY, jacobian_points, log_log_slope
 from lnstab.report.collect import RunRecord
 
@@ -166,7 +167,7 @@ class Table:
         cols = self.markdown_columns
         lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
         for row in self.markdown_rows:
-            lines.append("| " + " | ".join(str(row.get(c, "")).replace("|", "\\|") for c in cols) + " |")
+            lines.append("| " + " | ".join(cell(row.get(c, "")) for c in cols) + " |")
         return "\n".join(lines) + "\n"
 
 
@@ -181,13 +182,6 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     if not values:
         return math.nan, math.nan
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else math.nan
-
-
-def fmt(mean: float, std: float) -> str:
-    """``mean ± std`` for Markdown (``–`` without data, the mean alone for one run)."""
-    if math.isnan(mean):
-        return "–"
-    return f"{mean:.4g}" if math.isnan(std) else f"{mean:.4g} ± {std:.2g}"
 
 
 def _key_cells(keys: list[str], config: Configuration) -> dict[str, Any]:
@@ -270,7 +264,7 @@ def _metric_table(records: list[RunRecord], metrics: tuple[str, ...], values_of:
         for m in metrics:
             mean, std = mean_std([v[m] for v in used if m in v])
             row[f"{m}_mean"], row[f"{m}_std"] = mean, std
-            mrow[m] = fmt(mean, std)
+            mrow[m] = mean_pm(mean, std)
         rows.append(row)
         md.append(mrow)
     columns = [*names, "n", "runs", *(f"{m}_{s}" for m in metrics for s in ("mean", "std"))]
@@ -353,17 +347,9 @@ def runs_table(records: list[RunRecord]) -> Table:
                "final_step": r.summary.get("final_step"), "diverged_step": r.diverged_step,
                "wall_s": r.summary.get("wall_s"), **{m: values.get(m) for m in metric_cols}, "path": str(r.path)}
         rows.append(row)
-        md.append({"run": r.name, "status": r.status, "step": _dash(row["final_step"]),
-                   "diverged at": _dash(row["diverged_step"]), "val_loss": _num(values.get("val_loss")),
-                   "ma_last": _num(values.get("ma_last")), "max_abs": _num(values.get("max_abs"))})
+        md.append({"run": r.name, "status": r.status, "step": text(row["final_step"]),
+                   "diverged at": text(row["diverged_step"]), "val_loss": number(values.get("val_loss")),
+                   "ma_last": number(values.get("ma_last")), "max_abs": number(values.get("max_abs"))})
     columns = ["run", *names.values(), *seeds, "status", "final_step", "diverged_step", "wall_s", *metric_cols,
                "path"]
     return Table(columns, rows, ["run", "status", "step", "diverged at", "val_loss", "ma_last", "max_abs"], md)
-
-
-def _dash(value: Any) -> str:
-    return "–" if value is None else str(value)
-
-
-def _num(value: Any) -> str:
-    return "–" if value is None else f"{value:.4g}"
