@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from test_check import TINY, check
 
-from lnstab.check import validate
 from lnstab.check.signals import Interrupted, deferred, interruptible
+from lnstab.check.validation import run as validate
 from lnstab.cli import main
 
 TESTS = Path(__file__).parent

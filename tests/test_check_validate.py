@@ -13,7 +13,6 @@ from test_check import TINY
 
 from lnstab.check.options import build_parser, make_protocol, split_model_args
 from lnstab.check.subjects import lnstab_subject
-from lnstab.check.validate import default_protocol, pairs, prepare_out, protocol_args, replace_cards, unique_runs
 from lnstab.check.validation import (
     DEFAULT_SHAPE,
     HELDOUT,
@@ -25,13 +24,14 @@ from lnstab.check.validation import (
     Supplement,
     supplement_rows,
 )
-from lnstab.check.validation_readme import (
+from lnstab.check.validation.readme import (
     constant_text,
-    heldout_lines,
     heldout_result,
-    supplement_lines,
+    heldout_section,
     supplement_results,
+    supplement_section,
 )
+from lnstab.check.validation.run import default_protocol, pairs, prepare_out, protocol_args, replace_cards, unique_runs
 from lnstab.cli import main
 from lnstab.errors import LNStabError
 
@@ -188,7 +188,7 @@ def test_the_main_readme_reports_each_supplement_from_its_summary(tmp_path) -> N
     (tmp_path / "supplements" / second.id / "summary.json").write_text("{not json")  # damaged: not reported
     found = supplement_results(tmp_path)
     assert found[first.id]["agree"] == 1 and found[second.id] is None
-    text = "\n".join(supplement_lines(found, "--data.path owt.jsonl.gz"))
+    text = supplement_section(found, "--data.path owt.jsonl.gz")
     assert f"[1 of 2 rows agree](supplements/{first.id}/README.md) (1.5 min)" in text
     assert "post-ln FAIL, deepnorm FAIL (disagrees)" in text and first.prediction in text
     assert f"`lnstab check --validate --data.path owt.jsonl.gz --supplement {first.id} --no-progress`" in text
@@ -277,10 +277,10 @@ def test_the_heldout_set_runs_apart_and_the_main_readme_reports_it(tmp_path, cap
     summary = heldout_result(out)
     assert summary["set"] == "heldout" and summary["agree"] == agree and "--set" in summary["args"]
     assert set(summary["rows"]) == {"olmo2-hf", "post-rmsnorm"}
-    section = "\n".join(heldout_lines(summary))
+    section = heldout_section(summary)
     assert f"[{agree} of 2 rows agree](heldout/README.md)" in section and HELDOUT_PREDICTION in section
     assert "would agree on 1 of 2 rows" in section  # the baseline of these two rows: one FAIL, one PASS or WARN
-    assert "Result: not run yet." in heldout_lines(None)
+    assert "Result: not run yet." in heldout_section(None)
     (out / "summary.json").write_text(json.dumps({**summary, "set": "main"}))  # a main set's summary: not this one
     assert heldout_result(out) is None and heldout_result(tmp_path / "nowhere") is None
     with pytest.raises(SystemExit) as info:

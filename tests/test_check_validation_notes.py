@@ -10,8 +10,8 @@ import pytest
 
 from lnstab.check.report import cell
 from lnstab.check.validation import HELDOUT, ROWS, SUPPLEMENTS
-from lnstab.check.validation_notes import HELDOUT_NOTES, NOTES, SUPPLEMENT_NOTES, NoteError, render
-from lnstab.check.validation_readme import heldout_result, note_text, supplement_results
+from lnstab.check.validation.notes import HELDOUT_NOTES, NOTES, SUPPLEMENT_NOTES, NoteError, render
+from lnstab.check.validation.readme import heldout_result, note_text, supplement_results
 from lnstab.rundir import read_json
 
 VALIDATION = Path(__file__).resolve().parents[1] / "docs" / "check" / "validation"

@@ -30,7 +30,8 @@ def test_wheel_installs_namespaced_packages_into_a_fresh_venv(tmp_path: Path) ->
     for module in ("lnstab/callbacks/__init__.py", "lnstab/datamodules/__init__.py", "lnstab/model.py"):
         assert module in names
     for data in ("lnstab/datamodules/data/owt-sample-250.jsonl.gz", "lnstab/datamodules/data/README.md",
-                 "lnstab/check/thresholds.yaml"):
+                 "lnstab/check/thresholds.yaml", "lnstab/check/validation/rows.yaml",
+                 "lnstab/check/validation/readme.md"):
         assert data in names  # the OpenWebText sample the quickstart reads offline, and its notice
 
     env_dir = tmp_path / "venv"

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with interruptible():
             if args.validate:
-                from lnstab.check.validate import main as validate
+                from lnstab.check.validation.run import main as validate
 
                 validate(args, model_args, argv, typed)
                 return

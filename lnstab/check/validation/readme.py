@@ -1,0 +1,249 @@
+"""The validation READMEs, rendered from one run record: the ``summary.json`` that ``lnstab check --validate`` writes
+(its ``readme`` key holds what the cards do not: the command, the run counts, the shape and data flags, whether the
+notes apply, the thresholds' ``git log`` at the time) and the cards of its rows. The page is ``readme.md``, its parts
+``sections.md`` (``string.Template``); the main README also reports the held-out set and the supplements found
+beside it. Everything here reads; nothing trains.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+from string import Template
+from typing import Any
+
+from lnstab.check.criteria import CRITERIA
+from lnstab.check.report import MARK as SHORT  # a status as the README tables show it
+from lnstab.check.report import provenance as made_by
+from lnstab.check.validation.notes import (
+    HELDOUT_NOTES,
+    NOTES,
+    ROW_CHANGES,
+    SUPPLEMENT_NOTES,
+    THRESHOLD_CHANGES,
+    NoteError,
+    render,
+)
+from lnstab.check.validation.sets import HELDOUT, HELDOUT_PREDICTION, ROWS, STABLE, SUPPLEMENT_IDS, SUPPLEMENTS, Row
+from lnstab.check.validation.sets import supplement_rows as with_supplement
+from lnstab.formatting import cell
+from lnstab.rundir import read_json
+
+HERE = Path(__file__).parent
+HELDOUT_DIR = "heldout"  # the held-out set's directory under the main set's
+SETS = {"main": ROWS, "heldout": HELDOUT}  # --set: the validation set, the held-out set (its own README)
+# What "fixed before the run" is checked by: the thresholds and the rows with their expected verdicts.
+HISTORY_PATHS = ("lnstab/check/criteria.py", "lnstab/check/thresholds.yaml", "lnstab/check/validation.py",
+                 "lnstab/check/validation/rows.yaml", "lnstab/check/validation/heldout.yaml",
+                 "lnstab/check/validation/supplements.yaml")
+_MARKER = re.compile(r"^<!-- ([a-z][a-z-]*)(?:: [^>]*)? -->$", re.MULTILINE)
+
+
+def _templates() -> tuple[Template, dict[str, Template]]:
+    """``readme.md`` and the parts of ``sections.md`` by name (each the text between its marker and the next, less
+    the newlines it ends with)."""
+    text = (HERE / "sections.md").read_text(encoding="utf-8")
+    marks = list(_MARKER.finditer(text))
+    parts = {m[1]: Template(text[m.end() + 1:(marks[i + 1].start() if i + 1 < len(marks) else len(text))].rstrip("\n"))
+             for i, m in enumerate(marks)}
+    return Template((HERE / "readme.md").read_text(encoding="utf-8")), parts
+
+
+PAGE, PARTS = _templates()
+
+
+def reference_text(cards: list[dict[str, Any]]) -> str:
+    """The first card's Pre-LN reference, described."""
+    ref = cards[0]["references"].get("pre-ln", {}) if cards else {}
+    return ref.get("description", "").split(" (the checked")[0]
+
+
+def statuses(card: dict[str, Any]) -> dict[str, str]:
+    return {r["id"]: r["status"] for r in card["criteria"]}
+
+
+def deciding(card: dict[str, Any]) -> list[str]:
+    """The criteria whose status is the card's verdict (for a warning or a failure)."""
+    if card["status"] == "pass":
+        return []
+    return [r["id"] for r in card["criteria"] if r["status"] == card["status"]]
+
+
+def history() -> list[str]:
+    """``git log`` of the thresholds and the expected verdicts (oldest first), when this is a git checkout: taken
+    when a validation runs and kept in its record."""
+    root = Path(__file__).resolve().parents[3]
+    try:
+        done = subprocess.run(["git", "log", "--reverse", "--format=%h %ad %s", "--date=short", "--",
+                               *HISTORY_PATHS], cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line[:160] for line in done.stdout.splitlines()] if done.returncode == 0 else []
+
+
+def note_text(note: str, cards: dict[str, dict[str, Any]]) -> str:
+    """A note rendered from the run's cards; a placeholder they cannot fill is said in its place, so the README of
+    a run of minutes is still written (the committed notes are tested against the committed cards)."""
+    try:
+        return render(note, cards)
+    except NoteError as exc:
+        return f"(note not rendered: {exc})"
+
+
+def supplement_results(out: Path) -> dict[str, dict[str, Any] | None]:
+    """Each supplement's ``summary.json`` under ``<out>/supplements/<id>/`` (``None`` where it has not been run or
+    its summary does not read back), with its rows' cards under ``"cards"`` (row id → ``report.json``; ``None``
+    unless every row's reads back), which its note quotes."""
+    found: dict[str, dict[str, Any] | None] = {}
+    for sup in SUPPLEMENTS:
+        where = out / "supplements" / sup.id
+        try:
+            found[sup.id] = json.loads((where / "summary.json").read_text(encoding="utf-8"))
+            cards = {row: read_json(where / row / "report.json") for row in found[sup.id]["rows"]}
+        except (OSError, ValueError, KeyError, TypeError):  # a damaged file (lnstab's file errors are ValueErrors)
+            found[sup.id] = None
+            continue
+        found[sup.id]["cards"] = cards if all(isinstance(c, dict) for c in cards.values()) else None
+    return found
+
+
+def heldout_result(where: Path) -> dict[str, Any] | None:
+    """The held-out set's ``summary.json`` under ``where`` (``None`` where it has not been run or does not read back
+    as one)."""
+    try:
+        found = json.loads((where / "summary.json").read_text(encoding="utf-8"))
+        return found if found.get("set") == "heldout" and isinstance(found.get("rows"), dict) else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def verdict_list(summary: dict[str, Any]) -> str:
+    """``post-ln FAIL, deepnorm FAIL (disagrees)``: each row of a run's ``summary.json`` with its card's verdict."""
+    return ", ".join(f"{row} {SHORT[v['card']]}" + ("" if v["card"] in v["expected"] else " (disagrees)")
+                     for row, v in summary["rows"].items())
+
+
+def verdicts(row: Row) -> str:
+    return " or ".join(SHORT[e] for e in row.expected)
+
+
+def supplement_section(results: dict[str, dict[str, Any] | None], data_arg: str) -> str:
+    """The main README's section on the supplements: question, prediction, command and what came out."""
+    items = []
+    for sup in SUPPLEMENTS:
+        got = results.get(sup.id)
+        expected = "".join(PARTS["supplement-expected"].substitute(
+            id=row.id, design=row.design, verdicts=verdicts(row), outcome=row.outcome, source=row.source)
+            for row in sup.rows)
+        result = "not run yet" if got is None else PARTS["supplement-result"].substitute(
+            agree=got["agree"], n_rows=len(got["rows"]), id=sup.id, minutes=f"{got['wall_s'] / 60:.1f}",
+            verdicts=verdict_list(got))
+        note = SUPPLEMENT_NOTES.get(sup.id)
+        note = " " + note_text(note, got["cards"]) if note and got is not None and got.get("cards") else ""
+        items.append(PARTS["supplement-item"].substitute(
+            id=sup.id, data=data_arg, args=" ".join(sup.args), question=sup.question, expected=expected,
+            prediction=sup.prediction, result=result, note=note))
+    return PARTS["supplements"].substitute(items="\n".join(items))
+
+
+def heldout_section(got: dict[str, Any] | None) -> str:
+    """The main README's section on the held-out set: what it is, what was predicted, what came out."""
+    result = "not run yet." if got is None else PARTS["heldout-result"].substitute(
+        agree=got["agree"], n_rows=len(got["rows"]), dir=HELDOUT_DIR, minutes=f"{got['wall_s'] / 60:.1f}",
+        verdicts=verdict_list(got), baseline=constant_text([r for r in HELDOUT if r.id in got["rows"]]),
+        stable=sum(r.expected == STABLE for r in HELDOUT), n_all=len(HELDOUT))
+    return PARTS["heldout"].substitute(n_rows=len(HELDOUT), prediction=HELDOUT_PREDICTION, result=result)
+
+
+def constant_text(rows: list[Row]) -> str:
+    """What a card that always gives one verdict would score on ``rows``: the baseline the check's agreement is to be
+    read against (most published outcomes are "stable", which any verdict but FAIL matches)."""
+    counts = {v: sum(v in r.expected for r in rows) for v in ("warn", "pass", "fail")}
+    best = max(counts, key=counts.get)
+    others = ", ".join(f"always {SHORT[v]} {n}" for v, n in counts.items() if v != best)
+    return (f"Baseline: a card that always said {SHORT[best]}, whatever the model, would agree on {counts[best]} of "
+            f"{len(rows)} rows ({others}); the check's worth is in the rows a constant verdict gets wrong.")
+
+
+def record_rows(summary: dict[str, Any]) -> list[Row]:
+    """The rows a run record names, in its order, with its supplement's outcomes applied."""
+    every = {r.id: r for r in with_supplement(SUPPLEMENT_IDS.get(summary.get("supplement", "")), SETS[summary["set"]])}
+    return [every[row] for row in summary["rows"]]
+
+
+def readme(summary: dict[str, Any], cards: list[dict[str, Any]], out: Path) -> str:
+    """The validation README of one run: agreement, one row per architecture, which criteria decide which rows,
+    thresholds, and, for the whole set at the default shape and protocol (the record's ``notes``), the row notes;
+    for the main set then also the held-out set and the supplements found under ``out``. Another run's rows carry no
+    notes (those explain the default run's numbers): its disagreements are explained in the main README's
+    supplement notes.
+
+    Args:
+        summary: The run record (``summary.json``, with its ``readme`` key).
+        cards: The cards of ``summary``'s rows, in its order.
+        out: The validation's directory (where the held-out set and the supplements are found).
+    """
+    rec, set_name = summary["readme"], summary["set"]
+    rows = record_rows(summary)
+    sup = SUPPLEMENT_IDS.get(summary.get("supplement", ""))
+    notes, heldout = rec["notes"], set_name == "heldout"
+    agree = [c["status"] in r.expected for r, c in zip(rows, cards, strict=True)]
+    by_row = {r.id: c for r, c in zip(rows, cards, strict=True)}  # what the row notes quote
+    strict = sum(a for a, r in zip(agree, rows, strict=True) if len(r.expected) == 1)
+    single = sum(len(r.expected) == 1 for r in rows)
+    row_notes = HELDOUT_NOTES if heldout else NOTES
+    preamble = ""
+    if heldout:
+        preamble += PARTS["heldout-preamble"].substitute(prediction=HELDOUT_PREDICTION) + "\n\n"
+    if sup is not None:
+        preamble += PARTS["supplement-preamble"].substitute(id=sup.id, question=sup.question,
+                                                            prediction=sup.prediction) + "\n\n"
+    table = []
+    for i, (row, card, ok) in enumerate(zip(rows, cards, agree, strict=True), 1):
+        decided = ", ".join(f"`{c}`" for c in deciding(card)) or "every criterion passes"
+        note = note_text(row_notes.get(row.id, ""), by_row) if notes else ""
+        why = decided + (f"; {note}" if note else "" if ok or not notes else "; not yet explained")
+        table.append(f"| {i} | [{cell(row.design)}]({row.id}/report.md) | {cell(row.outcome)} ({cell(row.source)}) | "
+                     f"{verdicts(row)} | **{SHORT[card['status']]}** | {'yes' if ok else '**no**'} | {cell(why)} |")
+    decides = []
+    for c in CRITERIA:
+        found = {level: [r.id for r, k in zip(rows, cards, strict=True)
+                         if k["status"] == level and statuses(k)[c.id] == level] for level in ("fail", "warn")}
+        decides.append(f"- `{c.id}`: fails {', '.join(found['fail']) or 'no row'}; is among the warnings of "
+                       f"{', '.join(found['warn']) or 'no row'}")
+    sections = PARTS["row-changes"].substitute(changes="; ".join(ROW_CHANGES)) if ROW_CHANGES else ""
+    if notes and set_name == "main":
+        sections += heldout_section(heldout_result(out / HELDOUT_DIR))
+        sections += supplement_section(supplement_results(out), rec["data"])
+    shape = rec["shape"]
+    return PAGE.substitute(
+        title=": the held-out set" if heldout else "", command=rec["command"],
+        minutes=f"{summary['wall_s'] / 60:.1f}", runs=rec["runs"], models=rec["models"],
+        made_by=made_by(cards[0]["provenance"]),
+        shape="the check's default shape" if not shape else
+        "the check's default shape but " + ", ".join(f"`--model.{k} {v}`" for k, v in shape.items()),
+        reference=reference_text(cards), protocol=cards[0]["protocol_text"], data=cards[0]["data_text"],
+        preamble=preamble, agree=sum(agree), n_rows=len(rows), percent=f"{100 * sum(agree) / max(1, len(rows)):.0f}",
+        goal="; out of sample" if heldout else "; goal ≥ 90 %", strict=strict, single=single,
+        stable_agree=sum(agree) - strict, stable=len(rows) - single,
+        thresholds="**a --thresholds file, not the defaults**." if not rec["default_thresholds"] else
+        "the defaults of `lnstab/check/criteria.py`, fixed before the set was first run"
+        + (f"; {len(THRESHOLD_CHANGES)} changed after that run and every verdict re-run (see Thresholds)."
+           if THRESHOLD_CHANGES else " (history below)."),
+        baseline=constant_text(rows), table="\n".join(table),
+        criteria=" | ".join(c.id for c in CRITERIA), rule="---|" * len(CRITERIA),
+        criteria_table="\n".join(f"| {row.id} | " + " | ".join(SHORT[statuses(card)[c.id]] for c in CRITERIA) + " |"
+                                 for row, card in zip(rows, cards, strict=True)),
+        decides="\n".join(decides),
+        history="\n".join([f"- `{h}`" for h in rec["history"]] or ["- (not a git checkout)"]),
+        changes="; ".join(THRESHOLD_CHANGES) if THRESHOLD_CHANGES else
+        "none; every verdict above is from the thresholds fixed before it.",
+        sections=sections)
+
+
+def rerender(where: Path) -> str:
+    """The README of the validation in ``where``, rendered again from its committed record and cards."""
+    summary = read_json(where / "summary.json")
+    return readme(summary, [read_json(where / row / "report.json") for row in summary["rows"]], where)
