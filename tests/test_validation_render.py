@@ -1,0 +1,87 @@
+"""The committed validation READMEs re-rendered from their committed run records (``summary.json`` with its
+``readme`` record, and the rows' ``report.json``): the main README byte for byte, and every README's verdicts and
+tables; the validation's data files read back, and refused in one line when malformed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from lnstab.check.validation import sets
+from lnstab.check.validation.readme import rerender
+from lnstab.safeload import DataFileError
+
+VALIDATION = Path(__file__).resolve().parents[1] / "docs" / "check" / "validation"
+RECORDS = sorted(p.parent for p in VALIDATION.rglob("summary.json") if "readme" in json.loads(p.read_text()))
+
+
+def verdict_lines(text: str) -> list[str]:
+    """What a README says of the verdicts: the agreement line, each row's implied verdict, card and agreement, the
+    table of criteria by row and which rows each criterion decides. (A row's outcome, source and note are prose,
+    which a run written before the citations were re-read quotes as they stood then.)"""
+    found = []
+    for line in text.split("\n"):
+        cells = line.split(" | ")
+        if line.startswith("**Agreement:"):
+            found.append(line)
+        elif line.startswith("| ") and len(cells) == 7 and cells[0][2:].isdigit():  # a row of the verdict table
+            found.append(" | ".join([cells[0], cells[3], cells[4], cells[5]]))
+        elif line.startswith("| ") or line.startswith("- `") and ": fails " in line:
+            found.append(line)
+    return found
+
+
+def test_every_run_record_with_its_readme_is_found() -> None:
+    assert {p.relative_to(VALIDATION).as_posix() for p in RECORDS} >= {
+        ".", "heldout", "supplements/no-warmup-6", "supplements/long-warmup-6"}
+
+
+def test_the_main_readme_renders_again_byte_for_byte() -> None:
+    assert rerender(VALIDATION) == (VALIDATION / "README.md").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("where", RECORDS, ids=lambda p: p.relative_to(VALIDATION).as_posix())
+def test_each_readmes_verdicts_and_tables_render_again(where: Path) -> None:
+    committed = verdict_lines((where / "README.md").read_text(encoding="utf-8"))
+    assert len(committed) > 10 and verdict_lines(rerender(where)) == committed
+
+
+def test_a_changed_verdict_shows_in_the_rendered_readme(tmp_path) -> None:
+    copy = tmp_path / "validation"
+    shutil.copytree(VALIDATION, copy, ignore=shutil.ignore_patterns("*.png"))
+    card = json.loads((copy / "peri-ln" / "report.json").read_text())
+    assert card["status"] == "pass"
+    (copy / "peri-ln" / "report.json").write_text(json.dumps({**card, "status": "warn"}))
+    text = rerender(copy)
+    assert text != (VALIDATION / "README.md").read_text(encoding="utf-8")
+    assert verdict_lines(text) != verdict_lines((VALIDATION / "README.md").read_text(encoding="utf-8"))
+    assert "**Agreement: 9 of 12 rows" in text
+
+
+def test_the_data_files_hold_the_sets() -> None:
+    assert [r.id for r in sets.ROWS][:4] == ["post-ln", "no-ln", "pre-ln", "peri-ln"]
+    assert sets.ROWS[5].model == ("--model.norm_placement", "output", "--model.qk_norm", "true",
+                                  "--model.z_loss", "1e-5")
+    assert sets.SUPPLEMENT_IDS["long-warmup-6"].rows[0].expected == sets.STABLE and sets.HELDOUT_PREDICTION
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    ("rows:\n- {id: a, design: d, model: {x: '1'}, outcome: o, source: s, expected: [maybe]}\n",
+     "rows.yaml: rows[0].expected is 'maybe'; allowed: pass, warn, fail"),
+    ("rows:\n- {id: a, design: d, model: {x: '1'}, outcome: o, expected: [fail]}\n",
+     "rows.yaml: rows[0].source is None; a non-empty string is allowed"),
+    ("rows:\n- {id: a, design: d, hf: bloom, outcome: o, source: s, expected: [fail]}\n",
+     "rows.yaml: rows[0].hf is 'bloom'; allowed: gemma2, llama, olmo2, gpt2"),
+    ("rows:\n- {id: a, design: d, outcome: o, source: s, expected: [fail], colour: red}\n",
+     "rows.yaml: rows[0] has 'colour'; allowed: id, design, model, hf, outcome, source, expected"),
+    ("rows: []\n", "rows.yaml: rows is []; a non-empty list of rows is allowed"),
+])
+def test_a_malformed_data_file_is_refused_in_one_line(text, said, tmp_path, monkeypatch) -> None:
+    (tmp_path / "rows.yaml").write_text(text)
+    monkeypatch.setattr(sets, "HERE", tmp_path)
+    with pytest.raises(DataFileError) as info:
+        sets.load_rows()
+    assert str(info.value) == said
