@@ -49,6 +49,7 @@ if ! timeout 180 python3 -m lnstab.cli fit --config experiments/proxy.yaml --tra
 fi
 echo "gpu_proxy: smoke run ok: $(grep -m1 -o 'GPU available: [A-Za-z]*' "$OUT/gpu_proxy_smoke.log")"
 
+finished_before=$(grep -ls '"status": "\(completed\|diverged\)"' "$ROOT"/proxy-designs/*/summary.json 2>/dev/null | wc -l)
 start=$(date +%s)
 only_args=()
 (( ${#ONLY[@]} )) && only_args=(--only "${ONLY[@]}")
@@ -61,9 +62,9 @@ rc=$?
 end=$(date +%s)
 tail -5 "$OUT/gpu_proxy_sweep.log"
 
-python3 - "$ROOT/proxy-designs" "$OUT/gpu_proxy_env.json" "$start" "$end" "$rc" "$PARALLEL" "$ACCEL" <<'EOF'
+python3 - "$ROOT/proxy-designs" "$OUT/gpu_proxy_env.json" "$start" "$end" "$rc" "$PARALLEL" "$ACCEL" "$finished_before" <<'EOF'
 import json, os, platform, subprocess, sys
-root, out, start, end, rc, parallel, accel = sys.argv[1:]
+root, out, start, end, rc, parallel, accel, before = sys.argv[1:]
 import torch
 done = diverged = 0
 runs = sorted(r for r in os.listdir(root) if not r.startswith(".")) if os.path.isdir(root) else []
@@ -87,7 +88,8 @@ json.dump({
     "cuda": torch.version.cuda, "python": platform.python_version(), "cpus": os.cpu_count(),
     "parallel": int(parallel), "sweep_exit": int(rc), "wall_s": int(end) - int(start),
     "run_directories": len(runs), "runs_finished": done, "runs_diverged": diverged,
-    "runs_per_minute": round(done / minutes, 2) if minutes > 0 else None,
+    "runs_finished_before": int(before),  # a rerun resumes: only this call's runs count in its rate
+    "runs_per_minute": round((done - int(before)) / minutes, 2) if minutes > 0 else None,
 }, open(out, "w"), indent=1)
 print(open(out).read())
 EOF

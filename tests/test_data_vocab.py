@@ -91,6 +91,10 @@ def test_document_split_is_disjoint_and_exact_and_vocab_full_keeps_gpt2_ids(tmp_
     assert [enc.decode(list(d[:-1])) for d in val_docs] == docs[:3]  # validation: the first documents, whole
     assert sorted(enc.decode(list(d[:-1])) for d in train_docs) == sorted(docs[3:])
     assert split_module(path, val_documents=0.2, block_size=8).validation_documents == 2  # 0.2 of 10 documents
+    # jsonargparse on Python 3.12 hands `3` for `int | float` over as 3.0: the same count, recorded as an int
+    as_float = split_module(path, val_documents=3.0, block_size=8)
+    assert as_float.validation_documents == 3 and type(as_float.hparams.val_documents) is int
+    assert torch.equal(as_float.validation_tokens(), dm.validation_tokens())
     with pytest.raises(DataError, match="--data.val_documents 10 is not allowed for data of 10 documents") as info:
         split_module(path, val_documents=10, block_size=8)
     assert "\n" not in str(info.value)
