@@ -10,6 +10,7 @@ from typing import Any
 from lnstab import validation as check
 from lnstab.errors import ConfigError
 from lnstab.layers import NORM_TYPES, RESIDUAL_GATES, cait_layerscale_init
+from lnstab.loss import z_loss_coefficient
 from lnstab.placements import PLACEMENTS
 
 # GPT-2's published shapes (Radford et al. 2019) plus small presets that train on a CPU in minutes.
@@ -101,7 +102,7 @@ class GPTConfig:
         for name in ("residual_scale", "norm_eps", "dyt_alpha_init"):
             check.number(name, getattr(self, name), 0.0, low_open=True)
         check.number("dropout", self.dropout, 0.0, 1.0, high_open=True)
-        check.number("z_loss", self.z_loss, 0.0)
+        z_loss_coefficient(self.z_loss)
         check.optional_number("layerscale_init", self.layerscale_init, 0.0, low_open=True)
         for name in ("qk_norm", "tie_embeddings"):
             if not isinstance(getattr(self, name), bool):

@@ -27,6 +27,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from lnstab import validation as check
+from lnstab.errors import ConfigError, LNStabError
+
 # Rows per chunk: 512 rows of 50257 fp32 logits are 103 MB. On a 1-thread AVX2 core, head + loss of 2048 rows took
 # the same time with 256, 512 or 1024-row chunks (benchmarks/bench_loss.py); fewer rows make thinner products.
 DEFAULT_CHUNK_ROWS = 512
@@ -46,6 +49,18 @@ class HeadLoss(NamedTuple):
     z_loss: torch.Tensor
 
 
+def z_loss_coefficient(value: float, field: str = "z_loss", *, error: type[LNStabError] = ConfigError) -> float:
+    """PaLM's z-loss coefficient ``c``, checked alike wherever it is given (``GPTConfig.z_loss``, ``lnstab check
+    --z-loss``, :func:`lm_head_losses`): a finite number ``>= 0``, else ``error`` in one line naming ``field``."""
+    return check.number(field, value, 0.0, error=error)
+
+
+def z_loss_term(logits: torch.Tensor, coefficient: float) -> torch.Tensor:
+    """The z-loss term ``c·mean (log Z)²`` of whole logits ``(N, V)`` (``log Z``: each row's log-sum-exp); the
+    chunked head forms the same term a chunk at a time (:func:`lm_head_losses`)."""
+    return coefficient * torch.logsumexp(logits, dim=-1).square().mean()
+
+
 def reference_lm_loss(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int, z_loss: float = 0.0
 ) -> torch.Tensor:
@@ -53,7 +68,7 @@ def reference_lm_loss(
     plus ``z_loss·mean (logsumexp logits)²`` when ``z_loss > 0``."""
     logits = F.linear(hidden, weight)[..., :vocab_size].reshape(-1, vocab_size).float()  # (N, V)
     loss = F.cross_entropy(logits, targets.reshape(-1))
-    return loss + z_loss * torch.logsumexp(logits, dim=-1).square().mean() if z_loss else loss
+    return loss + z_loss_term(logits, z_loss) if z_loss else loss
 
 
 def lm_head_loss(
@@ -99,15 +114,15 @@ def lm_head_losses(
         A :class:`HeadLoss`: the objective (differentiable), the cross-entropy and the z-loss term (both detached).
 
     Raises:
-        ValueError: ``chunk_rows < 1``, ``vocab_size`` larger than the weight's rows, or a negative ``z_loss``.
+        ValueError: ``chunk_rows < 1``, ``vocab_size`` larger than the weight's rows, or a ``z_loss`` that is
+            negative or not finite.
     """
     vocab_size = weight.size(0) if vocab_size is None else vocab_size
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows={chunk_rows!r} is not allowed; it must be >= 1")
     if not 1 <= vocab_size <= weight.size(0):
         raise ValueError(f"vocab_size={vocab_size!r} is not allowed; it must be in [1, {weight.size(0)}]")
-    if not z_loss >= 0:
-        raise ValueError(f"z_loss={z_loss!r} is not allowed; it must be a number >= 0")
+    z_loss_coefficient(z_loss)
     device_type = hidden.device.type
     # Under autocast the products run in the autocast dtype, as F.linear's would.
     if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from lnstab.check.subjects import check_z_loss
 from lnstab.loss import lm_head_loss, lm_head_losses, reference_lm_loss
 from lnstab.model import GPT, GPTConfig
 
@@ -64,8 +66,19 @@ def test_chunked_head_loss_refuses_bad_arguments() -> None:
         lm_head_loss(h, w, y, chunk_rows=0)
     with pytest.raises(ValueError, match=r"vocab_size=6 is not allowed; it must be in \[1, 5\]"):
         lm_head_loss(h, w, y, vocab_size=6)
-    with pytest.raises(ValueError, match=r"z_loss=-0.1 is not allowed; it must be a number >= 0"):
+    with pytest.raises(ValueError, match=r"z_loss=-0.1 is not allowed; it must be a finite number >= 0"):
         lm_head_loss(h, w, y, z_loss=-0.1)
+
+
+@pytest.mark.parametrize("bad", [-0.1, math.inf, math.nan])
+def test_a_z_loss_coefficient_is_refused_alike_by_the_config_the_head_and_the_check(bad) -> None:
+    h, w, y = torch.zeros(2, 4), torch.zeros(5, 4), torch.zeros(2, dtype=torch.long)
+    said = []
+    for call in (lambda: GPTConfig(z_loss=bad), lambda: lm_head_loss(h, w, y, z_loss=bad), lambda: check_z_loss(bad)):
+        with pytest.raises(ValueError) as refused:
+            call()
+        said.append(str(refused.value).split("=", 1)[1])  # the field's name differs: z_loss, --z-loss
+    assert said == [f"{bad!r} is not allowed; it must be a finite number >= 0"] * 3
 
 
 def direct_z_loss(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, c: float) -> tuple[torch.Tensor, ...]:

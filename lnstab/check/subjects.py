@@ -23,6 +23,7 @@ from torch import nn
 from lnstab.check import hf
 from lnstab.check.runspec import Sites
 from lnstab.errors import LNStabError
+from lnstab.loss import z_loss_coefficient
 from lnstab.model import GPT, GPTConfig
 from lnstab.moduleargs import MODEL_ARGS, MODULE_ARGS, gpt_config
 
@@ -247,9 +248,7 @@ def lnstab_subject(args: dict[str, Any]) -> tuple[Subject, dict[str, Any]]:
 
 def check_z_loss(z_loss: float | None) -> float | None:
     """``--z-loss`` as given (``None``: not given), or a one-line error when it is negative or not finite."""
-    if z_loss is not None and not (isinstance(z_loss, int | float) and math.isfinite(z_loss) and z_loss >= 0):
-        raise LNStabError(f"--z-loss={z_loss!r} is not allowed; it must be a finite number >= 0")
-    return z_loss
+    return None if z_loss is None else z_loss_coefficient(z_loss, "--z-loss", error=LNStabError)
 
 
 def with_z_loss(subject: Subject, z_loss: float | None) -> Subject:
@@ -260,12 +259,13 @@ def with_z_loss(subject: Subject, z_loss: float | None) -> Subject:
     Raises:
         LNStabError: ``z_loss`` is negative or not finite, or ``subject`` is lnstab's GPT (``--model.z_loss``).
     """
-    if check_z_loss(z_loss) is None:
+    z_loss = check_z_loss(z_loss)
+    if z_loss is None:
         return subject
     if subject.config is not None:
         raise LNStabError("--z-loss is for --hf and --factory models; lnstab's GPT takes --model.z_loss "
                           "(computed in its chunked head)")
-    return dataclasses.replace(subject, z_loss=float(z_loss))
+    return dataclasses.replace(subject, z_loss=z_loss)
 
 
 def hf_subject(name: str, init: bool) -> Subject:

@@ -39,6 +39,7 @@ from lnstab.callbacks import (
     StabilityLayout,
 )
 from lnstab.check.runspec import Optimisation, RunResult, Sites, logits_of, probe_forward  # noqa: F401
+from lnstab.loss import z_loss_term
 from lnstab.model import GPT
 from lnstab.module import lr_at
 
@@ -104,7 +105,7 @@ class StressModule(pl.LightningModule):
             flat = logits.reshape(-1, logits.size(-1))  # (B·T, V)
             loss = ce = F.cross_entropy(flat, y.reshape(-1))
             if self.z_loss:
-                loss = ce + self.z_loss * torch.logsumexp(flat, dim=-1).square().mean()
+                loss = ce + z_loss_term(flat, self.z_loss)
         self.losses.append(ce.item())
         self.log("train/loss", ce)
         return loss
