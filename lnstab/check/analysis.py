@@ -3,8 +3,8 @@
 Depth is counted in layers: the residual stream after half-step ``k`` of a two-half-step block sits at depth
 ``(k + 1) / 2``, after block ``k`` of a one-site block at ``k + 1``. The growth law is measured over those sites (X_0
 is left out: the embedding's scale is arbitrary next to the updates', so a jump from X_0 would read as growth), as
-the doublings of the mean |x| over the deeper half of the depth (:func:`lnstab.measures.deep_doublings`), with exponential and
-linear fits beside it.
+the doublings of the mean |x| over the deeper half of the depth (:func:`lnstab.measures.deep_doublings`), with
+exponential and linear fits beside it.
 """
 
 from __future__ import annotations

@@ -28,10 +28,8 @@ from typing_extensions import override
 
 from lnstab import validation as check
 from lnstab.callbacks import spectral_norm
-from lnstab.callbacks._sites import find_sites, first_tensor, log_metrics, probe_input
-from lnstab.callbacks._tap import paused_taps
-from lnstab.callbacks._unroll import per_call
 from lnstab.callbacks.jacobian import block_call
+from lnstab.callbacks.sites import find_sites, first_tensor, log_metrics, paused_taps, per_call, probe_input
 
 
 def branch_norm(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, n_iter: int, seed: int = 0
@@ -71,7 +69,7 @@ def measure_branches(root: nn.Module, blocks: list[Any], probe: torch.Tensor, n_
     """``jacobian/sensitivity/<tag>`` and ``jacobian/act_scale/<tag>`` of every block site on ``probe`` (eval mode,
     math attention, nothing written to ``.grad``, other instruments' taps paused); one host sync. A block that the
     forward runs several times (weights shared across depth) is probed at each call's input, each call a layer of
-    its own in call order (:func:`lnstab.callbacks._unroll.per_call`)."""
+    its own in call order (:func:`lnstab.callbacks.sites.per_call`)."""
     calls: list[tuple[int, tuple, dict]] = []  # (block, args, kwargs) in call order
 
     def keep(i: int) -> Callable:

@@ -138,8 +138,7 @@ class Subject:
 
 def attention_problem(model: nn.Module, qk: tuple[str, str, int] | None = None) -> str | None:
     """Why the attention-logit instrument cannot read ``model``'s q and k (``qk``: named projections), or ``None``."""
-    from lnstab.callbacks._captures import attention_sites
-    from lnstab.callbacks._views import COLLAPSE_WEIGHT, DEFAULT_CHUNK_ELEMENTS
+    from lnstab.callbacks.sites import COLLAPSE_WEIGHT, DEFAULT_CHUNK_ELEMENTS, attention_sites
 
     options = {"chunk_elements": DEFAULT_CHUNK_ELEMENTS, "min_keys": 2, "collapse_weight": COLLAPSE_WEIGHT}
     q, k, n_head = (re.compile(qk[0]), re.compile(qk[1]), qk[2]) if qk else (None, None, None)
@@ -154,9 +153,7 @@ def instrument_support(model: nn.Module, head_pattern: str | None = None,
                        qk: tuple[str, str, int] | None = None) -> tuple[bool, bool]:
     """Whether the attention-logit instrument finds q and k in ``model`` (``qk``: named projections), and the
     output-logit one its logits."""
-    from lnstab.callbacks._captures import HEAD_PATTERN, output_site
-    from lnstab.callbacks._sites import FINAL_PATTERN
-    from lnstab.callbacks._views import DEFAULT_CHUNK_ROWS
+    from lnstab.callbacks.sites import DEFAULT_CHUNK_ROWS, FINAL_PATTERN, HEAD_PATTERN, output_site
 
     try:
         output_site(model, "auto", re.compile(FINAL_PATTERN), re.compile(head_pattern or HEAD_PATTERN), None,
