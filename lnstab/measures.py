@@ -65,7 +65,8 @@ def deep_doublings(depths: list[float], values: list[float]) -> float:
     if len(depths) < 2:
         return math.nan
     top, mid = values[-1], interpolate(depths, values, depths[-1] / 2)
-    return math.log2(top / mid) if mid > 0 and top > 0 and math.isfinite(top) else math.nan
+    finite = mid > 0 and top > 0 and math.isfinite(top) and math.isfinite(mid)
+    return math.log2(top / mid) if finite else math.nan
 
 
 def growth_law(depths: list[float], values: list[float], *, complete: bool = False) -> dict[str, Any]:

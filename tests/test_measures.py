@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lnstab.measures import best_rate, fit_line, growth_law, jacobian_points, ladder_sensitivity, log_log_slope
+from lnstab.measures import best_rate, deep_doublings, fit_line, growth_law, jacobian_points, ladder_sensitivity, log_log_slope
 
 
 def test_no_spread_in_x_is_no_fit_even_when_rounded_means_leave_a_remainder() -> None:
@@ -35,3 +35,9 @@ def test_jacobian_points_pair_each_block_and_step_and_drop_what_has_no_logarithm
                "jacobian/sensitivity/L00": [(0, 1.0), (5, math.nan)], "jacobian/act_scale/L00": [(0, 4.0)],
                "jacobian/residual/L00": [(0, 9.0)]}
     assert jacobian_points(scalars) == [(3.0, 2.0), (4.0, 1.0)]  # blocks in the mapping's order, steps ascending
+
+
+def test_deep_doublings_is_nan_not_an_error_when_mid_depth_overflowed() -> None:
+    # a profile that overflowed at mid-depth and came back finite at the top (an fp16 inf, say) has no ratio
+    assert math.isnan(deep_doublings([1.0, 2.0, 3.0, 4.0], [1.0, math.inf, math.inf, 5.0]))
+    assert deep_doublings([1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.0]) == 1.0  # linear from 0: one doubling
