@@ -6,7 +6,15 @@ import math
 
 import pytest
 
-from lnstab.measures import best_rate, deep_doublings, fit_line, growth_law, jacobian_points, ladder_sensitivity, log_log_slope
+from lnstab.measures import (
+    best_rate,
+    deep_doublings,
+    fit_line,
+    growth_law,
+    jacobian_points,
+    ladder_sensitivity,
+    log_log_slope,
+)
 
 
 def test_no_spread_in_x_is_no_fit_even_when_rounded_means_leave_a_remainder() -> None:
