@@ -35,13 +35,14 @@ from typing import Any
 import torch
 
 from lnstab import validation
-from lnstab.check.criteria import load_thresholds
 from lnstab.check.options import (
     EXIT_FAILED,
     FACTORY_OPTIONS,
     build_parser,
     make_protocol,
     split_model_args,
+    tier_model_args,
+    tier_thresholds,
     worker_counts,
 )
 from lnstab.check.protocol import Protocol, RunFailed, plan, run_ladder
@@ -151,6 +152,8 @@ def main(argv: list[str] | None = None) -> None:
         raise LNStabError("--overwrite is for --validate; a check never overwrites a run directory")
     if args.rows and not args.validate:
         raise LNStabError("--rows is for --validate")
+    if args.validate and args.tier != "quick":
+        raise LNStabError(f"--tier {args.tier} is not yet for --validate; the validation runs at the quick tier")
     if args.set != "main" and not args.validate:
         raise LNStabError("--set is for --validate")
     if args.supplement is not None:
@@ -200,9 +203,9 @@ def run_check(args: argparse.Namespace, model_args: dict[str, Any], command: str
     """Validate everything, then train, grade and write the card into a new run directory; the card."""
     started = time.perf_counter()
     check_out(args.out)
-    subject, extra = checked_subject(args, model_args)
+    subject, extra = checked_subject(args, tier_model_args(args.tier, model_args))
     protocol = make_protocol(args, extra)
-    thresholds = load_thresholds(args.thresholds)
+    thresholds = tier_thresholds(args.tier, args.thresholds)
     seq_len = context_length(subject, protocol.seq_len, given=args.seq_len is not None)
     n_runs = len(plan([subject] + ([] if args.no_reference else references(subject, seq_len)), protocol))
     workers, per_worker = worker_counts(args, n_runs)

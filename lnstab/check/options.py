@@ -9,22 +9,49 @@ from typing import Any
 
 import torch
 
-from lnstab.check.protocol import Protocol
+from lnstab import validation
+from lnstab.check.protocol import TIERS, TIERS_FILE, Protocol, tiers
 from lnstab.check.runner import VOCAB_MODES
 from lnstab.check.runspec import Optimisation
 from lnstab.check.subjects import parse_value
 from lnstab.check.workers import auto_workers
 from lnstab.errors import LNStabError
+from lnstab.safeload import load_yaml
 
 EXIT_FAILED = 3  # the checked model or the check itself failed: not a verdict
 # The options that describe a --factory model (argparse dests; --name-with-dashes on the command line).
 FACTORY_OPTIONS = ("layer_pattern", "module_types", "embed_pattern", "final_pattern", "norm_pattern", "head_pattern",
                    "q_pattern", "k_pattern", "n_head")
+# The quick tier's values of the protocol options whose parser default is a number (the others' defaults are
+# computed from the steps, the context or Protocol's fields, as before there were tiers).
+QUICK_DEFAULTS = {"steps": 30, "min_lr_ratio": 0.1, "grad_clip": 1.0, "batch_size": 8, "jacobian_iters": 8,
+                  "probe_size": 2}
+PRESET_ARGS = ("n_layer", "n_embd", "n_head")  # what --model.preset decides
+
+
+def tier_defaults(tier: str) -> dict[str, Any]:
+    """The protocol options' values at ``tier`` (argparse dests); the quick tier's are :data:`QUICK_DEFAULTS`."""
+    if tier == "quick":
+        return dict(QUICK_DEFAULTS)
+    values = dict(tiers()[tier]["protocol"])
+    for key in ("lrs", "seeds"):
+        values[key] = tuple(values[key])
+    return values
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line through lnstab's LNStabError handler, exit 2
         raise LNStabError(f"lnstab check: {message}")
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
+        """The options, with every protocol option not given taken from the ``--tier``'s values (refused in one
+        line naming the field and the allowed values when the tier is not one of :data:`TIERS`)."""
+        parsed = super().parse_args(args, namespace)
+        validation.choice("--tier", parsed.tier, TIERS, error=LNStabError)
+        for key, value in tier_defaults(parsed.tier).items():
+            if getattr(parsed, key, None) is None:
+                setattr(parsed, key, value)
+        return parsed
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -69,20 +96,25 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--z-loss", type=float, help="Train an --hf or --factory model on cross-entropy + Z_LOSS·mean "
                      "(log Z)² (PaLM's z-loss; the references without it; lnstab's GPT: --model.z_loss).")
     pro = p.add_argument_group("protocol")
+    pro.add_argument("--tier", default="quick", help="quick (default): the per-PR screen, 30-step runs beside the "
+                     "references, where losses end near the unigram level; proxy: docs/proxy's shape (2 layers × 128, "
+                     "300 steps of 16 × 128 on the OpenWebText sample's top-4095 vocabulary, --data.path), a "
+                     "half-decade ladder 1e-4…3e-1, where the loss and LR sensitivity can fail (lnstab/check/"
+                     "tiers.yaml). Options given win over the tier's values.")
     pro.add_argument("--lrs", type=_floats, help="Learning-rate ladder (default 1e-3,1e-2,1e-1).")
     pro.add_argument("--seeds", type=_ints, help="Seeds (default 0,1).")
-    pro.add_argument("--steps", type=int, default=30, help="Optimizer steps per stress run.")
+    pro.add_argument("--steps", type=int, help="Optimizer steps per stress run (default 30).")
     pro.add_argument("--warmup-steps", type=int, help="Linear warmup steps (default 3).")
-    pro.add_argument("--min-lr-ratio", type=float, default=0.1, help="Cosine end as a fraction of the rate.")
+    pro.add_argument("--min-lr-ratio", type=float, help="Cosine end as a fraction of the rate (default 0.1).")
     pro.add_argument("--weight-decay", type=float, help="AdamW decay on matrices (default 0.1).")
-    pro.add_argument("--grad-clip", type=float, default=1.0, help="Gradient-norm clipping, 0 for none.")
-    pro.add_argument("--batch-size", type=int, default=8)
+    pro.add_argument("--grad-clip", type=float, help="Gradient-norm clipping, 0 for none (default 1).")
+    pro.add_argument("--batch-size", type=int, help="Sequences per step (default 8).")
     pro.add_argument("--seq-len", type=int, help="Tokens per sequence (default 64, cut to the context; given: at "
                      "most the context).")
     pro.add_argument("--measure-every", type=int, help="Steps between hidden-state measurements; must divide --steps "
                                                        "(default: the largest divisor up to a third of them).")
-    pro.add_argument("--jacobian-iters", type=int, default=8, help="Power iterations per Jacobian norm.")
-    pro.add_argument("--probe-size", type=int, default=2, help="Sequences in the Jacobian probe.")
+    pro.add_argument("--jacobian-iters", type=int, help="Power iterations per Jacobian norm (default 8).")
+    pro.add_argument("--probe-size", type=int, help="Sequences in the Jacobian probe (default 2).")
     pro.add_argument("--data.path", dest="data_path", help="Text to train on (e.g. the OpenWebText sample).")
     pro.add_argument("--data.source", dest="data_source", default="auto", help="auto, files or synthetic.")
     pro.add_argument("--accelerator", default="cpu", help="cpu (default), gpu or auto; always fp32.")
@@ -165,7 +197,48 @@ def make_protocol(args: argparse.Namespace, extra: dict[str, Any]) -> Protocol:
                     seq_len=Protocol.seq_len if args.seq_len is None else args.seq_len, measure_every=every,
                     jacobian_iters=args.jacobian_iters,
                     probe_size=args.probe_size, optimisation=optimisation, data_source=args.data_source,
-                    data_path=args.data_path, accelerator=args.accelerator)
+                    data_path=args.data_path, accelerator=args.accelerator, **tier_data(args.tier))
+
+
+def tier_data(tier: str) -> dict[str, Any]:
+    """The :class:`Protocol` fields of ``tier``'s data (none at the quick tier)."""
+    if tier == "quick":
+        return {}
+    data = tiers()[tier].get("data") or {}
+    return {"tier": tier, "vocab_top_k": data.get("vocab_top_k"), "val_documents": data.get("val_documents")}
+
+
+def tier_model_args(tier: str, model_args: dict[str, Any]) -> dict[str, Any]:
+    """lnstab's ``--model.*`` arguments with ``tier``'s model shape filled in where not given (with ``preset`` given,
+    its layers, width and heads are the preset's); an empty dict stays empty: the model is then ``--hf`` or
+    ``--factory``, whose shape is its own."""
+    shape = (tiers()[tier].get("model") or {}) if tier != "quick" else {}
+    if not model_args or not shape:
+        return model_args
+    skip = PRESET_ARGS if "preset" in model_args else ()
+    return {**{k: v for k, v in shape.items() if k not in skip}, **model_args}
+
+
+def tier_thresholds(tier: str, path: str | None) -> dict[str, dict[str, Any]]:
+    """The thresholds of ``tier`` (thresholds.yaml with the tier's file merged over it) with ``--thresholds PATH``'s
+    entries merged over those."""
+    from lnstab.check.criteria import load_thresholds
+
+    own = (tiers()[tier].get("thresholds") if tier != "quick" else None)
+    if own is None:
+        return load_thresholds(path)
+    merged = load_thresholds(TIERS_FILE.with_name(own))
+    if path is None:
+        return merged
+    user = load_thresholds(path)  # checked, merged over thresholds.yaml
+    given = load_yaml(path, f"--thresholds {path}") or {}
+    for cid, entry in given.items():
+        for key, value in entry.items():
+            if key in ("warn", "fail"):
+                merged[cid][key] = user[cid][key]
+            elif key == "absolute":
+                merged[cid]["absolute"].update({sub: user[cid]["absolute"][sub] for sub in value})
+    return merged
 
 
 def worker_counts(args: argparse.Namespace, n_runs: int) -> tuple[int, int]:

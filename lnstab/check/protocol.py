@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -15,8 +16,17 @@ from lnstab.check.runspec import Optimisation, RunResult
 from lnstab.check.subjects import Subject
 from lnstab.check.workers import Failure, Job, RunPool, final_loss, quiet
 from lnstab.errors import LNStabError
+from lnstab.safeload import load_yaml
 
 GPT2_VOCAB = 50257
+TIERS_FILE = Path(__file__).with_name("tiers.yaml")
+TIERS = ("quick", "proxy")
+
+
+@functools.cache
+def tiers() -> dict[str, Any]:
+    """``tiers.yaml``: what each tier sees and cannot see, and the proxy tier's protocol, model shape and data."""
+    return load_yaml(TIERS_FILE, TIERS_FILE.name)
 
 
 class RunFailed(Exception):
@@ -55,6 +65,12 @@ class Protocol:
         data_source: ``auto`` (``files`` when ``data_path`` is given, else ``synthetic``), ``files`` or ``synthetic``.
         data_path: Text for ``files`` (``.jsonl``/``.txt``/``.parquet``, gzip too), e.g. the OpenWebText sample.
         accelerator: Lightning accelerator (``cpu``, ``gpu``, ``auto``); the runs are fp32 everywhere.
+        tier: ``quick`` (the per-PR screen) or ``proxy`` (docs/proxy's shape; lnstab/check/tiers.yaml).
+        vocab_top_k: With ``files``: the windows relabelled onto the ``K`` most frequent training tokens + one UNK
+            (:func:`lnstab.datamodules.vocab.top_k_map`), every model built with ``K + 1`` outputs; ``None``: GPT-2's
+            tokens (or the protocol vocabulary of the windows, :func:`compact_vocabulary`).
+        val_documents: With ``vocab_top_k``: the first documents of ``data_path``, held out of the vocabulary and of
+            the windows (the OpenWebText DataModule's ``val_split: documents``).
     """
 
     lrs: tuple[float, ...] = (1e-3, 1e-2, 1e-1)
@@ -68,6 +84,9 @@ class Protocol:
     data_source: str = "auto"
     data_path: str | None = None
     accelerator: str = "cpu"
+    tier: str = "quick"
+    vocab_top_k: int | None = None
+    val_documents: int | None = None
 
     def __post_init__(self) -> None:
         if not self.lrs:
@@ -112,6 +131,15 @@ class Protocol:
         if self.data_source == "synthetic" and self.data_path:
             raise LNStabError(f"--data.path {self.data_path} is not used with --data.source synthetic; drop one")
         validation.choice("--accelerator", self.accelerator, ("cpu", "gpu", "cuda", "mps", "auto"))
+        if self.vocab_top_k is not None:
+            validation.positive_int("vocab_top_k", self.vocab_top_k)
+            if self.source != "files":
+                raise LNStabError(f"--tier {self.tier} needs the OpenWebText sample: give --data.path FILE (e.g. "
+                                  "$LNSTAB_OWT_SAMPLE, owt-sample-900.jsonl.gz); it trains on its text with its "
+                                  f"{self.vocab_top_k} most frequent tokens + one UNK")
+            if not os.path.isfile(os.path.expanduser(self.data_path or "")):
+                raise LNStabError(f"--data.path {self.data_path} is not a file; --tier {self.tier} trains on the "
+                                  "OpenWebText sample (e.g. $LNSTAB_OWT_SAMPLE, owt-sample-900.jsonl.gz)")
 
     @property
     def source(self) -> str:
@@ -121,7 +149,11 @@ class Protocol:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready settings."""
-        return {**asdict(self), "source": self.source}
+        out = {**asdict(self), "source": self.source}
+        if self.tier == "quick":  # a quick card's protocol as before there were tiers
+            for key in ("tier", "vocab_top_k", "val_documents"):
+                out.pop(key)
+        return out
 
 
 def load_tokens(protocol: Protocol, vocab_size: int, seq_len: int, own_vocab: bool = True
@@ -146,8 +178,15 @@ def load_tokens(protocol: Protocol, vocab_size: int, seq_len: int, own_vocab: bo
         raise LNStabError(f"--data.path {protocol.data_path} holds GPT-2 tokens (50257), but the model predicts only "
                           f"{vocab_size}; use --data.source synthetic or a model with GPT-2's vocabulary")
     path = os.path.expanduser(protocol.data_path or "")
-    dm = OpenWebTextDataModule(block_size=seq_len, batch_size=protocol.batch_size, source="files", path=path,
-                               val_tokens=seq_len + 1, num_workers=0, tokenizer_threads=1)
+    if protocol.vocab_top_k is not None:  # split by document, relabelled onto the training split's top-K + UNK
+        dm = OpenWebTextDataModule(block_size=seq_len, batch_size=protocol.batch_size, source="files", path=path,
+                                   val_split="documents", val_documents=protocol.val_documents, vocab="top_k",
+                                   vocab_top_k=protocol.vocab_top_k, num_workers=0, tokenizer_threads=1)
+        with quiet():
+            dm.setup("fit")
+    else:
+        dm = OpenWebTextDataModule(block_size=seq_len, batch_size=protocol.batch_size, source="files", path=path,
+                                   val_tokens=seq_len + 1, num_workers=0, tokenizer_threads=1)
     windows: list[torch.Tensor] = []
     with quiet():
         for x, y in dm.train_dataloader():
@@ -158,6 +197,11 @@ def load_tokens(protocol: Protocol, vocab_size: int, seq_len: int, own_vocab: bo
     if tokens.size(0) < n:
         raise LNStabError(f"--data.path {protocol.data_path} holds {tokens.size(0)} windows of {seq_len + 1} tokens; "
                           f"the check needs {n} (--batch-size × (--steps + 1))")
+    if protocol.vocab_top_k is not None:
+        vocab = dm.vocab_map
+        return tokens, {"source": "files", "path": str(protocol.data_path), "windows": n,
+                        "validation_documents_held_out": int(protocol.val_documents or 0), "vocab_size": vocab.size,
+                        "top_k": protocol.vocab_top_k, "unk_share": float((tokens == vocab.unk).double().mean())}
     return tokens, {"source": "files", "path": str(protocol.data_path), "windows": n,
                     "validation_documents_skipped": int(dm.hparams.val_tokens), "vocab_size": GPT2_VOCAB}
 

@@ -38,6 +38,7 @@ def terminal(card: dict[str, Any]) -> str:
     out = [
         f"lnstab check: {card['model']['label']} — {MARK[card['status']]}",
         f"  {card['model']['description']}; {card['protocol_text']}",
+        *([f"  {tier_text(card['tier'])}"] if card.get("tier") else []),
         *([f"  weights shared across depth: {repeated_text(card['model']['repeated'])}"]
           if card["model"].get("repeated") else []),
         "",
@@ -63,6 +64,7 @@ def markdown(card: dict[str, Any]) -> str:
         "",
         f"- {card['model']['description']}",
         *[f"- {card['references'][k]['description']}" for k in refs],
+        *([f"- {tier_text(card['tier'])}"] if card.get("tier") else []),
         f"- Protocol: {card['protocol_text']}",
         f"- Data: {card['data_text']}",
         f"- Training: {card['model'].get('training') or 'train mode'}",
@@ -91,6 +93,12 @@ def markdown(card: dict[str, Any]) -> str:
                      f"{num(run['loss_final'])} | {'yes' if run['diverged'] else 'no'} | {bad} | {run['wall_s']:.1f} |")
     lines += ["", "TensorBoard logs of every run: `tensorboard --logdir " + f"{card['out']}/tb`", ""]
     return "\n".join(lines)
+
+
+def tier_text(tier: dict[str, Any]) -> str:
+    """What a card of a tier other than quick says of its tier (lnstab/check/tiers.yaml)."""
+    return (f"Tier: {tier['name']} (--tier {tier['name']}). It sees {tier['sees']}. It cannot see "
+            f"{tier['cannot_see']}.")
 
 
 def repeated_text(repeated: dict[str, int]) -> str:

@@ -18,7 +18,7 @@ import torch
 from lnstab.check.analysis import first_bad, summarise
 from lnstab.check.card import build_rows
 from lnstab.check.criteria import overall
-from lnstab.check.protocol import GPT2_VOCAB, Protocol, compact_vocabulary, load_tokens, plan
+from lnstab.check.protocol import GPT2_VOCAB, Protocol, compact_vocabulary, load_tokens, plan, tiers
 from lnstab.check.report import write_report
 from lnstab.check.runspec import probe_forward
 from lnstab.check.subjects import Subject
@@ -47,6 +47,12 @@ def load_data(protocol: Protocol, subject: Subject, seq_len: int, vocab_mode: st
     text is read, tokenised and relabelled in one of its workers (:func:`windows`), which import Lightning anyway."""
     probe = subject.with_vocab(2) if vocab_mode == "protocol" else None
     compact = probe is not None
+    if protocol.vocab_top_k is not None and not compact:
+        why = ("--vocab model keeps the model's own" if vocab_mode == "model" else
+               f"{subject.label} cannot be built with another vocabulary (a factory without a vocab_size argument, "
+               "or trained --hf weights), so it keeps its own")
+        raise LNStabError(f"--tier {protocol.tier} builds every model with {protocol.vocab_top_k + 1} outputs (the "
+                          f"sample's top {protocol.vocab_top_k} tokens + UNK); {why}")
     vocab = subject.shape.vocab_size
     args = (protocol, vocab, seq_len, not compact)
     array, info, size = pool.call(windows, *args) if pool else windows(*args)
@@ -59,6 +65,8 @@ def load_data(protocol: Protocol, subject: Subject, seq_len: int, vocab_mode: st
     source_vocab = info.get("vocab_size", vocab)
     compacted = subject.with_vocab(size)
     check_model(compacted, size, seq_len)
+    if protocol.vocab_top_k is not None:
+        return Data(tokens, info, {"mode": "top_k", "size": size, "own": vocab, "source": GPT2_VOCAB}), compacted
     return Data(tokens, info, {"mode": "protocol", "size": size, "own": vocab, "source": source_vocab}), compacted
 
 
@@ -70,7 +78,9 @@ def windows(protocol: Protocol, vocab: int, seq_len: int, own_vocab: bool
     import Lightning: so here, where the text was read)."""
     tokens, info = load_tokens(protocol, vocab, seq_len, own_vocab=own_vocab)
     size = vocab
-    if not own_vocab:
+    if protocol.vocab_top_k is not None:  # relabelled onto the top-K + UNK where the text was read
+        size = info["vocab_size"]
+    elif not own_vocab:
         tokens, size = compact_vocabulary(tokens)
     return tokens.numpy(), info, size
 
@@ -207,7 +217,12 @@ def data_text(data: Data, seq_len: int) -> str:
     else:
         text = (f"{info['windows']} windows of {seq_len + 1} tokens of lnstab's synthetic Markov stream over "
                 f"{info['vocab_size']} tokens (no text)")
-    if vocab["mode"] == "protocol":
+    if vocab["mode"] == "top_k":
+        text += (f" (the first {info['validation_documents_held_out']} documents held out); proxy vocabulary: the "
+                 f"{info['top_k']} most frequent GPT-2 tokens of the other documents, relabelled 0…{info['top_k'] - 1}"
+                 f" in id order, and one UNK for the rest ({info['unk_share']:.1%} of the windows' tokens), so every "
+                 f"model is built with {vocab['size']} outputs instead of {vocab['own']}")
+    elif vocab["mode"] == "protocol":
         text += (f"; protocol vocabulary: the {vocab['size']} distinct tokens of the windows, relabelled 0…"
                  f"{vocab['size'] - 1} in id order, so every model is built with {vocab['size']} outputs instead of "
                  f"{vocab['own']} (same text, a {'smaller' if vocab['size'] < vocab['own'] else 'larger'} head)")
@@ -263,6 +278,13 @@ def grade(subject: Subject, subjects: list[Subject], runs: dict[str, list[Any]],
         "summaries": summaries,
         "runs": [run_record(r, out) for s in subjects if s.same_as is None for r in runs[s.key]],
     }
+    if protocol.tier != "quick":  # a quick card as before there were tiers
+        described = tiers()[protocol.tier]
+        card["tier"] = {"name": protocol.tier, "sees": described["sees"], "cannot_see": described["cannot_see"],
+                        "thresholds": described.get("thresholds")}
+        end = f"{opt.min_lr_ratio:g}× the rate" if opt.min_lr_ratio else "0"
+        card["protocol_text"] += (f", AdamW {opt.betas[0]:g}/{opt.betas[1]:g}, weight decay {opt.weight_decay:g}, "
+                                  f"cosine to {end}")
     card["wall_s"] = time.perf_counter() - started
     card["_out"] = str(place)
     write_report(out, card, thresholds)
