@@ -133,3 +133,32 @@ def test_a_configuration_whose_options_are_all_off_is_named_by_them_not_all_runs
     assert config_label(names, {"model.qk_norm": True}) == "qk_norm"
     assert config_label(names, {"model.qk_norm": False, "model.residual_scale": 0.1}) == "Δt=0.1"
     assert config_label(names, {}) == "all runs"
+
+
+def test_pool_joins_runs_that_differ_only_in_where_they_ran(tmp_path, capsys) -> None:
+    from lnstab.cli import main
+
+    g = ladder_runs(tmp_path)
+    for d in g.glob("pre_*_s2"):  # one seed of pre ran elsewhere (a grid finished on another machine)
+        config = yaml.safe_load((d / "config.yaml").read_text())
+        config["trainer"]["accelerator"] = "cpu"
+        (d / "config.yaml").write_text(yaml.safe_dump(config))
+    for d in g.glob("pre_*"):
+        if not d.name.endswith("_s2"):
+            config = yaml.safe_load((d / "config.yaml").read_text())
+            config["trainer"]["accelerator"] = "gpu"
+            (d / "config.yaml").write_text(yaml.safe_dump(config))
+    split = ladder_table(collect([g]))
+    assert len(split.rows) == 3  # pre on gpu, pre on cpu, peri: the accelerator makes a configuration
+    main(["report", str(g), "--out", str(tmp_path / "out"), "--pool", "trainer.accelerator"])
+    rows = (tmp_path / "out" / "lr_ladder.csv").read_text().splitlines()
+    assert len(rows) == 1 + 2  # header, pre (3 seeds again), peri
+    pre = [hand_sensitivity(LOSSES["pre"][s]) for s in range(3)]
+    assert f"{statistics.fmean(pre):.4g}" in (tmp_path / "out" / "lr_ladder.md").read_text()
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "Pooled over `trainer.accelerator`: cpu (3 runs), gpu (6 runs)." in report
+    with pytest.raises(SystemExit) as info:
+        main(["report", str(g), "--out", str(tmp_path / "out2"), "--pool", "trainer.acelerator"])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and "--pool trainer.acelerator: no run's config has this key" in err and "\n" not in err
+    assert not (tmp_path / "out2" / "report.md").exists()

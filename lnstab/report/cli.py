@@ -49,7 +49,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="+", metavar="RUN_OR_GRID_DIR", help="run directories or directories of runs")
     p.add_argument("--out", required=True, help="directory for the tables (Markdown, CSV) and figures (PNG)")
     p.add_argument("--overwrite", action="store_true", help="replace the files of an earlier report in --out")
+    p.add_argument("--pool", nargs="+", default=[], metavar="KEY",
+                   help="config keys that do not make a configuration (e.g. trainer.accelerator, for a grid run "
+                        "partly on a GPU): runs that differ only in these are pooled; report.md says how")
     return p
+
+
+def pool(records: list[RunRecord], keys: list[str]) -> list[str]:
+    """Drop ``keys`` (dotted config paths) from every record's config; returns report.md's lines saying what was
+    pooled (each key's values and their run counts).
+
+    Raises:
+        LNStabError: A key no run's config has (one line naming it).
+    """
+    lines = []
+    for key in keys:
+        counts: dict[str, int] = {}
+        for r in records:
+            if key in r.config:
+                value = r.config.pop(key)
+                counts[str(value)] = counts.get(str(value), 0) + 1
+        if not counts:
+            raise LNStabError(f"--pool {key}: no run's config has this key; give a dotted config key such as "
+                              f"trainer.accelerator")
+        lines.append(f"Pooled over `{key}`: " + ", ".join(f"{v} ({n} runs)" for v, n in sorted(counts.items())) + ".")
+    return lines
 
 
 def outputs() -> list[str]:
@@ -57,8 +81,10 @@ def outputs() -> list[str]:
     return ["report.md", *(f"{n}.{ext}" for n in TABLES for ext in ("md", "csv")), *FIGURES]
 
 
-def write_report(records: list[RunRecord], out: Path, command: str = "") -> dict[str, Path | None]:
-    """Write every table and figure of ``records`` into ``out``; returns the figures (``None``: no data)."""
+def write_report(records: list[RunRecord], out: Path, command: str = "", notes: list[str] | None = None
+                 ) -> dict[str, Path | None]:
+    """Write every table and figure of ``records`` into ``out``; returns the figures (``None``: no data). ``notes``:
+    lines for report.md's head (what was pooled)."""
     out.mkdir(parents=True, exist_ok=True)
     tables = {name: make(records) for name, (_, make) in TABLES.items()}
     for name, table in tables.items():
@@ -74,6 +100,8 @@ def write_report(records: list[RunRecord], out: Path, command: str = "") -> dict
         counts[r.status] = counts.get(r.status, 0) + 1
     lines += [f"{len(records)} runs in {len(configs)} configuration(s): "
               + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + ".", ""]
+    for note in notes or []:
+        lines += [note, ""]
     damaged = [r for r in records if r.problem]
     if damaged:
         lines += ["Damaged runs (counted in the tables' n, none of their data used):", ""]
@@ -104,8 +132,9 @@ def main(argv: list[str] | None = None) -> None:
     records = collect(args.paths)
     if not records:
         raise LNStabError(f"no runs found in {', '.join(args.paths)}")
+    notes = pool(records, args.pool)
     with writing(out):  # a full disk: one line naming the file (or --out) and the OS's reason, exit 1
-        figures = write_report(records, out, command=shlex.join(["lnstab", "report", *argv]))
+        figures = write_report(records, out, command=shlex.join(["lnstab", "report", *argv]), notes=notes)
     drawn = [n for n, p in figures.items() if p is not None]
     print(f"lnstab report: {len(records)} runs -> {out}/report.md, {len(TABLES)} tables (md + csv), "
           f"{len(drawn)} figures")
