@@ -88,7 +88,10 @@ def test_welch_interval_against_a_hand_computation() -> None:
 
 
 def test_the_figure_draws_loss_logit_and_log_z_per_design_in_its_colour(tmp_path) -> None:
-    _, configs = group(collect([ladder_runs(tmp_path)]))
+    g = ladder_runs(tmp_path)
+    # the diverged seed's last log Z is its blow-up: left out of the log Z panel (read after the first file)
+    write_scalars(g / "pre_lr0.1_s1", {"output/log_z_mean": [(11, 5000.0)]}, "3")
+    _, configs = group(collect([g]))
     fig = lr_ladder(configs)
     assert fig is not None
     loss_ax, logit_ax, z_ax = fig.axes[:3]
@@ -112,6 +115,8 @@ def test_the_figure_draws_loss_logit_and_log_z_per_design_in_its_colour(tmp_path
     assert list(logit.get_ydata()) == pytest.approx([10.0, 100.0, 1000.0])  # the larger layer's, the seeds' mean
     z = {line.get_label(): line for line in z_ax.get_lines()}["peri"]
     assert list(z.get_ydata()) == pytest.approx([7.001, 7.01, 7.1])  # the last log Z, not the first
+    z = {line.get_label(): line for line in z_ax.get_lines()}["pre"]
+    assert list(z.get_ydata()) == pytest.approx([7.001, 7.01, 7.1])  # not (7.1 + 5000 + 7.1) / 3 at 0.1
     assert logit_ax.get_yscale() == "log"
 
 

@@ -352,12 +352,14 @@ def lr_sensitivity(configs: list[Configuration]) -> Figure | None:
     return fig
 
 
-def _per_rate_logit(design: Design, key: str, metric: str) -> tuple[list[float], list[float]]:
-    """``(rates, mean over the design's runs at each rate of one of logits.LOGIT_METRICS)``."""
+def _per_rate_logit(design: Design, key: str, metric: str, finished_only: bool = False
+                    ) -> tuple[list[float], list[float]]:
+    """``(rates, mean over the design's runs at each rate of one of logits.LOGIT_METRICS)``; ``finished_only``: leave
+    out diverged runs (a diverged run's last log Z is its blow-up, thousands of nats, not where the model ended)."""
     xs, ys = [], []
     for lr in sorted({lr for r in design.runs if (lr := design_rate(r, key)) is not None}):
         values = [v for r in design.runs_at(lr, key) if (v := logit_metrics(r).get(metric)) is not None
-                  and math.isfinite(v)]
+                  and math.isfinite(v) and not (finished_only and r.status == "diverged")]
         if values:
             xs.append(lr)
             ys.append(statistics.fmean(values))
@@ -388,15 +390,15 @@ def lr_ladder(configs: list[Configuration]) -> Figure | None:
             loss_ax.scatter(bad, [statistics.fmean(d.losses_at(lr)) for lr in bad], marker="x", s=60, color=colour,
                             zorder=3)
         for ax, metric in ((logit_ax, "attn_max_logit"), (z_ax, "log_z_last")):
-            xs, ys = _per_rate_logit(d, key, metric)
+            xs, ys = _per_rate_logit(d, key, metric, finished_only=metric == "log_z_last")
             if xs:
                 _line(ax, xs, ys, colour, d.label, marker="o", ms=4)
     if found[0].initial is not None:
         loss_ax.axhline(found[0].initial, color="grey", lw=0.8, ls=":", label="L_init")
-    loss_ax.set_title("Final loss against learning rate (band: seeds; ×: diverged)")
+    loss_ax.set_title("Final loss (band: seeds; ×: diverged)")
     loss_ax.set_ylabel("final validation loss, min(L, L_init)")
-    logit_ax.set_title("Largest attention logit (over layers and steps)")
-    z_ax.set_title("Mean log Z at the last measurement")
+    logit_ax.set_title("Largest attention logit")
+    z_ax.set_title("Last mean log Z (runs not diverged)")
     for ax in (loss_ax, logit_ax, z_ax):
         ax.set_xscale("log")
         ax.set_xlabel("learning rate")
