@@ -68,7 +68,27 @@ def test_the_data_files_hold_the_sets() -> None:
     assert sets.SUPPLEMENT_IDS["long-warmup-6"].rows[0].expected == sets.STABLE and sets.HELDOUT_PREDICTION
 
 
+def test_every_row_of_both_sets_says_what_its_source_reached() -> None:
+    for row in (*sets.ROWS, *sets.HELDOUT):
+        assert set(row.reachable) <= set(sets.TIERS) and isinstance(row.reported, bool) and row.reach_note
+    by_id = {r.id: r for r in (*sets.ROWS, *sets.HELDOUT)}
+    # the readings: the contrast DeepNorm/Post-LN and ReZero's lr 0.1 are not reached; RMSNorm Post-LN implied
+    assert not by_id["deepnorm"].scored("quick") and not by_id["rezero"].scored("proxy")
+    assert by_id["post-rmsnorm"].reported is False and by_id["no-ln"].scored("quick")
+    assert by_id["post-ln-xavier"].model == ("--model.norm_placement", "post", "--model.init", "xavier")
+
+
 @pytest.mark.parametrize(("text", "said"), [
+    ("rows:\n- {id: a, design: d, model: {x: '1'}, outcome: o, source: s, expected: [fail], reported: true, "
+     "reach_note: n, reachable: {quick: true}}\n",
+     "rows.yaml: rows[0].reachable is {'quick': True}; a mapping of each tier (quick, proxy) to true or false is "
+     "allowed"),
+    ("rows:\n- {id: a, design: d, model: {x: '1'}, outcome: o, source: s, expected: [fail], reported: 'yes', "
+     "reach_note: n, reachable: {quick: true, proxy: false}}\n",
+     "rows.yaml: rows[0].reported is 'yes'; true or false is allowed"),
+    ("rows:\n- {id: a, design: d, model: {x: '1'}, outcome: o, source: s, expected: [fail], reported: true, "
+     "reachable: {quick: true, proxy: false}}\n",
+     "rows.yaml: rows[0].reach_note is None; a non-empty string is allowed"),
     ("rows:\n- {id: a, design: d, model: {x: '1'}, outcome: o, source: s, expected: [maybe]}\n",
      "rows.yaml: rows[0].expected is 'maybe'; allowed: pass, warn, fail"),
     ("rows:\n- {id: a, design: d, model: {x: '1'}, outcome: o, expected: [fail]}\n",
@@ -76,7 +96,8 @@ def test_the_data_files_hold_the_sets() -> None:
     ("rows:\n- {id: a, design: d, hf: bloom, outcome: o, source: s, expected: [fail]}\n",
      "rows.yaml: rows[0].hf is 'bloom'; allowed: gemma2, llama, olmo2, gpt2"),
     ("rows:\n- {id: a, design: d, outcome: o, source: s, expected: [fail], colour: red}\n",
-     "rows.yaml: rows[0] has 'colour'; allowed: id, design, model, hf, outcome, source, expected"),
+     "rows.yaml: rows[0] has 'colour'; allowed: id, design, model, hf, outcome, source, expected, reachable, "
+     "reported, reach_note"),
     ("rows: []\n", "rows.yaml: rows is []; a non-empty list of rows is allowed"),
 ])
 def test_a_malformed_data_file_is_refused_in_one_line(text, said, tmp_path, monkeypatch) -> None:

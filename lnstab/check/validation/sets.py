@@ -7,6 +7,11 @@ diverge or to train badly without special measures; ``warn`` where it trains but
 the card measures; ``pass`` where it is reported stable and is the card's own standard (Peri-LN); ``pass`` or
 ``warn`` where it is reported to train stably (the literature says "stable", not which of the card's warnings may
 apply at a 4-layer, 30-step scale).
+
+Each row of the two sets also says what its source reached (issue 39): ``reachable`` at each of the check's tiers
+(whether the source reports the outcome within that tier's depth, steps, learning rates and precision), ``reported``
+(the outcome reported for this design, or only implied) and ``reach_note`` (why); the headline agreement is over the
+rows reachable at the run's tier and reported. A supplement's rows need not say: its protocol is not a tier.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ DEFAULT_SHAPE = ("--model.preset", "mini", "--model.block_size", "128")
 STABLE = ("pass", "warn")
 STATUSES = ("pass", "warn", "fail")
 HF_NAMES = ("gemma2", "llama", "olmo2", "gpt2")  # the keys of families.HF_FAMILIES (kept apart: no transformers here)
+TIERS = ("quick", "proxy")  # lnstab check --tier: what a row's `reachable` is said for
+REACH_KEYS = ("reachable", "reported", "reach_note")
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,11 @@ class Row:
         expected: The verdicts that outcome implies (lower case card statuses).
         hf: A Hugging Face family (``gemma2``, ``llama``, ``olmo2``, ``gpt2``) whose model is built from a config of
             the default shape (no download), or ``None``.
+        reachable: The tiers (``quick``, ``proxy``) within whose depth, steps, learning rates and precision the source
+            reports the outcome.
+        reported: Whether the source reports the outcome for this design (``False``: only implied); ``None`` for a
+            supplement's row, which does not say.
+        reach_note: Why, in one line (``None`` where ``reported`` is).
     """
 
     id: str
@@ -47,6 +59,13 @@ class Row:
     source: str
     expected: tuple[str, ...]
     hf: str | None = None
+    reachable: tuple[str, ...] = ()
+    reported: bool | None = None
+    reach_note: str | None = None
+
+    def scored(self, tier: str) -> bool:
+        """Whether the row counts in the headline agreement at ``tier``: reachable there and reported."""
+        return tier in self.reachable and self.reported is True
 
 
 @dataclass(frozen=True)
@@ -98,15 +117,32 @@ class _Fields:
             raise self.bad(key, odd[0], f"allowed: {', '.join(allowed or ())}")
         return tuple(value)
 
+    def flag(self, key: str) -> bool:
+        value = self.data.get(key)
+        if not isinstance(value, bool):
+            raise self.bad(key, value, "true or false is allowed")
+        return value
+
     def only(self, keys: tuple[str, ...]) -> None:
         extra = [k for k in self.data if k not in keys]
         if extra:
             raise DataFileError(f"{self.file}: {self.where} has {extra[0]!r}; allowed: {', '.join(keys)}")
 
 
-def _row(data: Any, file: str, where: str) -> Row:
+def _reach(f: _Fields) -> tuple[tuple[str, ...], bool, str]:
+    """A row's ``reachable`` (a mapping of every tier to true or false), ``reported`` and ``reach_note``."""
+    value = f.data.get("reachable")
+    if not isinstance(value, dict) or sorted(value) != sorted(TIERS) or not all(isinstance(v, bool)
+                                                                               for v in value.values()):
+        raise f.bad("reachable", value, f"a mapping of each tier ({', '.join(TIERS)}) to true or false is allowed")
+    return tuple(t for t in TIERS if value[t]), f.flag("reported"), f.text("reach_note")
+
+
+def _row(data: Any, file: str, where: str, reach: bool = True) -> Row:
+    """One row; ``reach``: its ``reachable``, ``reported`` and ``reach_note`` are required (the two sets' rows),
+    else refused (a supplement's)."""
     f = _Fields(data, file, where)
-    f.only(("id", "design", "model", "hf", "outcome", "source", "expected"))
+    f.only(("id", "design", "model", "hf", "outcome", "source", "expected", *(REACH_KEYS if reach else ())))
     hf, model = f.data.get("hf"), f.data.get("model")
     if (hf is None) == (model is None):
         raise f.bad("model", model, "give either model (lnstab's family) or hf (a Hugging Face family), not both")
@@ -118,14 +154,15 @@ def _row(data: Any, file: str, where: str) -> Row:
             raise f.bad("model", model, "a mapping of --model options to values is allowed")
         for key, value in model.items():
             args += [f"--model.{key}", str(value).lower() if isinstance(value, bool) else str(value)]
-    return Row(f.text("id"), f.text("design"), tuple(args), f.text("outcome"), f.text("source"),
-               f.strings("expected", STATUSES), hf)
+    said = (f.text("id"), f.text("design"), tuple(args), f.text("outcome"), f.text("source"),
+            f.strings("expected", STATUSES), hf)
+    return Row(*said, *(_reach(f) if reach else ()))
 
 
-def _rows(data: Any, file: str, where: str) -> tuple[Row, ...]:
+def _rows(data: Any, file: str, where: str, reach: bool = True) -> tuple[Row, ...]:
     if not isinstance(data, list) or not data:
         raise DataFileError(f"{file}: {where} is {data!r}; a non-empty list of rows is allowed")
-    rows = tuple(_row(item, file, f"{where}[{i}]") for i, item in enumerate(data))
+    rows = tuple(_row(item, file, f"{where}[{i}]", reach) for i, item in enumerate(data))
     ids = [r.id for r in rows]
     twice = [i for i in ids if ids.count(i) > 1]
     if twice:
@@ -163,7 +200,8 @@ def load_supplements() -> tuple[Supplement, ...]:
     for i, item in enumerate(items):
         f = _Fields(item, "supplements.yaml", f"supplements[{i}]")
         f.only(("id", "args", "question", "prediction", "rows"))
-        own = _rows(f.data["rows"], "supplements.yaml", f"supplements[{i}].rows") if "rows" in f.data else ()
+        own = (_rows(f.data["rows"], "supplements.yaml", f"supplements[{i}].rows", reach=False)
+               if "rows" in f.data else ())
         found.append(Supplement(f.text("id"), f.strings("args"), f.text("question"), f.text("prediction"), own))
     return tuple(found)
 
