@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lnstab import validation as check
+from lnstab import validation as require
 from lnstab.errors import ConfigError
 
 from ._sites import Capture, Emit, Site, block_tag, clean_name, first_tensor
@@ -257,13 +257,13 @@ def qk_arguments(q_pattern: Any, k_pattern: Any, n_head: Any, scale: Any
                  ) -> tuple[re.Pattern | None, re.Pattern | None, int | None, float | None]:
     """The checked ``q_pattern``, ``k_pattern``, ``n_head`` and ``scale`` of an instrument that reads attention logits
     (both patterns or neither; ``n_head`` with them), or a one-line :class:`ConfigError` naming the argument."""
-    q, k = check.regex("q_pattern", q_pattern), check.regex("k_pattern", k_pattern)
+    q, k = require.regex("q_pattern", q_pattern), require.regex("k_pattern", k_pattern)
     if (q is None) != (k is None):
         raise ConfigError(f"q_pattern={q_pattern!r} with k_pattern={k_pattern!r} is not allowed; give both or neither")
-    heads = None if n_head is None else check.positive_int("n_head", n_head)
+    heads = None if n_head is None else require.positive_int("n_head", n_head)
     if q is not None and heads is None:
         raise ConfigError("n_head=None is not allowed with q_pattern; give the number of q heads")
-    return q, k, heads, check.optional_number("scale", scale, 0.0, low_open=True)
+    return q, k, heads, require.optional_number("scale", scale, 0.0, low_open=True)
 
 
 def attention_sites(root: nn.Module, options: dict[str, Any], q_pattern: re.Pattern | None = None,

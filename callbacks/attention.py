@@ -6,7 +6,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from lnstab import validation as check
+from lnstab import validation as require
 
 from ._captures import attention_sites, qk_arguments
 from ._sites import Site
@@ -90,13 +90,13 @@ class AttentionLogitStatistics(MeasuringTapCallback):
         metric_prefix: str | None = None,
     ) -> None:
         super().__init__()
-        self.every_n_steps = check.positive_int("every_n_steps", every_n_steps)
-        self.metric_prefix = check.metric_prefix("metric_prefix", metric_prefix)
+        self.every_n_steps = require.positive_int("every_n_steps", every_n_steps)
+        self.metric_prefix = require.metric_prefix("metric_prefix", metric_prefix)
         self.q_pattern, self.k_pattern, self.n_head, self.scale = qk_arguments(q_pattern, k_pattern, n_head, scale)
         self.options = {
-            "chunk_elements": check.positive_int("chunk_elements", chunk_elements),
-            "min_keys": check.positive_int("min_keys", min_keys),
-            "collapse_weight": check.number("collapse_weight", collapse_weight, 0.0, 1.0, low_open=True,
+            "chunk_elements": require.positive_int("chunk_elements", chunk_elements),
+            "min_keys": require.positive_int("min_keys", min_keys),
+            "collapse_weight": require.number("collapse_weight", collapse_weight, 0.0, 1.0, low_open=True,
                                             high_open=True),
         }
         self.sites: list[Site] = []

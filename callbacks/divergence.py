@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lnstab import validation as check
+from lnstab import validation as require
 from lnstab.errors import ConfigError
 from lnstab.rundir import EVENTS_FILE, atomic_write_text, json_safe, run_dir, update_summary
 
@@ -144,27 +144,27 @@ class DivergenceMonitor(TapCallback):
         scale: float | None = None,
         metric_prefix: str | None = None,
     ) -> None:
-        self.policy = check.choice("policy", policy, POLICIES)
-        self.every_n_steps = check.positive_int("every_n_steps", every_n_steps)
-        self.metric_prefix = check.metric_prefix("metric_prefix", metric_prefix)
-        self.window = check.positive_int("window", window)
-        self.spike_k = check.number("spike_k", spike_k, 0, low_open=True)
-        self.grad_norm_threshold = check.optional_number("grad_norm_threshold", grad_norm_threshold, 0, low_open=True)
-        self.overflow_fraction = check.number("overflow_fraction", overflow_fraction, 0, 1, low_open=True)
+        self.policy = require.choice("policy", policy, POLICIES)
+        self.every_n_steps = require.positive_int("every_n_steps", every_n_steps)
+        self.metric_prefix = require.metric_prefix("metric_prefix", metric_prefix)
+        self.window = require.positive_int("window", window)
+        self.spike_k = require.number("spike_k", spike_k, 0, low_open=True)
+        self.grad_norm_threshold = require.optional_number("grad_norm_threshold", grad_norm_threshold, 0, low_open=True)
+        self.overflow_fraction = require.number("overflow_fraction", overflow_fraction, 0, 1, low_open=True)
         kinds = [fatal_kinds] if isinstance(fatal_kinds, str) else fatal_kinds
         if not isinstance(kinds, list | tuple):
-            check.choices("fatal_kinds", fatal_kinds, KINDS)  # raises: neither a kind nor a list of them
-        self.fatal_kinds = tuple(check.choice("fatal_kinds", kind, KINDS) for kind in kinds)
-        self.layer_pattern = check.regex("layer_pattern", layer_pattern)
+            require.choices("fatal_kinds", fatal_kinds, KINDS)  # raises: neither a kind nor a list of them
+        self.fatal_kinds = tuple(require.choice("fatal_kinds", kind, KINDS) for kind in kinds)
+        self.layer_pattern = require.regex("layer_pattern", layer_pattern)
         self.track_activations = bool(track_activations)
-        self.stats_every_n_steps = check.integer("stats_every_n_steps", stats_every_n_steps, 0)
+        self.stats_every_n_steps = require.integer("stats_every_n_steps", stats_every_n_steps, 0)
         if collapse_fraction is not None:
-            check.number("collapse_fraction", collapse_fraction, 0, 1, high_open=True)
+            require.number("collapse_fraction", collapse_fraction, 0, 1, high_open=True)
         self.checks = StatChecks(
             collapse_fraction,
-            check.optional_number("attention_logit_threshold", attention_logit_threshold, 0, low_open=True),
-            check.optional_number("log_z_threshold", log_z_threshold, 0, low_open=True),
-            check.regex("head_pattern", head_pattern, optional=False),
+            require.optional_number("attention_logit_threshold", attention_logit_threshold, 0, low_open=True),
+            require.optional_number("log_z_threshold", log_z_threshold, 0, low_open=True),
+            require.regex("head_pattern", head_pattern, optional=False),
             qk_arguments(q_pattern, k_pattern, n_head, scale),
         )
         self._stats_step = False

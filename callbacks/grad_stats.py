@@ -9,7 +9,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lnstab import validation as check
+from lnstab import validation as require
 
 from ._sites import PARAM_LAYER_PATTERN, LogsMetrics, clean_name
 from ._strategy import reduce_over_shards_, require_strategy
@@ -59,9 +59,9 @@ class GradientStatistics(LogsMetrics, Callback):
 
     def __init__(self, every_n_steps: int = 100, layer_pattern: str = PARAM_LAYER_PATTERN,
                  metric_prefix: str | None = None) -> None:
-        self.every_n_steps = check.positive_int("every_n_steps", every_n_steps)
-        self.metric_prefix = check.metric_prefix("metric_prefix", metric_prefix)
-        self.layer_pattern = check.regex("layer_pattern", layer_pattern, optional=False, groups=1)
+        self.every_n_steps = require.positive_int("every_n_steps", every_n_steps)
+        self.metric_prefix = require.metric_prefix("metric_prefix", metric_prefix)
+        self.layer_pattern = require.regex("layer_pattern", layer_pattern, optional=False, groups=1)
         self.params: list[torch.nn.Parameter] = []
         self.layers: list[str] = []
         self.layer_of: list[int] = []

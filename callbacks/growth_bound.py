@@ -10,7 +10,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lnstab import validation as check
+from lnstab import validation as require
 from lnstab.layers import NORM_MODULES
 from lnstab.measures import growth_law
 
@@ -100,16 +100,16 @@ class GrowthBoundMonitor(TapCallback):
         unroll_repeats: bool = False,
         metric_prefix: str | None = None,
     ) -> None:
-        self.every_n_steps = check.positive_int("every_n_steps", every_n_steps)
-        self.metric_prefix = check.metric_prefix("metric_prefix", metric_prefix)
-        self.residual_scale = check.optional_number("residual_scale", residual_scale, 0, low_open=True)
-        self.norm_pattern = check.regex("norm_pattern", norm_pattern, optional=False)
-        self.layer_pattern = check.regex("layer_pattern", layer_pattern)
+        self.every_n_steps = require.positive_int("every_n_steps", every_n_steps)
+        self.metric_prefix = require.metric_prefix("metric_prefix", metric_prefix)
+        self.residual_scale = require.optional_number("residual_scale", residual_scale, 0, low_open=True)
+        self.norm_pattern = require.regex("norm_pattern", norm_pattern, optional=False)
+        self.layer_pattern = require.regex("layer_pattern", layer_pattern)
         self.module_types = resolve_types("module_types", module_types)
-        self.embed_pattern = check.regex("embed_pattern", embed_pattern)  # None: X_0 is the first layer's input
-        self.final_pattern = check.regex("final_pattern", final_pattern)
-        self.tolerance = check.number("tolerance", tolerance, 0, 1, high_open=True)
-        self.unroll_repeats = bool(check.choice("unroll_repeats", unroll_repeats, (True, False)))
+        self.embed_pattern = require.regex("embed_pattern", embed_pattern)  # None: X_0 is the first layer's input
+        self.final_pattern = require.regex("final_pattern", final_pattern)
+        self.tolerance = require.number("tolerance", tolerance, 0, 1, high_open=True)
+        self.unroll_repeats = bool(require.choice("unroll_repeats", unroll_repeats, (True, False)))
         self._unrolled = False
         self.norm_calls: list[int] = []  # per output norm: its calls in one forward (its updates)
         self._base_sites: list[Site] = []

@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lnstab import validation as check
+from lnstab import validation as require
 from lnstab.errors import ConfigError
 from lnstab.rundir import HIDDEN_SERIES_FILE, RunFileError, atomic_write_text, json_safe, read_hidden_series, run_dir
 
@@ -95,20 +95,20 @@ class HiddenStateStatistics(MeasuringTapCallback):
         unroll_repeats: bool = False,
         metric_prefix: str | None = None,
     ) -> None:
-        self.every_n_steps = check.positive_int("every_n_steps", every_n_steps)
-        self.metric_prefix = check.metric_prefix("metric_prefix", metric_prefix)
-        self.layer_pattern = check.regex("layer_pattern", layer_pattern)
+        self.every_n_steps = require.positive_int("every_n_steps", every_n_steps)
+        self.metric_prefix = require.metric_prefix("metric_prefix", metric_prefix)
+        self.layer_pattern = require.regex("layer_pattern", layer_pattern)
         self.module_types = resolve_types("module_types", module_types)
-        self.embed_pattern = check.regex("embed_pattern", embed_pattern)
-        self.final_pattern = check.regex("final_pattern", final_pattern)
+        self.embed_pattern = require.regex("embed_pattern", embed_pattern)
+        self.final_pattern = require.regex("final_pattern", final_pattern)
         self.log_heatmap = bool(log_heatmap)
-        self.series_file = check.file_name("series_file", series_file)
+        self.series_file = require.file_name("series_file", series_file)
         stream = list(_stats.names_of("stream"))
-        names = _stats.default_stats() if stats is None else check.choices("stats", stats, stream)
+        names = _stats.default_stats() if stats is None else require.choices("stats", stats, stream)
         if not names:
             raise ConfigError(f"stats={stats!r} is not allowed; give at least one of: {', '.join(stream)}")
         self.stats: tuple[str, ...] = tuple(names)
-        self.unroll_repeats = bool(check.choice("unroll_repeats", unroll_repeats, (True, False)))
+        self.unroll_repeats = bool(require.choice("unroll_repeats", unroll_repeats, (True, False)))
         self.unroll_hint = "" if self.unroll_repeats else (", so depth within a loop is not resolved "
                                                            "(unroll_repeats=True measures each call)")
         self._unrolled = False

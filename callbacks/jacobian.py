@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from typing_extensions import override
 
-from lnstab import validation as check
+from lnstab import validation as require
 from lnstab.errors import ConfigError
 
 from ._aside import aside
@@ -110,15 +110,15 @@ class JacobianSensitivity(LogsMetrics, Callback):
         seed: int = 0,
         metric_prefix: str | None = None,
     ) -> None:
-        self.every_n_steps = check.positive_int("every_n_steps", every_n_steps)
-        self.metric_prefix = check.metric_prefix("metric_prefix", metric_prefix)
-        self.probe_size = check.positive_int("probe_size", probe_size)
+        self.every_n_steps = require.positive_int("every_n_steps", every_n_steps)
+        self.metric_prefix = require.metric_prefix("metric_prefix", metric_prefix)
+        self.probe_size = require.positive_int("probe_size", probe_size)
         if probe is not None and not isinstance(probe, torch.Tensor):
             raise ConfigError(f"probe={type(probe).__name__} is not allowed; give a tensor or None")
         self.probe = probe
-        self.n_iter = check.positive_int("n_iter", n_iter)
-        self.layer_pattern = check.regex("layer_pattern", layer_pattern, optional=False)
-        self.seed = check.integer("seed", seed)
+        self.n_iter = require.positive_int("n_iter", n_iter)
+        self.layer_pattern = require.regex("layer_pattern", layer_pattern, optional=False)
+        self.seed = require.integer("seed", seed)
         self.blocks: list[Site] = []
         self.last: dict[str, float] = {}
         self._measured_step: int | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from lnstab import validation as check
+from lnstab import validation as require
 
 from ._captures import HEAD_PATTERN, output_site
 from ._sites import FINAL_PATTERN, Site
@@ -70,13 +70,13 @@ class OutputLogitStatistics(MeasuringTapCallback):
         metric_prefix: str | None = None,
     ) -> None:
         super().__init__()
-        self.every_n_steps = check.positive_int("every_n_steps", every_n_steps)
-        self.metric_prefix = check.metric_prefix("metric_prefix", metric_prefix)
-        self.source = check.choice("source", source, SOURCES)
-        self.final_pattern = check.regex("final_pattern", final_pattern, optional=False)
-        self.head_pattern = check.regex("head_pattern", head_pattern, optional=False)
-        self.vocab_size = None if vocab_size is None else check.positive_int("vocab_size", vocab_size)
-        self.chunk_rows = check.positive_int("chunk_rows", chunk_rows)
+        self.every_n_steps = require.positive_int("every_n_steps", every_n_steps)
+        self.metric_prefix = require.metric_prefix("metric_prefix", metric_prefix)
+        self.source = require.choice("source", source, SOURCES)
+        self.final_pattern = require.regex("final_pattern", final_pattern, optional=False)
+        self.head_pattern = require.regex("head_pattern", head_pattern, optional=False)
+        self.vocab_size = None if vocab_size is None else require.positive_int("vocab_size", vocab_size)
+        self.chunk_rows = require.positive_int("chunk_rows", chunk_rows)
         self.sites: list[Site] = []
 
     @property

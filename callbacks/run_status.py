@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lnstab import runlock
-from lnstab import validation as check
+from lnstab import validation as require
 from lnstab.rundir import (
     CHECKPOINT_DIR,
     LAST_CHECKPOINT,
@@ -99,7 +99,7 @@ class RunStatus(Callback):
     """
 
     def __init__(self, signals: str | list[str] | tuple[str, ...] = SIGNALS, save_on_interrupt: bool = True) -> None:
-        self.signals = check.choices("signals", signals, SIGNALS) if signals else ()  # one name or a list
+        self.signals = require.choices("signals", signals, SIGNALS) if signals else ()  # one name or a list
         self.save_on_interrupt = bool(save_on_interrupt)
         self.requested: int | None = None  # signal received, not yet acted on
         self.signal: int | None = None  # signal that stopped the run

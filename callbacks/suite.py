@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from lightning.pytorch.callbacks import Callback
 
-from lnstab import validation as check
+from lnstab import validation as require
 
 from .attention import AttentionLogitStatistics
 from .divergence import FATAL, KINDS, POLICIES, DivergenceMonitor
@@ -68,16 +68,16 @@ class Instruments:
         output_logits: bool = True,
     ) -> None:
         self.enabled = bool(enabled)
-        self.every_n_steps = check.positive_int("instruments.every_n_steps", every_n_steps)
-        self.jacobian_every_n_steps = check.integer("instruments.jacobian_every_n_steps", jacobian_every_n_steps, 0)
-        self.jacobian_probe_size = check.positive_int("instruments.jacobian_probe_size", jacobian_probe_size)
-        self.jacobian_n_iter = check.positive_int("instruments.jacobian_n_iter", jacobian_n_iter)
-        self.divergence_every_n_steps = check.positive_int(
+        self.every_n_steps = require.positive_int("instruments.every_n_steps", every_n_steps)
+        self.jacobian_every_n_steps = require.integer("instruments.jacobian_every_n_steps", jacobian_every_n_steps, 0)
+        self.jacobian_probe_size = require.positive_int("instruments.jacobian_probe_size", jacobian_probe_size)
+        self.jacobian_n_iter = require.positive_int("instruments.jacobian_n_iter", jacobian_n_iter)
+        self.divergence_every_n_steps = require.positive_int(
             "instruments.divergence_every_n_steps", divergence_every_n_steps
         )
-        self.divergence_policy = check.choice("instruments.divergence_policy", divergence_policy, POLICIES)
-        self.fatal_kinds = list(check.choices("instruments.fatal_kinds", fatal_kinds, KINDS))
-        self.grad_norm_threshold = check.optional_number(
+        self.divergence_policy = require.choice("instruments.divergence_policy", divergence_policy, POLICIES)
+        self.fatal_kinds = list(require.choices("instruments.fatal_kinds", fatal_kinds, KINDS))
+        self.grad_norm_threshold = require.optional_number(
             "instruments.grad_norm_threshold", grad_norm_threshold, 0.0, low_open=True
         )
         self.throughput = bool(throughput)

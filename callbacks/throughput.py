@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lnstab import validation as check
+from lnstab import validation as require
 
 from ._aside import aside_seconds
 
@@ -119,9 +119,9 @@ class Throughput(Callback):
 
     def __init__(self, every_n_steps: int | None = None, window: int = 1, peak_flops: float | None = None) -> None:
         super().__init__()
-        self.every_n_steps = None if every_n_steps is None else check.positive_int("every_n_steps", every_n_steps)
-        self.window = check.positive_int("window", window)
-        self.peak_flops = check.optional_number("peak_flops", peak_flops, 0.0, low_open=True)
+        self.every_n_steps = None if every_n_steps is None else require.positive_int("every_n_steps", every_n_steps)
+        self.window = require.positive_int("window", window)
+        self.peak_flops = require.optional_number("peak_flops", peak_flops, 0.0, low_open=True)
         self._device = torch.device("cpu")
         self._clock = time.perf_counter
         self._reset()

@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, IterableDataset
 
-from lnstab import validation as check
+from lnstab import validation as require
 from lnstab.datamodules.docsplit import VAL_SPLITS, split_documents
 from lnstab.datamodules.packing import ArrayWindows, DocumentStream, ShardPlan
 from lnstab.datamodules.prepare import head_documents
@@ -135,7 +135,7 @@ class OpenWebTextDataModule(pl.LightningDataModule):
     ) -> None:
         args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__()
-        check.choice("data.source", source, SOURCES, error=DataError)
+        require.choice("data.source", source, SOURCES, error=DataError)
         for name, value, low in (
             ("block_size", block_size, 1),
             ("batch_size", batch_size, 1),
@@ -144,9 +144,9 @@ class OpenWebTextDataModule(pl.LightningDataModule):
             ("synthetic_tokens", synthetic_tokens, 2),
             ("synthetic_vocab_size", synthetic_vocab_size, 2),
         ):
-            check.integer(f"data.{name}", value, low, error=DataError)
+            require.integer(f"data.{name}", value, low, error=DataError)
         if val_tokens is not None:
-            check.positive_int("data.val_tokens", val_tokens, error=DataError)
+            require.positive_int("data.val_tokens", val_tokens, error=DataError)
         if source in ("files", "prepared") and not path:
             raise DataError(f"--data.path is required with --data.source {source}")
         if isinstance(val_documents, float) and val_documents >= 1 and val_documents.is_integer():
@@ -171,8 +171,8 @@ class OpenWebTextDataModule(pl.LightningDataModule):
     @staticmethod
     def _check_split_and_vocab(source: str, path: str | None, val_split: str, val_documents: int | float | None,
                                vocab: str, vocab_top_k: int | None) -> None:
-        check.choice("data.val_split", val_split, VAL_SPLITS, error=DataError)
-        check.choice("data.vocab", vocab, VOCABS, error=DataError)
+        require.choice("data.val_split", val_split, VAL_SPLITS, error=DataError)
+        require.choice("data.vocab", vocab, VOCABS, error=DataError)
         if val_split == "documents":
             if not (source in ("files", "sample") or (source == "auto" and path)):
                 raise DataError(f"--data.val_split documents is not allowed with --data.source {source}; it splits "
@@ -190,7 +190,7 @@ class OpenWebTextDataModule(pl.LightningDataModule):
             raise DataError(f"--data.vocab {vocab} is not allowed with --data.val_split {val_split}; the vocabulary "
                             "is built from the training tokens in memory: use --data.val_split documents")
         if vocab == "top_k":
-            check.positive_int("data.vocab_top_k", vocab_top_k, error=DataError)
+            require.positive_int("data.vocab_top_k", vocab_top_k, error=DataError)
         elif vocab_top_k is not None:
             raise DataError(f"--data.vocab_top_k {vocab_top_k!r} is not used with --data.vocab {vocab}; set "
                             "--data.vocab top_k or drop it")

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from lnstab import validation as check
+from lnstab import validation as require
 from lnstab.errors import ConfigError
 from lnstab.layers import NORM_TYPES, RESIDUAL_GATES, cait_layerscale_init
 from lnstab.loss import z_loss_coefficient
@@ -93,17 +93,17 @@ class GPTConfig:
     init: str = "gpt2"
 
     def __post_init__(self) -> None:
-        check.choice("norm_placement", self.norm_placement, list(PLACEMENTS))
-        check.choice("norm_type", self.norm_type, NORM_TYPES)
-        check.choice("residual_gate", self.residual_gate, RESIDUAL_GATES)
-        check.choice("init", self.init, INITS)
+        require.choice("norm_placement", self.norm_placement, list(PLACEMENTS))
+        require.choice("norm_type", self.norm_type, NORM_TYPES)
+        require.choice("residual_gate", self.residual_gate, RESIDUAL_GATES)
+        require.choice("init", self.init, INITS)
         for name in ("block_size", "vocab_size", "pad_vocab_multiple", "n_layer", "n_head", "n_embd"):
-            check.positive_int(name, getattr(self, name))
+            require.positive_int(name, getattr(self, name))
         for name in ("residual_scale", "norm_eps", "dyt_alpha_init"):
-            check.number(name, getattr(self, name), 0.0, low_open=True)
-        check.number("dropout", self.dropout, 0.0, 1.0, high_open=True)
+            require.number(name, getattr(self, name), 0.0, low_open=True)
+        require.number("dropout", self.dropout, 0.0, 1.0, high_open=True)
         z_loss_coefficient(self.z_loss)
-        check.optional_number("layerscale_init", self.layerscale_init, 0.0, low_open=True)
+        require.optional_number("layerscale_init", self.layerscale_init, 0.0, low_open=True)
         for name in ("qk_norm", "tie_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} is not allowed; it must be true or false")
@@ -127,7 +127,7 @@ class GPTConfig:
     def preset(cls, name: str, **overrides: Any) -> GPTConfig:
         """A named shape (``gpt2``, ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``, ``tiny``, ``mini``, ``small``,
         ``deep-narrow``) with any field overridden; ``None`` overrides are ignored."""
-        check.choice("preset", name, list(PRESETS))
+        require.choice("preset", name, list(PRESETS))
         fields = {f.name for f in dataclasses.fields(cls)}
         for key in overrides:
             if key not in fields:

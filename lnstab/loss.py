@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from lnstab import validation as check
+from lnstab import validation as require
 from lnstab.errors import ConfigError, LNStabError
 
 # Rows per chunk: 512 rows of 50257 fp32 logits are 103 MB. On a 1-thread AVX2 core, head + loss of 2048 rows took
@@ -52,7 +52,7 @@ class HeadLoss(NamedTuple):
 def z_loss_coefficient(value: float, field: str = "z_loss", *, error: type[LNStabError] = ConfigError) -> float:
     """PaLM's z-loss coefficient ``c``, checked alike wherever it is given (``GPTConfig.z_loss``, ``lnstab check
     --z-loss``, :func:`lm_head_losses`): a finite number ``>= 0``, else ``error`` in one line naming ``field``."""
-    return check.number(field, value, 0.0, error=error)
+    return require.number(field, value, 0.0, error=error)
 
 
 def z_loss_term(logits: torch.Tensor, coefficient: float) -> torch.Tensor:

@@ -13,7 +13,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
-from lnstab import validation as check
+from lnstab import validation as require
 from lnstab.callbacks.run_status import trained_steps
 from lnstab.errors import ConfigError
 from lnstab.evaluation.core import safe_exp
@@ -104,13 +104,13 @@ class GPTModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         for name, value in (("learning_rate", learning_rate), ("min_lr", min_lr), ("weight_decay", weight_decay)):
-            check.number(name, value, 0.0)
+            require.number(name, value, 0.0)
         if min_lr > learning_rate:
             raise ConfigError(f"min_lr={min_lr!r} is not allowed; it must be <= learning_rate={learning_rate!r}")
-        check.integer("warmup_steps", warmup_steps, 0)
+        require.integer("warmup_steps", warmup_steps, 0)
         if lr_decay_steps is not None:
-            check.positive_int("lr_decay_steps", lr_decay_steps)
-        check.choice("weight_decay_mode", weight_decay_mode, WEIGHT_DECAY_MODES)
+            require.positive_int("lr_decay_steps", lr_decay_steps)
+        require.choice("weight_decay_mode", weight_decay_mode, WEIGHT_DECAY_MODES)
         if weight_decay_mode == "independent" and weight_decay > 0 and learning_rate == 0:
             raise ConfigError(
                 "weight_decay_mode='independent' is not allowed with learning_rate=0 and weight_decay > 0; it sets "

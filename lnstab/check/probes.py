@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from typing_extensions import override
 
-from lnstab import validation as check
+from lnstab import validation as require
 from lnstab.callbacks import spectral_norm
 from lnstab.callbacks.jacobian import block_call
 from lnstab.callbacks.sites import find_sites, first_tensor, log_metrics, paused_taps, per_call, probe_input
@@ -128,10 +128,10 @@ class BranchProbe(Callback):
     """
 
     def __init__(self, layer_pattern: str, steps: tuple[int, ...], probe_size: int = 2, n_iter: int = 8) -> None:
-        self.layer_pattern = check.regex("layer_pattern", layer_pattern, optional=False)
-        self.steps = frozenset(check.integer("steps", s, 0) for s in steps)
-        self.probe_size = check.positive_int("probe_size", probe_size)
-        self.n_iter = check.positive_int("n_iter", n_iter)
+        self.layer_pattern = require.regex("layer_pattern", layer_pattern, optional=False)
+        self.steps = frozenset(require.integer("steps", s, 0) for s in steps)
+        self.probe_size = require.positive_int("probe_size", probe_size)
+        self.n_iter = require.positive_int("n_iter", n_iter)
         self.blocks: list[Any] = []
         self.probe: torch.Tensor | None = None
         self.last: dict[str, float] = {}

@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lnstab import validation as check
+from lnstab import validation as require
 from lnstab.callbacks._strategy import unsharded
 from lnstab.callbacks.run_status import interrupted, stop_at_once_on_signal, trained_steps
 from lnstab.errors import LNStabError
@@ -63,7 +63,7 @@ class FinalEvaluation(Callback):
     ) -> None:
         self.settings = EvalSettings(**settings)
         self.run_on = {"fit": bool(on_fit_end), "test": bool(on_test_end)}
-        self.num_text_samples = check.integer("num_text_samples", num_text_samples, 0)
+        self.num_text_samples = require.integer("num_text_samples", num_text_samples, 0)
         self.result: dict[str, Any] | None = None
         self.path = None
         self.test_stage = "test"  # the stage recorded in eval.json at the end of test ("evaluate" for lnstab evaluate)

@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lnstab import validation as check
+from lnstab import validation as require
 from lnstab.errors import LNStabError
 from lnstab.evaluation import metrics as text_metrics
 from lnstab.evaluation.settings import PROTOCOLS, EvalSettings
@@ -87,8 +87,8 @@ def select_windows(
     Raises:
         LNStabError: Bad protocol, no tokens, or no window fits (zero samples).
     """
-    check.choice("protocol", protocol, PROTOCOLS)
-    check.positive_int("n_samples", n_samples)
+    require.choice("protocol", protocol, PROTOCOLS)
+    require.positive_int("n_samples", n_samples)
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
         shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
         raise LNStabError(f"validation tokens of shape {shape} are not allowed; they must be a 1-D token tensor")

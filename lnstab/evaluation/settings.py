@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from lnstab import validation as check
+from lnstab import validation as require
 from lnstab.errors import ConfigError
 from lnstab.evaluation.metrics import DEFAULT_BERTSCORE_LAYERS
 
@@ -53,17 +53,17 @@ class EvalSettings:
     bertscore_batch_size: int = 64
 
     def __post_init__(self) -> None:
-        check.choice("protocol", self.protocol, PROTOCOLS)
+        require.choice("protocol", self.protocol, PROTOCOLS)
         for name in ("n_samples", "batch_size", "prompt_tokens", "new_tokens", "bertscore_layers",
                      "bertscore_batch_size"):
-            check.positive_int(name, getattr(self, name))
-        check.integer("seed", self.seed)
+            require.positive_int(name, getattr(self, name))
+        require.integer("seed", self.seed)
         if self.block_size is not None:
-            check.positive_int("block_size", self.block_size)
+            require.positive_int("block_size", self.block_size)
         if self.top_k is not None:
-            check.positive_int("top_k", self.top_k)
+            require.positive_int("top_k", self.top_k)
         if not self.greedy:
-            check.number("temperature", self.temperature, 0.0, low_open=True)
+            require.number("temperature", self.temperature, 0.0, low_open=True)
 
     def window(self, model_block_size: int) -> int:
         """Tokens per evaluation window for a model of ``model_block_size``, after checking they fit.
