@@ -123,7 +123,9 @@ def test_validate_writes_a_card_per_row_and_the_readme(tmp_path, capsys) -> None
     agree = int(printed.split(": ")[1].split(" of ")[0])
     assert code == (0 if agree == 4 else 1) and "of 4 rows agree" in printed
     text = (out / "README.md").read_text()
-    assert f"**Agreement: {agree} of 4 rows" in text and "stress runs of 4 distinct models" in text
+    assert f"**Agreement over all rows: {agree} of 4 rows" in text and "stress runs of 4 distinct models" in text
+    # another shape than a tier's (--model.preset tiny): no tier recorded, so no headline over reachable rows
+    assert "**Agreement over the rows whose source reached" not in text
     for row in ("pre-ln", "peri-ln", "olmo2", "gemma2-hf"):
         report = json.loads((out / row / "report.json").read_text())
         assert f"]({row}/report.md)" in text and report["status"] in STATUSES
@@ -136,6 +138,7 @@ def test_validate_writes_a_card_per_row_and_the_readme(tmp_path, capsys) -> None
     summary = json.loads((out / "summary.json").read_text())  # what the main README reads of a supplement
     assert summary["agree"] == agree and summary["args"][:2] == ["--model.preset", "tiny"]
     assert summary["rows"]["olmo2"]["expected"] == ["pass", "warn"] and "--rows" in summary["args"]
+    assert "tier" not in summary
     assert {v["card"] for v in summary["rows"].values()} <= STATUSES and "## Supplements" not in text
     assert str(tmp_path) not in (out / "summary.json").read_text()
     assert "the check's default shape but `--model.preset tiny`" in text  # not "the default shape"

@@ -9,9 +9,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+from scipy.stats import binomtest
 
 from lnstab.check.validation import sets
 from lnstab.check.validation.readme import rerender
+from lnstab.check.validation.score import best_constant, score, wilson
 from lnstab.safeload import DataFileError
 
 VALIDATION = Path(__file__).resolve().parents[1] / "docs" / "check" / "validation"
@@ -25,10 +27,10 @@ def verdict_lines(text: str) -> list[str]:
     found = []
     for line in text.split("\n"):
         cells = line.split(" | ")
-        if line.startswith("**Agreement:"):
+        if line.startswith("**Agreement"):
             found.append(line)
-        elif line.startswith("| ") and len(cells) == 7 and cells[0][2:].isdigit():  # a row of the verdict table
-            found.append(" | ".join([cells[0], cells[3], cells[4], cells[5]]))
+        elif line.startswith("| ") and len(cells) == 8 and cells[0][2:].isdigit():  # a row of the verdict table
+            found.append(" | ".join([cells[0], *cells[3:7]]))
         elif line.startswith("| ") or line.startswith("- `") and ": fails " in line:
             found.append(line)
     return found
@@ -58,7 +60,63 @@ def test_a_changed_verdict_shows_in_the_rendered_readme(tmp_path) -> None:
     text = rerender(copy)
     assert text != (VALIDATION / "README.md").read_text(encoding="utf-8")
     assert verdict_lines(text) != verdict_lines((VALIDATION / "README.md").read_text(encoding="utf-8"))
-    assert "**Agreement: 9 of 12 rows" in text
+    assert "**Agreement over all rows: 9 of 12 rows" in text
+    assert headline(text) != headline((VALIDATION / "README.md").read_text(encoding="utf-8"))  # peri-ln is scored
+
+
+def headline(text: str) -> str:
+    return next(line for line in text.split("\n") if line.startswith("**Agreement over the rows"))
+
+
+def test_a_row_left_out_of_the_headline_changes_only_the_agreement_over_all_rows(tmp_path) -> None:
+    copy = tmp_path / "validation"
+    shutil.copytree(VALIDATION, copy, ignore=shutil.ignore_patterns("*.png"))
+    assert not {r.id: r for r in sets.ROWS}["deepnorm"].scored("quick")
+    card = json.loads((copy / "deepnorm" / "report.json").read_text())
+    flipped = "fail" if card["status"] in ("pass", "warn") else "warn"  # from agreeing to not, or back
+    (copy / "deepnorm" / "report.json").write_text(json.dumps({**card, "status": flipped}))
+    text, committed = rerender(copy), (VALIDATION / "README.md").read_text(encoding="utf-8")
+    assert headline(text) == headline(committed)
+    assert all_rows(text) != all_rows(committed)
+
+
+def all_rows(text: str) -> str:
+    return next(line for line in text.split("\n") if line.startswith("**Agreement over all rows"))
+
+
+@pytest.mark.parametrize(("agree", "n"), [(10, 12), (0, 5), (5, 5), (6, 6), (3, 8), (1, 1), (47, 50)])
+def test_the_wilson_interval_is_scipys(agree, n) -> None:
+    ci = binomtest(agree, n).proportion_ci(confidence_level=0.95, method="wilson")
+    assert wilson(agree, n) == pytest.approx((ci.low, ci.high), abs=1e-12)
+
+
+def test_the_wilson_interval_of_10_of_12_is_about_55_to_95_percent() -> None:
+    low, high = wilson(10, 12)
+    assert round(low, 3) == 0.552 and round(high, 3) == 0.953  # by hand: (p + z²/2n ± z√(p(1−p)/n + z²/4n²))/(1 + z²/n)
+
+
+@pytest.mark.parametrize(("agree", "n"), [(0, 0), (3, 2), (-1, 4)])
+def test_the_wilson_interval_refuses_an_impossible_count(agree, n) -> None:
+    with pytest.raises(ValueError, match="0 <= agree <= n and n > 0"):
+        wilson(agree, n)
+
+
+def row(rid: str, expected: tuple[str, ...], reachable: tuple[str, ...] = ("quick",), reported: bool = True):
+    return sets.Row(rid, "d", (), "o", "s", expected, None, reachable, reported, "n")
+
+
+def test_the_best_constant_verdict_and_the_score_are_over_the_reachable_reported_rows() -> None:
+    rows = [row("f", ("fail",)), row("s1", sets.STABLE), row("s2", sets.STABLE), row("w", ("warn",)),
+            row("far", ("fail",), reachable=("proxy",)), row("told", ("pass",), reported=False)]
+    assert best_constant(rows) == ("warn", 3)  # WARN 3 (s1, s2, w) ties PASS 3 (s1, s2, told): WARN first
+    assert best_constant(rows[:4] + [row("p", ("pass",))] * 2) == ("pass", 4)
+    assert best_constant([row("f", ("fail",))]) == ("fail", 1)
+    got = score(rows, ["fail", "warn", "fail", "warn", "pass", "pass"], "quick")
+    assert [r.id for r in got.scored] == ["f", "s1", "s2", "w"] and got.agree == 3
+    assert got.baseline == ("warn", 3) and got.interval == wilson(3, 4)
+    assert [(r.id, why) for r, why in got.left_out] == [("far", "not reachable"), ("told", "implied")]
+    proxy = score(rows, ["fail", "warn", "fail", "warn", "fail", "pass"], "proxy")
+    assert [r.id for r in proxy.scored] == ["far"] and proxy.agree == 1 and proxy.baseline == ("fail", 1)
 
 
 def test_the_data_files_hold_the_sets() -> None:

@@ -26,6 +26,7 @@ from lnstab.check.validation.notes import (
     NoteError,
     render,
 )
+from lnstab.check.validation.score import score
 from lnstab.check.validation.sets import HELDOUT, HELDOUT_PREDICTION, ROWS, STABLE, SUPPLEMENT_IDS, SUPPLEMENTS, Row
 from lnstab.check.validation.sets import supplement_rows as with_supplement
 from lnstab.formatting import cell
@@ -35,6 +36,7 @@ HERE = Path(__file__).parent
 HELDOUT_DIR = "heldout"  # the held-out set's directory under the main set's
 SETS = {"main": ROWS, "heldout": HELDOUT}  # --set: the validation set, the held-out set (its own README)
 # What "fixed before the run" is checked by: the thresholds and the rows with their expected verdicts.
+DEFAULT_TIER = "quick"  # a run record without a tier (before issue 39) ran at the quick tier's protocol
 HISTORY_PATHS = ("lnstab/check/criteria.py", "lnstab/check/thresholds.yaml", "lnstab/check/validation.py",
                  "lnstab/check/validation/rows.yaml", "lnstab/check/validation/heldout.yaml",
                  "lnstab/check/validation/supplements.yaml")
@@ -148,12 +150,65 @@ def supplement_section(results: dict[str, dict[str, Any] | None], data_arg: str)
     return PARTS["supplements"].substitute(items="\n".join(items))
 
 
+def percent(value: float) -> str:
+    return f"{100 * value:.0f}"
+
+
+def run_tier(summary: dict[str, Any]) -> str | None:
+    """The tier a run of a set was made at: its record's ``tier``; for a record made before tiers (issue 39), the
+    quick tier where it ran the whole set at the default shape and protocol (its ``notes``); ``None`` for a
+    supplement or another shape, whose protocol is no tier."""
+    if "tier" in summary:
+        return summary["tier"]
+    return DEFAULT_TIER if not summary.get("supplement") and summary.get("readme", {}).get("notes") else None
+
+
+def reach_headline(summary: dict[str, Any], rows: list[Row], cards: list[str]) -> str:
+    """The headline of a run of a set at a tier (issue 39): its agreement over the rows whose source reached the
+    outcome at that tier and reports it (``cards``: the rows' verdicts), with the 95 % Wilson interval and the best
+    constant verdict on the same rows; the rows left out, and the set's rows the run did not have (added after
+    it). ``""`` for a run at no tier (:func:`run_tier`)."""
+    tier = run_tier(summary)
+    if tier is None:
+        return ""
+    got = score(rows, cards, tier)
+    left = ", ".join(f"{r.id} ({why})" for r, why in got.left_out) or "none"
+    unrun = [r.id for r in SETS[summary["set"]] if r.id not in summary["rows"]]
+    unrun_text = "" if not unrun or "--rows" in summary.get("args", []) else PARTS["reach-unrun"].substitute(
+        rows=", ".join(unrun))
+    if not got.scored:
+        return PARTS["reach-none"].substitute(tier=tier, left_out=left, unrun=unrun_text) + "\n\n"
+    n, (constant, constant_agree) = len(got.scored), got.baseline
+    low, high = got.interval
+    return PARTS["reach-headline"].substitute(
+        tier=tier, agree=got.agree, n=n, percent=percent(got.agree / n), low=percent(low), high=percent(high),
+        constant=SHORT[constant], constant_agree=constant_agree, margin=margin(got.agree - constant_agree),
+        left_out=left, unrun=unrun_text) + "\n\n"
+
+
+def margin(more: int) -> str:
+    """How many more rows the check agrees on than the constant verdict: ``2 more``, ``as many``, ``1 fewer``."""
+    return f"{more} more" if more > 0 else "as many" if more == 0 else f"{-more} fewer"
+
+
+def reached(row: Row, tier: str | None) -> str:
+    """A row's cell in the table's *reached* column: ``yes``, or what keeps it out of the headline and why."""
+    if tier is None or row.reported is None:
+        return "—"
+    if row.scored(tier):
+        return "yes"
+    why = ("**no**" if tier not in row.reachable else "yes") + ("" if row.reported else ", implied")
+    return f"{why}: {row.reach_note}"
+
+
 def heldout_section(got: dict[str, Any] | None) -> str:
     """The main README's section on the held-out set: what it is, what was predicted, what came out."""
     result = "not run yet." if got is None else PARTS["heldout-result"].substitute(
         agree=got["agree"], n_rows=len(got["rows"]), dir=HELDOUT_DIR, minutes=f"{got['wall_s'] / 60:.1f}",
         verdicts=verdict_list(got), baseline=constant_text([r for r in HELDOUT if r.id in got["rows"]]),
-        stable=sum(r.expected == STABLE for r in HELDOUT), n_all=len(HELDOUT))
+        stable=sum(r.expected == STABLE for r in HELDOUT), n_all=len(HELDOUT),
+        reach=reach_headline(got, record_rows(got), [v["card"] for v in got["rows"].values()]).strip()
+        .replace("**", ""))
     return PARTS["heldout"].substitute(n_rows=len(HELDOUT), prediction=HELDOUT_PREDICTION, result=result)
 
 
@@ -188,6 +243,7 @@ def readme(summary: dict[str, Any], cards: list[dict[str, Any]], out: Path) -> s
     rec, set_name = summary["readme"], summary["set"]
     rows = record_rows(summary)
     sup = SUPPLEMENT_IDS.get(summary.get("supplement", ""))
+    tier = run_tier(summary)
     notes, heldout = rec["notes"], set_name == "heldout"
     agree = [c["status"] in r.expected for r, c in zip(rows, cards, strict=True)]
     by_row = {r.id: c for r, c in zip(rows, cards, strict=True)}  # what the row notes quote
@@ -206,7 +262,8 @@ def readme(summary: dict[str, Any], cards: list[dict[str, Any]], out: Path) -> s
         note = note_text(row_notes.get(row.id, ""), by_row) if notes else ""
         why = decided + (f"; {note}" if note else "" if ok or not notes else "; not yet explained")
         table.append(f"| {i} | [{cell(row.design)}]({row.id}/report.md) | {cell(row.outcome)} ({cell(row.source)}) | "
-                     f"{verdicts(row)} | **{SHORT[card['status']]}** | {'yes' if ok else '**no**'} | {cell(why)} |")
+                     f"{verdicts(row)} | {cell(reached(row, tier))} | **{SHORT[card['status']]}** | "
+                     f"{'yes' if ok else '**no**'} | {cell(why)} |")
     decides = []
     for c in CRITERIA:
         found = {level: [r.id for r, k in zip(rows, cards, strict=True)
@@ -225,7 +282,8 @@ def readme(summary: dict[str, Any], cards: list[dict[str, Any]], out: Path) -> s
         shape="the check's default shape" if not shape else
         "the check's default shape but " + ", ".join(f"`--model.{k} {v}`" for k, v in shape.items()),
         reference=reference_text(cards), protocol=cards[0]["protocol_text"], data=cards[0]["data_text"],
-        preamble=preamble, agree=sum(agree), n_rows=len(rows), percent=f"{100 * sum(agree) / max(1, len(rows)):.0f}",
+        preamble=preamble, headline=reach_headline(summary, rows, [c["status"] for c in cards]), agree=sum(agree),
+        n_rows=len(rows), percent=f"{100 * sum(agree) / max(1, len(rows)):.0f}",
         goal="; out of sample" if heldout else "; goal ≥ 90 %", strict=strict, single=single,
         stable_agree=sum(agree) - strict, stable=len(rows) - single,
         thresholds="**a --thresholds file, not the defaults**." if not rec["default_thresholds"] else

@@ -240,7 +240,9 @@ def validate_rows(args: argparse.Namespace, argv: list[str], typed: list[str], s
             shown = [*model_flags(model_args), *(["--set", args.set] if heldout else []),
                      *(["--rows", ",".join(wanted)] if wanted else []), *protocol_args(argv)]
             full = not wanted and not model_args and default_protocol(protocol)
-            summary = {"set": args.set, **({"supplement": sup.id} if sup else {}),  # args: no path of this machine
+            tier = getattr(args, "tier", None) or "quick"  # a run at a tier's shape and protocol says which (issue 39)
+            at_tier = {} if sup or model_args or tier == "quick" and not default_protocol(protocol) else {"tier": tier}
+            summary = {"set": args.set, **({"supplement": sup.id} if sup else {}), **at_tier,  # args: no local path
                        "args": shlex.split(public_command(shown).removeprefix("lnstab check ")),
                        "agree": agree, "rows": {r.id: {"card": c["status"], "expected": list(r.expected)}
                                                 for r, c in zip(rows, cards, strict=True)}, "wall_s": round(wall, 1),
