@@ -5,7 +5,7 @@ QK-norm gains away from 1, Gemma 2's soft-cap."""
 from __future__ import annotations
 
 import torch
-from test_callbacks_helpers import VOCAB
+from support.callbacks import VOCAB
 from torch import nn
 
 

@@ -9,8 +9,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.loggers import Logger
+from support.callbacks import LitLM, gpt, loader, trainer
 from test_callbacks_divergence import ParamWatch, unchanged
-from test_callbacks_helpers import LitLM, gpt, loader, trainer
 
 from lnstab.callbacks import (
     DivergenceMonitor,

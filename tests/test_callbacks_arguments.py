@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 from lightning.pytorch import Callback
-from test_callbacks_helpers import VOCAB, LitLM, lit, loader, trainer
+from support.callbacks import VOCAB, LitLM, lit, loader, trainer
 from torch import nn
 
 from lnstab.callbacks import DivergenceMonitor, GrowthBoundMonitor, HiddenStateStatistics, Instruments, RunStatus

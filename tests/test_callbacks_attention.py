@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fsdp_cpu import CPUFSDPStrategy
+from support.callbacks import EncoderLM, LitLM, gpt, lit, loader, tokens, trainer
 from test_callbacks_accumulation import SGDLM, ListLogger
 from test_callbacks_fsdp import STEPS, Recorder, ShardedSGD
-from test_callbacks_helpers import EncoderLM, LitLM, gpt, lit, loader, tokens, trainer
 from test_callbacks_tap import SyncCounter, hook_counts
 from torch import nn
 

@@ -11,8 +11,8 @@ import warnings
 import pytest
 import torch
 from hf_tiny import HFLM, hf_model
+from support.callbacks import LitLM
 from test_callbacks_attention import assert_close, direct, fit_fixed
-from test_callbacks_helpers import LitLM
 from torch import nn
 
 from lnstab.callbacks import AttentionLogitStatistics

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from test_callbacks_helpers import VOCAB, LitLM, loader, trainer
+from support.callbacks import VOCAB, LitLM, loader, trainer
 from torch import nn
 
 from lnstab.callbacks import AttentionLogitStatistics

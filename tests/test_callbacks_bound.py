@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from test_callbacks_helpers import StepClock, lit, loader, record_outputs, trainer
+from support.callbacks import StepClock, lit, loader, record_outputs, trainer
 
 from lnstab.callbacks import GrowthBoundMonitor
 from lnstab.layers import DyT, Gate

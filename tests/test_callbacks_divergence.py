@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_callbacks_helpers import SEQ, VOCAB, LitLM, StepClock, lit, loader, trainer
+from support.callbacks import SEQ, VOCAB, LitLM, StepClock, lit, loader, trainer
 
 from lnstab.callbacks import (
     DivergenceMonitor,

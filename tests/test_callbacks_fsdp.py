@@ -12,7 +12,7 @@ import pytest
 import torch
 from fsdp_cpu import CPUFSDPStrategy
 from lightning.pytorch.loggers import CSVLogger
-from test_callbacks_helpers import LitLM, gpt, tokens
+from support.callbacks import LitLM, gpt, tokens
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lnstab.callbacks import (

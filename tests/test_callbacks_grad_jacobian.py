@@ -7,7 +7,7 @@ import re
 import lightning.pytorch as pl
 import pytest
 import torch
-from test_callbacks_helpers import gpt, lit, loader, trainer
+from support.callbacks import gpt, lit, loader, trainer
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lnstab.callbacks import GradientStatistics, JacobianSensitivity, spectral_norm

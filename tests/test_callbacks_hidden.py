@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
+from support.callbacks import StepClock, direct_stats, lit, loader, record_outputs, trainer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
-from test_callbacks_helpers import StepClock, direct_stats, lit, loader, record_outputs, trainer
 
 from lnstab.callbacks import HiddenStateStatistics, StabilityLayout
 from lnstab.callbacks._sites import Site

@@ -8,7 +8,7 @@ import math
 import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
-from test_callbacks_helpers import lit, loader, trainer
+from support.callbacks import lit, loader, trainer
 
 from lnstab.callbacks import (
     AttentionLogitStatistics,

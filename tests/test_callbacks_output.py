@@ -11,9 +11,9 @@ import pytest
 import torch
 from fsdp_cpu import CPUDDPSpawnStrategy
 from hf_tiny import HFLM, hf_model
+from support.callbacks import EncoderLM, LitLM, gpt, lit, loader, trainer
 from test_callbacks_attention import MaxNumel, fit_fixed
 from test_callbacks_fsdp import STEPS, Recorder, ShardedSGD
-from test_callbacks_helpers import EncoderLM, LitLM, gpt, lit, loader, trainer
 
 from lnstab.callbacks import OutputLogitStatistics
 from lnstab.callbacks._views import LogitView

@@ -10,8 +10,8 @@ import pytest
 import torch
 from fsdp_cpu import CPUDDPSpawnStrategy
 from lightning.pytorch.loggers import CSVLogger
+from support.callbacks import LitLM, gpt, lit, loader, tokens, trainer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from test_callbacks_helpers import LitLM, gpt, lit, loader, tokens, trainer
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lnstab.callbacks import (

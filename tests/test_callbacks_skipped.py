@@ -11,7 +11,7 @@ import pytest
 import torch
 from fsdp_cpu import CPUDDPSpawnStrategy
 from lightning.pytorch.loggers import CSVLogger
-from test_callbacks_helpers import VOCAB, LitLM, tokens, trainer
+from support.callbacks import VOCAB, LitLM, tokens, trainer
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 

@@ -12,7 +12,7 @@ from functools import cached_property
 import lightning.pytorch as pl
 import pytest
 import torch
-from test_callbacks_helpers import StepClock, direct_stats, lit, loader, record_outputs, trainer
+from support.callbacks import StepClock, direct_stats, lit, loader, record_outputs, trainer
 
 from lnstab.callbacks import (
     DivergenceMonitor,

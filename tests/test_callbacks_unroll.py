@@ -15,7 +15,7 @@ import torch
 from check_factories import LoopedLM
 from fsdp_cpu import CPUDDPSpawnStrategy
 from lightning.pytorch.loggers import CSVLogger
-from test_callbacks_helpers import VOCAB, LitLM, StepClock, loader, tokens, trainer
+from support.callbacks import VOCAB, LitLM, StepClock, loader, tokens, trainer
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.data import DataLoader, DistributedSampler
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch import Callback
-from test_callbacks_helpers import SEQ, lit, loader, trainer
+from support.callbacks import SEQ, lit, loader, trainer
 
 from lnstab.callbacks import DivergenceMonitor, GrowthBoundMonitor, HiddenStateStatistics, OutputLogitStatistics
 

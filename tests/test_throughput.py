@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.loggers import Logger
-from test_callbacks_helpers import lit, loader, trainer
+from support.callbacks import lit, loader, trainer
 
 from lnstab.callbacks import JacobianSensitivity, StepProgressBar, Throughput
 from lnstab.callbacks import throughput as tp
