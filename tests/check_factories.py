@@ -318,3 +318,25 @@ def lnstab_gpt_lm(vocab_size: int = VOCAB) -> nn.Module:
     from lnstab.moduleargs import gpt_config
 
     return GPT(gpt_config({"preset": "tiny", "vocab_size": vocab_size, "block_size": 32}))
+
+
+GPT2_VOCAB = 50257
+
+
+def gpt2_vocab_lm() -> nn.Module:
+    """:class:`SizedLM` over GPT-2's 50,257 tokens, without a ``vocab_size`` argument: the check cannot build it
+    with the protocol vocabulary, so it trains the whole head."""
+    return SizedLM(GPT2_VOCAB)
+
+
+def gpt2_vocab_sized_lm(vocab_size: int = GPT2_VOCAB) -> nn.Module:
+    """The same model taking ``vocab_size``: the check builds it with the protocol vocabulary."""
+    return SizedLM(vocab_size)
+
+
+def hf_gpt2_lm(vocab_size: int = GPT2_VOCAB) -> nn.Module:
+    """Hugging Face's GPT-2 (2 × 32, context 32) as a user writes it: ``GPT2Config`` keeps its bos/eos id 50256
+    whatever ``vocab_size`` is."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=vocab_size))

@@ -213,6 +213,11 @@ def run_check(args: argparse.Namespace, model_args: dict[str, Any], command: str
     with RunPool(workers, per_worker) as pool:  # the workers start importing now; one of them then reads the data
         try:
             data, subject = load_data(protocol, subject, seq_len, args.vocab, pool)
+            if args.factory and args.vocab == "protocol":  # a factory without vocab_size: what that costs, said now
+                from lnstab.check.factory import own_vocabulary_note
+
+                if note := own_vocabulary_note(subject, data.tokens):
+                    sys.stderr.write(f"lnstab: lnstab check: {note}\n")
             subjects = [subject] + ([] if args.no_reference else references(subject, seq_len))
             out = run_directory(args, args.name or subject.name)  # only now: a usage error leaves nothing behind
             provenance = {"lnstab": lnstab_version(), "machine": machine(workers, per_worker)}

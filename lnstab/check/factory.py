@@ -1,11 +1,14 @@
 """A ``--factory package.module:function`` model: importing it, finding its blocks, probing its forward.
 
 The function is called with no arguments, or with ``vocab_size=`` when it takes that argument and the protocol's
-smaller vocabulary is in use (:meth:`lnstab.check.subjects.Subject.with_vocab`).
+smaller vocabulary is in use (:meth:`lnstab.check.subjects.Subject.with_vocab`); one that does not take it trains its
+own vocabulary, and :func:`own_vocabulary_note` says what that costs before any run starts. A model with a Hugging
+Face (or nanoGPT) config states its context there (``n_positions``, ``max_position_embeddings``, ``block_size``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import re
@@ -17,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lnstab.check import hf
 from lnstab.check.runspec import Sites, probe_forward
 from lnstab.check.subjects import HF_BLOCKS, Shape, Subject, attention_problem, dropout_off, instrument_support
 from lnstab.errors import LNStabError
@@ -35,13 +39,17 @@ class FactoryRecipe:
             if entry not in sys.path:
                 sys.path.insert(0, entry)
         fn = import_factory(self.spec)
-        try:
-            model = fn(**dict(self.kwargs))
+        kwargs = dict(self.kwargs)
+        try:  # a config made for the model's own vocabulary names bos/eos ids the protocol's does not hold
+            with hf.outside_vocabulary_quiet() if "vocab_size" in kwargs else contextlib.nullcontext():
+                model = fn(**kwargs)
         except Exception as exc:
             raise LNStabError(f"--factory {self.spec!r} raised {type(exc).__name__}: {exc}") from None
         if not isinstance(model, nn.Module):
             raise LNStabError(f"--factory {self.spec!r} returned {type(model).__name__}; it must return a "
                               "torch.nn.Module")
+        if "vocab_size" in kwargs:
+            hf.special_ids_in_vocabulary(model, kwargs["vocab_size"])
         return model.float()  # the protocol trains in fp32 (a model built in half precision too, as --hf's)
 
     def with_vocab(self, vocab_size: int) -> FactoryRecipe | None:
@@ -162,6 +170,7 @@ def factory_subject(
     recipe = FactoryRecipe(spec, (), tuple(p for p in sys.path if p))
     model = recipe.build()
     dropped = dropout_off(model)
+    context = hf.context_of(getattr(model, "config", None))  # GPT-2's n_positions, nanoGPT's block_size, ...
     if pattern is None and not types:
         pattern = re.compile(HF_BLOCKS)
         if not block_names(model, pattern, ()):
@@ -183,7 +192,8 @@ def factory_subject(
     norm_pattern, head_pattern = exact_sites["--norm-pattern"], exact_sites["--head-pattern"]
     q_exact, k_exact = exact_sites["--q-pattern"], exact_sites["--k-pattern"]
     qk_sites = (q_exact, k_exact, n_head) if q_exact else None
-    vocab, width, depth = probe_factory(model, spec, names, seq_len)
+    # probed at most at its context: a longer --seq-len is then refused in one line (context_length)
+    vocab, width, depth = probe_factory(model, spec, names, min(seq_len, context or seq_len))
     exact = exact_pattern(names)
     attention, logits = instrument_support(model, head_pattern, qk_sites)
     if qk_sites and not attention:  # the instrument's own reason, found again only on this path
@@ -207,10 +217,30 @@ def factory_subject(
     what = f"{dropped} nn.Dropout module{'s' if dropped != 1 else ''} set to p=0" if dropped else "no nn.Dropout module"
     note = (f"train mode; {what}; dropout applied functionally and any other training-only branch run as in "
             "training")
-    subject = Subject("checked", f"checked ({spec})", recipe, sites, Shape(depth, width, None, vocab), name=name,
+    subject = Subject("checked", f"checked ({spec})", recipe, sites, Shape(depth, width, context, vocab), name=name,
                       dropout=note)
     subject.extra["probe"] = (spec, names, seq_len)
+    subject.extra["parameters"] = sum(p.numel() for p in model.parameters())  # a tied weight once
     return subject
+
+
+def own_vocabulary_note(subject: Subject, tokens: torch.Tensor) -> str | None:
+    """One line, said before any run, on what a factory without a ``vocab_size`` argument costs: its runs train its
+    own vocabulary where the protocol's (the distinct ids of the windows ``tokens``) is at least 2× smaller, and how
+    to accept ``vocab_size``. ``None`` for any other subject or vocabulary."""
+    recipe, shape = subject.recipe, subject.shape
+    if not isinstance(recipe, FactoryRecipe) or "parameters" not in subject.extra or takes_vocab_size(
+            import_factory(recipe.spec)):
+        return None
+    protocol = int(torch.unique(tokens).numel())
+    if 2 * protocol > shape.vocab_size:
+        return None
+    own, width, total = shape.vocab_size, shape.n_embd, subject.extra["parameters"]
+    return (f"--factory {recipe.spec} takes no vocab_size argument, so every run trains its own {own:,}-token "
+            f"vocabulary: its {own:,} × {width} head alone is {own * width / 1e6:.3g}M of its {total / 1e6:.3g}M "
+            f"parameters, {own / protocol:.3g}× the {protocol:,} tokens of the protocol vocabulary on this data; to "
+            f"train at the protocol's, define {recipe.spec.rpartition(':')[2]}(vocab_size: int = {own}) and size its "
+            "embedding and head by it")
 
 
 def check_head_widths(model: nn.Module, spec: str, exact: dict[str, str | None], n_head: int) -> None:

@@ -16,7 +16,10 @@ not an output norm, which is why the location is per family and nothing is guess
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +35,10 @@ OUTPUT_NORMS: dict[str, tuple[tuple[str, ...], bool]] = {
     "olmo2": (("post_attention_layernorm", "post_feedforward_layernorm"), False),
 }
 DECODER_LAYERS = ("model.layers", "transformer.h")
+# Where a config keeps the context: Hugging Face's names (GPT-2's n_positions, MPT's max_seq_len, ...) and nanoGPT's.
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx", "block_size")
+# transformers' warning when a config's special token id is outside its vocabulary (configuration_utils, 5.x)
+OUTSIDE_VOCABULARY = "_token_id must be `None` or an integer within the vocabulary"
 
 
 class LayerUpdates:
@@ -123,6 +130,49 @@ def vocab_overrides(config: Any, vocab_size: int) -> dict[str, Any]:
     return out
 
 
+def context_of(config: Any) -> int | None:
+    """The context a model's config states (:data:`CONTEXT_KEYS`, the first that is a positive integer), else
+    ``None``."""
+    for key in CONTEXT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+class OutsideVocabulary(logging.Filter):
+    """Drops transformers' warning that a special token id (bos, eos, pad) is outside the vocabulary: a model the
+    check builds with its smaller protocol vocabulary from a config made for the model's own has such ids, and the
+    check sets them to ``None`` once the model is built (:func:`special_ids_in_vocabulary`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return OUTSIDE_VOCABULARY not in record.getMessage()
+
+
+@contextlib.contextmanager
+def outside_vocabulary_quiet() -> Iterator[None]:
+    """While in it, transformers does not warn of special token ids outside the vocabulary (nothing else is
+    silenced; transformers is not imported)."""
+    logger, quiet = logging.getLogger("transformers.configuration_utils"), OutsideVocabulary()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
+def special_ids_in_vocabulary(model: nn.Module, vocab_size: int) -> None:
+    """Set every special token id (``*_token_id``) of ``model.config`` that ``vocab_size`` tokens do not hold to
+    ``None``: ids that name no row of the model's embedding and that no forward reads (what is trained is
+    unchanged); a model without a Hugging Face config is left as it is."""
+    config = getattr(model, "config", None)
+    if config is None or not callable(getattr(config, "to_dict", None)):
+        return
+    for key, value in vocab_overrides(config, vocab_size).items():
+        if key != "vocab_size":
+            setattr(config, key, value)
+
+
 @dataclass(frozen=True)
 class HFRecipe:
     """How to build the model in any process: the name, fresh init or trained weights, and config overrides."""
@@ -193,7 +243,7 @@ def config_shape(config: Any) -> dict[str, Any]:
     return {  # an encoder-decoder's causal LM is its decoder (BART's num_hidden_layers is the encoder's)
         "n_layer": int(get("decoder_layers", "num_hidden_layers", "n_layer", "n_layers")),
         "n_embd": int(get("hidden_size", "n_embd", "d_model")),
-        "block_size": get("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx"),
+        "block_size": context_of(config),
         "vocab_size": int(get("vocab_size")),
         "n_head": get("decoder_attention_heads", "num_attention_heads", "n_head", "n_heads"),
     }
