@@ -46,11 +46,23 @@ def common_lr(summaries: dict[str, dict[str, Any]]) -> dict[str, str | None]:
     return {k: (max(v, key=float) if v else None) for k, v in done.items()}
 
 
+def graded_lr(summaries: dict[str, dict[str, Any]]) -> dict[str, str | None]:
+    """Per subject, the learning rate whose trained profile is drawn: the rate its growth-after-training criterion
+    grades and names (its worst, ``growth_trained.lr``), else (no rate graded) :func:`common_lr`'s."""
+    fallback = common_lr(summaries)
+    out: dict[str, str | None] = {}
+    for key, summary in summaries.items():
+        lr = summary.get("growth_trained", {}).get("lr")
+        out[key] = str(lr) if lr is not None and str(lr) in summary["profiles"]["trained"] else fallback[key]
+    return out
+
+
 def growth_figure(summaries: dict[str, dict[str, Any]], labels: dict[str, str], path: Path) -> str:
-    """MA and both variances over depth, at initialisation and after training (log scale)."""
+    """MA and both variances over depth, at initialisation and after training (log scale); after training, each
+    subject at the learning rate its growth criterion names (:func:`graded_lr`)."""
     plt = _pyplot()
     fig, axes = plt.subplots(2, 3, figsize=(13, 7), squeeze=False)
-    lrs = common_lr(summaries)
+    lrs = graded_lr(summaries)
     for row, when in enumerate(("init", "trained")):
         for col, (stat, title) in enumerate(STATS.items()):
             ax = axes[row][col]
