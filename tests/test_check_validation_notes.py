@@ -3,6 +3,7 @@ committed cards, and what a note says across supplements (which its placeholders
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -112,7 +113,21 @@ def test_what_the_long_warmup_note_says_of_no_warmup_holds_on_the_committed_card
     assert abs(value("long-warmup-6", "grad_spread") - value("no-warmup-6", "grad_spread")) < 0.1
     gaps = {sup: value(sup, "loss") - value(sup, "loss", "pre-ln") for sup in ("long-warmup-6", "no-warmup-6")}
     assert (round(gaps["long-warmup-6"], 2), round(gaps["no-warmup-6"], 2)) == (0.37, 0.33)  # "0.37 ... 0.33"
-    assert found["long-warmup-6"]["rows"]["post-ln"] == {"card": "fail", "expected": ["pass", "warn"]}
+    # regraded under issue 39 (gradient spread warns only): "both rows agree"
+    assert found["long-warmup-6"]["rows"]["post-ln"] == {"card": "warn", "expected": ["pass", "warn"]}
+
+
+@pytest.mark.parametrize("heldout", [False, True], ids=["main", "heldout"])
+def test_a_row_note_that_says_agrees_or_disagrees_says_what_its_card_does(heldout) -> None:
+    """A note opening with "agrees" or "disagrees" went stale when a change of thresholds re-graded its card."""
+    where, rows, notes = (VALIDATION / "heldout", HELDOUT, HELDOUT_NOTES) if heldout else (VALIDATION, ROWS, NOTES)
+    summary = json.loads((where / "summary.json").read_text(encoding="utf-8"))
+    said = {row.id: notes[row.id].split()[0].strip(",:") for row in rows if row.id in notes}
+    judged = {r: w for r, w in said.items() if w in ("agrees", "disagrees")}
+    assert judged, "no note says whether its row agrees"
+    for row, word in judged.items():
+        verdict = summary["rows"][row]
+        assert (verdict["card"] in verdict["expected"]) == (word == "agrees"), (row, word, verdict)
 
 
 def test_the_post_ln_rows_warmup_figures_are_the_protocols_defaults() -> None:

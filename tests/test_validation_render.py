@@ -11,9 +11,12 @@ from pathlib import Path
 import pytest
 from scipy.stats import binomtest
 
+from lnstab.check.card import build_rows
+from lnstab.check.criteria import load_thresholds, overall
 from lnstab.check.validation import sets
 from lnstab.check.validation.readme import rerender
 from lnstab.check.validation.score import best_constant, score, wilson
+from lnstab.rundir import read_json
 from lnstab.safeload import DataFileError
 
 VALIDATION = Path(__file__).resolve().parents[1] / "docs" / "check" / "validation"
@@ -117,6 +120,22 @@ def test_the_best_constant_verdict_and_the_score_are_over_the_reachable_reported
     assert [(r.id, why) for r, why in got.left_out] == [("far", "not reachable"), ("told", "implied")]
     proxy = score(rows, ["fail", "warn", "fail", "warn", "fail", "pass"], "proxy")
     assert [r.id for r in proxy.scored] == ["far"] and proxy.agree == 1 and proxy.baseline == ("fail", 1)
+
+
+@pytest.mark.parametrize("file", sorted(VALIDATION.parent.rglob("report.json")),
+                         ids=lambda p: p.parent.relative_to(VALIDATION.parent).as_posix())
+def test_every_committed_card_grades_again_to_its_verdicts(file: Path) -> None:
+    """A shipped card is what its stored measurements grade to under the package's thresholds: a change of
+    thresholds or criteria (issue 39: mechanisms warn only) re-grades the committed cards, or this fails."""
+    card = read_json(file)  # lnstab's JSON: a NaN is {"$float": "nan"}
+    sites = card["model"]["sites"]
+    order = ["checked", "pre-ln", "peri-ln"]  # the subjects' order (report.json sorts its keys)
+    summaries = {k: card["summaries"][k] for k in sorted(card["summaries"], key=lambda k: (
+        k not in order, order.index(k) if k in order else 0, k))}
+    rows = build_rows(summaries, load_thresholds(None), {"norm_pattern": sites.get("norm_pattern"), "attention":
+                      sites.get("attention"), "logits": sites.get("logits"), "bound_unchecked": ""})
+    assert {r["id"]: r["status"] for r in rows} == {c["id"]: c["status"] for c in card["criteria"]}
+    assert overall([r["status"] for r in rows]) == card["status"]
 
 
 def test_the_data_files_hold_the_sets() -> None:

@@ -287,8 +287,8 @@ def readme(summary: dict[str, Any], cards: list[dict[str, Any]], out: Path) -> s
         goal="; out of sample" if heldout else "; goal ≥ 90 %", strict=strict, single=single,
         stable_agree=sum(agree) - strict, stable=len(rows) - single,
         thresholds="**a --thresholds file, not the defaults**." if not rec["default_thresholds"] else
-        "the defaults of `lnstab/check/criteria.py`, fixed before the set was first run"
-        + (f"; {len(THRESHOLD_CHANGES)} changed after that run and every verdict re-run (see Thresholds)."
+        "the defaults of `lnstab/check/thresholds.yaml`, fixed before the set was first run"
+        + (f"; {len(THRESHOLD_CHANGES)} changed after that run, every verdict re-run or re-graded (see Thresholds)."
            if THRESHOLD_CHANGES else " (history below)."),
         baseline=constant_text(rows), table="\n".join(table),
         criteria=" | ".join(c.id for c in CRITERIA), rule="---|" * len(CRITERIA),
