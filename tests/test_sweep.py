@@ -130,7 +130,7 @@ def test_every_shipped_grid_validates(path, tmp_path, capsys) -> None:
     assert f"{len(grid.runs)} run(s)" in out and not (tmp_path / "runs").exists()
     expected = {"gpt2_divergence": 30, "gpt2_perf": 12, "gpt2-large_perf": 4, "gpt2-xl_perf": 4, "mini": 26,
                 "mini-smoke": 3, "mitigations": 64, "proxy-core": 48, "proxy-designs": 264,
-                "proxy-drift": 6}
+                "proxy-drift": 6, "proxy-drift-4k": 12}
     assert len(grid.runs) == expected[path.stem]
 
 
