@@ -273,7 +273,7 @@ def run(argv: list[str]) -> None:
     exit status 2 for a user's mistake (1 for the machine's), ``128 + signal`` for an interrupted run, and the run's
     own exit status (:class:`~lnstab.callbacks.RunStatus`) otherwise."""
     if argv[0] == "fit":
-        from lnstab.sweep.runner import follow_parent
+        from lnstab.parentdeath import follow_parent
 
         follow_parent()  # a sweep's child ends with its sweep
     try:

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Iterable, Iterator
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PARENT_ENV = "LNSTAB_SWEEP_PARENT"  # set for a sweep's children: the pid of the sweep they must not outlive
 
 
 def die_with_parent(signum: int, parent: int) -> bool:
@@ -54,3 +55,17 @@ def blocked(signals: Iterable[int]) -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def follow_parent() -> None:
+    """In a sweep's child (``$LNSTAB_SWEEP_PARENT`` set): receive SIGTERM when the sweep dies, however it dies.
+
+    A sweep killed outright (SIGKILL, out of memory, a lost ssh session that took it down) would otherwise leave its
+    children training, holding their runs' locks, and the next sweep would skip them as running. With Linux's
+    parent-death signal the child gets the SIGTERM a sweep's own stop sends: it saves ``last.ckpt`` at its next step
+    and ends ``interrupted``, which the next sweep resumes. The variable is removed so that processes this child
+    starts (DDP ranks, loader workers) do not inherit it. Elsewhere than Linux this does nothing.
+    """
+    parent = os.environ.pop(PARENT_ENV, None)
+    if parent and parent.isdigit():
+        die_with_parent(signal.SIGTERM, int(parent))

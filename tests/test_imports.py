@@ -1,5 +1,6 @@
 """The product's import graph (lnstab, lnstab.callbacks, lnstab.datamodules) has no cycle, counting imports inside
-functions too: a module that needs another at call time still depends on it (ARCHITECTURE.md's import rules)."""
+functions too: a module that needs another at call time still depends on it, and no module imports a layer above
+its own (ARCHITECTURE.md's import rules)."""
 
 from __future__ import annotations
 
@@ -77,3 +78,38 @@ def test_the_product_has_no_import_cycle() -> None:
 
 def test_a_cycle_is_found() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# ARCHITECTURE.md's layers, bottom up: a module imports only modules of its own layer or below. The first matching
+# prefix gives a module's layer.
+LAYERS = [
+    ("shared", ("lnstab.errors", "lnstab.validation", "lnstab.loss", "lnstab.measures", "lnstab.formatting",
+                "lnstab.rundir", "lnstab.safeload", "lnstab.parentdeath", "lnstab.distributed", "lnstab.precision",
+                "lnstab.tokenizer", "lnstab.runlock", "lnstab.checkpoint")),
+    ("model", ("lnstab.gptconfig", "lnstab.placements", "lnstab.layers", "lnstab.model", "lnstab.moduleargs",
+               "lnstab.hf", "lnstab.flops", "lnstab.memory")),
+    ("instruments and data", ("lnstab.callbacks", "lnstab.datamodules")),
+    ("training", ("lnstab.module", "lnstab.trainer", "lnstab.evaluation", "lnstab.lightning_cli", "lnstab.runconfig",
+                  "lnstab.configfiles", "lnstab.runs")),
+    ("commands", ("lnstab.sweep", "lnstab.report", "lnstab.check")),
+    ("dispatch", ("lnstab.cli", "lnstab.apidoc")),
+]
+# The two lazy imports up a layer, on purpose (ARCHITECTURE.md): lnstab.callbacks.FinalEvaluation, and a grid's
+# runs parsed by lnstab's own command line.
+UPWARD = {("lnstab.callbacks", "lnstab.evaluation.callback"), ("lnstab.sweep.cli", "lnstab.cli")}
+
+
+def layer(name: str) -> int:
+    if name == "lnstab":
+        return 0
+    for rank, (_, prefixes) in enumerate(LAYERS):
+        if any(name == p or name.startswith(p + ".") for p in prefixes):
+            return rank
+    raise AssertionError(f"{name} is in no layer of ARCHITECTURE.md's import rules")
+
+
+def test_no_product_module_imports_a_layer_above_its_own() -> None:
+    known = modules()
+    upward = {(name, target) for name, path in known.items() for target in imports(name, path, known)
+              if layer(target) > layer(name)}
+    assert upward == UPWARD

@@ -3,7 +3,7 @@
 A run that fails or diverges is recorded (journal, its own ``summary.json``) and the sweep goes on. A first SIGINT or
 SIGTERM stops launching and passes one SIGTERM to every child, which saves ``last.ckpt`` at its next optimizer step
 and ends ``interrupted`` (resumed by the next sweep); a second one kills the children. A sweep that is killed
-outright takes its children with it the same way (:func:`follow_parent`).
+outright takes its children with it the same way (:func:`lnstab.parentdeath.follow_parent`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lnstab.errors import LNStabError, one_line
-from lnstab.parentdeath import die_with_parent
+from lnstab.parentdeath import PARENT_ENV
 from lnstab.rundir import read_summary
 from lnstab.sweep.grid import Grid, Run, cli_value
 from lnstab.sweep.state import (
@@ -39,21 +39,6 @@ from lnstab.sweep.state import (
 )
 
 RESUME_ARGS = ("--ckpt_path", "last")  # resume the run's newest complete checkpoint, strictly
-PARENT_ENV = "LNSTAB_SWEEP_PARENT"  # set for a sweep's children: the pid of the sweep they must not outlive
-
-
-def follow_parent() -> None:
-    """In a sweep's child (``$LNSTAB_SWEEP_PARENT`` set): receive SIGTERM when the sweep dies, however it dies.
-
-    A sweep killed outright (SIGKILL, out of memory, a lost ssh session that took it down) would otherwise leave its
-    children training, holding their runs' locks, and the next sweep would skip them as running. With Linux's
-    parent-death signal the child gets the SIGTERM a sweep's own stop sends: it saves ``last.ckpt`` at its next step
-    and ends ``interrupted``, which the next sweep resumes. The variable is removed so that processes this child
-    starts (DDP ranks, loader workers) do not inherit it. Elsewhere than Linux this does nothing.
-    """
-    parent = os.environ.pop(PARENT_ENV, None)
-    if parent and parent.isdigit():
-        die_with_parent(signal.SIGTERM, int(parent))
 
 
 def fit_command(grid: Grid, run: Run, root: str | Path, *, resume: bool = False,
