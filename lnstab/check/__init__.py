@@ -4,8 +4,8 @@ The check trains the model and its references of the same width, depth and conte
 seeds with lnstab's instruments attached, and grades it on divergence, LR sensitivity (Wortsman et al.), growth over
 depth (Theorems 3/4), overflow headroom, attention-logit growth, output-logit drift, Jacobian sensitivity against
 activation scale (Propositions 7/8), Theorem 4's bound and gradient spread. Entry point:
-:func:`lnstab.check.cli.main`; thresholds: :mod:`lnstab.check.criteria`; the validation set of published outcomes:
-:mod:`lnstab.check.validation` (run by ``lnstab check --validate``, :mod:`lnstab.check.validate`).
+:func:`lnstab.check.cli.main`; criteria: :mod:`lnstab.check.criteria` (thresholds in ``thresholds.yaml``); the
+validation against published outcomes: :mod:`lnstab.check.validation` (``lnstab check --validate``).
 """
 
 from typing import Any

@@ -7,7 +7,7 @@ from typing import Any
 
 from lnstab.check.criteria import BY_ID, CRITERIA, LABELS, Criterion, resolve, status
 
-# What lnstab.check.validation_notes reads here (it quotes values as the card does).
+# What lnstab.check.validation.notes reads here (it quotes values as the card does).
 FACTOR_BASES = {c.id: c.factor_base for c in CRITERIA if c.factor_base}
 
 

@@ -1,6 +1,6 @@
 """``lnstab check``'s command line: the parser, the ``--model.*`` arguments, and the :class:`Protocol` and worker
-counts they make. Both the single check (:mod:`lnstab.check.cli`) and the validation (:mod:`lnstab.check.validate`)
-read their options here, so neither imports the other."""
+counts they make. The single check (:mod:`lnstab.check.cli`) and the validation (:mod:`lnstab.check.validation.run`)
+both read their options here, so the validation never imports the command line that starts it."""
 
 from __future__ import annotations
 

@@ -37,7 +37,8 @@ HELDOUT_DIR = "heldout"  # the held-out set's directory under the main set's
 SETS = {"main": ROWS, "heldout": HELDOUT}  # --set: the validation set, the held-out set (its own README)
 # What "fixed before the run" is checked by: the thresholds and the rows with their expected verdicts.
 DEFAULT_TIER = "quick"  # a run record without a tier (before issue 39) ran at the quick tier's protocol
-HISTORY_PATHS = ("lnstab/check/criteria.py", "lnstab/check/thresholds.yaml", "lnstab/check/validation.py",
+HISTORY_PATHS = ("lnstab/check/criteria.py", "lnstab/check/thresholds.yaml", "lnstab/check/thresholds-proxy.yaml",
+                 "lnstab/check/tiers.yaml", "lnstab/check/validation.py",
                  "lnstab/check/validation/rows.yaml", "lnstab/check/validation/heldout.yaml",
                  "lnstab/check/validation/supplements.yaml")
 _MARKER = re.compile(r"^<!-- ([a-z][a-z-]*)(?:: [^>]*)? -->$", re.MULTILINE)
