@@ -7,14 +7,6 @@ from typing import Any
 
 from lnstab.check.criteria import BY_ID, CRITERIA, LABELS, Criterion, resolve, status
 
-# What lnstab.check.validation.notes reads here (it quotes values as the card does).
-FACTOR_BASES = {c.id: c.factor_base for c in CRITERIA if c.factor_base}
-
-
-def as_factor(cid: str, value: float) -> float:
-    """A log-scale criterion's value as the factor the card reads (``×2.1e6`` for a spread of 6.32 decades)."""
-    return BY_ID[cid].as_factor(value)
-
 
 def relation(cid: str, value: float, sd: float, refs: dict[str, tuple[float, float]]) -> str:
     """``grows like Pre-LN`` / ``… than both references`` / ``between Peri-LN and Pre-LN`` (empty without refs)."""

@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from lnstab.check.card import FACTOR_BASES, as_factor
+from lnstab.check.criteria import BY_ID, display, number
 from lnstab.safeload import DataFileError, load_yaml
 
 HERE = Path(__file__).parent
@@ -48,35 +48,6 @@ _RATIO = re.compile(r"(?P<a>[^/|:]+)(?:/(?P<b>[^/|:]+))?\|(?P<fmt>decades|times)
 
 class NoteError(ValueError):
     """A placeholder of a note that the run's cards cannot fill."""
-
-
-def number(value: float, digits: int = 2) -> str:
-    """A quoted number: ``8.2e3`` from 1000 up, a whole number from 100, else ``digits`` significant digits."""
-    if not math.isfinite(value):
-        return "n/a"
-    if abs(value) >= 1000:
-        mantissa, exponent = f"{value:.{digits - 1}e}".split("e")
-        return f"{mantissa}e{int(exponent)}"
-    if abs(value) >= 100:
-        return f"{value:.0f}"
-    return f"{value:.{digits}g}"
-
-
-def display(cid: str, value: float | None) -> str:
-    """A criterion's value as the card reads it: spreads and growth as factors, losses in nats to 0.01."""
-    if value is None or not math.isfinite(value):
-        return "n/a"
-    if cid in FACTOR_BASES:
-        return "×" + number(as_factor(cid, value))
-    if cid == "loss":
-        return f"{value:.2f}"
-    if cid == "sensitivity":
-        return f"{value:+.2f}".replace("-", "−")
-    if cid == "bound":
-        return f"{value:.0f}"
-    if cid == "divergence":
-        return f"{value:.0%}"
-    return number(value, 3 if cid == "log_z" else 2)
 
 
 def _criterion(match: re.Match[str], cards: dict[str, dict[str, Any]]) -> float | None:
@@ -112,7 +83,7 @@ def _operand(text: str, cards: dict[str, dict[str, Any]]) -> float:
     value = _criterion(match, cards)
     if value is None or not math.isfinite(value):
         raise NoteError(f"{text.strip()} is not a finite number")
-    return as_factor(match["cid"], value) if match["cid"] in FACTOR_BASES else value
+    return BY_ID[match["cid"]].as_factor(value) if match["cid"] in BY_ID else value
 
 
 def _ratio(match: re.Match[str], cards: dict[str, dict[str, Any]]) -> str:
