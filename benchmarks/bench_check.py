@@ -10,8 +10,15 @@ output norm (``--model.norm_placement output``), which is neither reference. The
 GPT with every norm replaced by DyT, written with ``torch.nn`` only (:func:`dyt_lm`); it takes ``vocab_size``, so the
 check may build it with its protocol vocabulary. Goal: a card ≤ 60 s wall on 2 cores.
 
+Issue 39's cards, now only (``--no-before``): ``factory-own`` is the same factory without a ``vocab_size`` argument
+(:func:`dyt_lm_own`), so the check trains GPT-2's 50,257-wide head, and the line printed after the pair is its wall
+time over the factory's; ``--tier proxy`` makes each card at the proxy tier (docs/proxy's shape and ladder, 16 runs a
+subject), which the check before issue 19 does not have.
+
     python benchmarks/bench_check.py                       # both subjects, old and new (~15 min on a shared 2-core CPU)
     python benchmarks/bench_check.py --only lnstab --data ../shared/data/openwebtext/owt-sample-900.jsonl.gz
+    python benchmarks/bench_check.py --no-before --only factory,factory-own --data ...   # the cost of no vocab_size
+    python benchmarks/bench_check.py --no-before --only lnstab --tier proxy --data ...   # a proxy-tier card
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ SAMPLE = ROOT.parent / "shared" / "data" / "openwebtext" / "owt-sample-900.jsonl
 # A design that is neither reference, so its card has 18 runs like the factory's (6 checked, 6 + 6 references).
 SHAPE = ["--model.preset", "mini", "--model.block_size", "128", "--model.norm_placement", "output"]
 FACTORY = ["--factory", "bench_check:dyt_lm", "--layer-pattern", r"blocks\.(\d+)$"]
+SUBJECTS = {"lnstab": SHAPE, "factory": FACTORY, "factory-own": ["--factory", "bench_check:dyt_lm_own", *FACTORY[2:]]}
 
 
 class DyT(nn.Module):
@@ -92,6 +100,11 @@ def dyt_lm(vocab_size: int = 50257) -> nn.Module:
     return DyTLM(vocab_size)
 
 
+def dyt_lm_own() -> nn.Module:
+    """The same model from a factory that takes no ``vocab_size``: the check trains its 50,257-wide head."""
+    return DyTLM(50257)
+
+
 def baseline_tree(commit: str, where: Path) -> Path:
     """The source tree at ``commit`` as an importable ``lnstab`` package (callbacks and datamodules inside it)."""
     archive = where / "tree.tar"
@@ -129,29 +142,43 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--baseline", default=BASELINE, help="Commit of the 'before' check.")
     p.add_argument("--data", default=str(SAMPLE) if SAMPLE.is_file() else None, help="Text for --data.path.")
-    p.add_argument("--only", choices=("lnstab", "factory"), help="One subject only.")
+    p.add_argument("--only", default="lnstab,factory",
+                   help=f"Comma-separated subjects, of {', '.join(SUBJECTS)} (default: lnstab,factory).")
+    p.add_argument("--tier", choices=("quick", "proxy"), default="quick", help="The tier of the 'now' cards.")
+    p.add_argument("--no-before", action="store_true", help="Only the check as it is now (implied by --tier proxy).")
     p.add_argument("--extra", default="", help="More lnstab check arguments for both (e.g. '--steps 6').")
     opts = p.parse_args()
+    names = [n for n in opts.only.split(",") if n]
+    unknown = [n for n in names if n not in SUBJECTS]
+    if unknown or not names:
+        p.error(f"--only {opts.only} is not allowed; give a comma-separated list of {', '.join(SUBJECTS)}")
+    before = not opts.no_before and opts.tier == "quick"
     data = ["--data.path", str(Path(opts.data).resolve())] if opts.data else ["--data.source", "synthetic"]
     extra = opts.extra.split()
+    tier = ["--tier", opts.tier] if opts.tier != "quick" else []
     from bench_model import machine_line
 
     print(f"# {machine_line(torch.device('cpu'))}; {os.cpu_count()} cores; load {os.getloadavg()[0]:.1f}")
-    print(f"# before: {opts.baseline[:10]}; data: {Path(opts.data).name if opts.data else 'synthetic'}")
-    subjects = {"lnstab": SHAPE, "factory": FACTORY}
+    print(f"# before: {opts.baseline[:10] if before else 'not run'}; tier {opts.tier}; "
+          f"data: {Path(opts.data).name if opts.data else 'synthetic'}")
     bench_dir = str(Path(__file__).resolve().parent)
+    walls: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="bench-check-") as tmp:
-        old_src = baseline_tree(opts.baseline, Path(tmp))
-        for name, model in subjects.items():
-            if opts.only and name != opts.only:
-                continue
-            args = [*model, *data, *extra]
-            old = card(args, Path(tmp) / f"old-{name}", [str(old_src), bench_dir])
-            new = card(args, Path(tmp) / f"new-{name}", [str(ROOT), bench_dir])
-            ratio = old["wall"] / new["wall"] if new["wall"] > 0 else math.nan
-            print(f"{name:8s} before {old['wall']:7.1f} s ({old['verdict']}, exit {old['exit']})   now "
-                  f"{new['wall']:7.1f} s ({new['verdict']}, exit {new['exit']})   before/now {ratio:5.2f}x   "
-                  f"goal now <= 60 s: {'met' if new['wall'] <= 60 else 'not met'}; load {os.getloadavg()[0]:.1f}")
+        old_src = baseline_tree(opts.baseline, Path(tmp)) if before else None
+        for name in names:
+            args = [*SUBJECTS[name], *data, *extra]
+            new = card([*args, *tier], Path(tmp) / f"new-{name}", [str(ROOT), bench_dir])
+            walls[name] = new["wall"]
+            line = f"{name:11s} now {new['wall']:7.1f} s ({new['verdict']}, exit {new['exit']})"
+            if old_src is not None:
+                old = card(args, Path(tmp) / f"old-{name}", [str(old_src), bench_dir])
+                ratio = old["wall"] / new["wall"] if new["wall"] > 0 else math.nan
+                line = (f"{name:11s} before {old['wall']:7.1f} s ({old['verdict']}, exit {old['exit']})   now "
+                        f"{new['wall']:7.1f} s ({new['verdict']}, exit {new['exit']})   before/now {ratio:5.2f}x")
+            goal = "goal now <= 60 s: " + ("met" if new["wall"] <= 60 else "not met") if opts.tier == "quick" else ""
+            print(f"{line}   {goal}; load {os.getloadavg()[0]:.1f}")
+    if "factory" in walls and "factory-own" in walls:
+        print(f"factory without vocab_size / with it: {walls['factory-own'] / walls['factory']:.2f}x wall")
 
 
 if __name__ == "__main__":
