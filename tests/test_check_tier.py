@@ -13,6 +13,7 @@ import pytest
 from lnstab.check.criteria import load_thresholds
 from lnstab.check.options import build_parser, make_protocol, tier_model_args, tier_thresholds
 from lnstab.check.protocol import TIERS, TIERS_FILE, Protocol, tiers
+from lnstab.check.validation.run import DEFAULT_OUT, default_out
 from lnstab.cli import main
 from lnstab.safeload import load_yaml
 
@@ -72,7 +73,8 @@ def test_a_proxy_tier_card_runs_end_to_end_and_says_its_tier(tmp_path, capsys) -
         (["--tier", "proxy"], "--tier proxy needs the OpenWebText sample: give --data.path FILE"),
         (["--tier", "proxy", "--data.path", "no/such/owt.jsonl.gz"], "--data.path no/such/owt.jsonl.gz is not a file"),
         (["--tier", "proxy", "--data.source", "synthetic"], "--tier proxy needs the OpenWebText sample"),
-        (["--tier", "proxy", "--validate"], "--tier proxy is not yet for --validate"),
+        (["--tier", "proxy", "--validate", "--supplement", "depth16"],
+         "--tier proxy is not allowed with --supplement: a supplement is its own protocol"),
     ],
 )
 def test_bad_tier_input_is_one_line_and_exit_2(tmp_path, capsys, args, expected) -> None:
@@ -125,3 +127,29 @@ def test_a_thresholds_file_is_merged_over_the_proxy_tiers(tmp_path) -> None:
     assert merged["lr_sensitivity"]["fail"] == proxy["lr_sensitivity"]["fail"]
     assert merged["growth_trained"]["warn"] == "pre + 3*sd"
     assert load_thresholds(None)["lr_sensitivity"]["fail"] is None  # the quick tier's, unchanged
+
+
+def test_a_proxy_tier_validation_grades_its_rows_at_the_tier_and_never_touches_the_quick_record(tmp_path) -> None:
+    """``--validate --tier proxy`` (issue 39 item 3): every card at the tier's shape with its thresholds, the README
+    saying so; without --out it goes to docs/check/validation/proxy, never over the quick tier's README."""
+    assert OWT_900.is_file(), f"the OpenWebText sample is needed (LNSTAB_OWT_SAMPLE): {OWT_900}"
+    out = tmp_path / "validation"
+    try:  # exit 0 or 1: whether both rows agree at six steps is not what is tested
+        main(["check", "--validate", "--tier", "proxy", "--rows", "no-ln,pre-ln-qknorm", *REDUCED,
+              "--data.path", str(OWT_900), "--out", str(out)])
+    except SystemExit as exc:
+        assert exc.code == 1, exc.code
+    proxy = tier_thresholds("proxy", None)
+    for row in ("no-ln", "pre-ln-qknorm"):
+        card = json.loads((out / row / "report.json").read_text())
+        assert card["tier"]["name"] == "proxy" and card["model"]["shape"]["n_layer"] == 2
+        assert card["model"]["shape"]["vocab_size"] == 4096
+        assert load_yaml(out / row / "thresholds.yaml")["lr_sensitivity"]["fail"] == proxy["lr_sensitivity"]["fail"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert "tier" not in summary  # six steps and two rates are not the tier's protocol: no headline
+    text = (out / "README.md").read_text()
+    assert "the proxy tier's shape" in text and "`lnstab/check/thresholds-proxy.yaml` merged over it" in text
+    assert "none at the proxy tier since its thresholds were committed" in text
+    assert default_out("proxy", "main", None) == DEFAULT_OUT / "proxy" != default_out("quick", "main", None)
+    assert default_out("proxy", "heldout", None) == DEFAULT_OUT / "proxy" / "heldout"
+    assert default_out("quick", "heldout", None) == DEFAULT_OUT / "heldout"

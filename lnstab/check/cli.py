@@ -152,8 +152,9 @@ def main(argv: list[str] | None = None) -> None:
         raise LNStabError("--overwrite is for --validate; a check never overwrites a run directory")
     if args.rows and not args.validate:
         raise LNStabError("--rows is for --validate")
-    if args.validate and args.tier != "quick":
-        raise LNStabError(f"--tier {args.tier} is not yet for --validate; the validation runs at the quick tier")
+    if args.supplement is not None and args.tier != "quick":
+        raise LNStabError(f"--tier {args.tier} is not allowed with --supplement: a supplement is its own protocol "
+                          "(give --tier quick or leave it out)")
     if args.set != "main" and not args.validate:
         raise LNStabError("--set is for --validate")
     if args.supplement is not None:

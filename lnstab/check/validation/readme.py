@@ -15,6 +15,7 @@ from string import Template
 from typing import Any
 
 from lnstab.check.criteria import CRITERIA
+from lnstab.check.protocol import tiers
 from lnstab.check.report import MARK as SHORT  # a status as the README tables show it
 from lnstab.check.report import provenance as made_by
 from lnstab.check.validation.notes import (
@@ -246,6 +247,8 @@ def readme(summary: dict[str, Any], cards: list[dict[str, Any]], out: Path) -> s
     sup = SUPPLEMENT_IDS.get(summary.get("supplement", ""))
     tier = run_tier(summary)
     notes, heldout = rec["notes"], set_name == "heldout"
+    graded = (cards[0].get("tier") or {}).get("name", DEFAULT_TIER) if cards else DEFAULT_TIER
+    other_tier = graded != DEFAULT_TIER  # the cards were made at that tier's shape, with its thresholds
     agree = [c["status"] in r.expected for r, c in zip(rows, cards, strict=True)]
     by_row = {r.id: c for r, c in zip(rows, cards, strict=True)}  # what the row notes quote
     strict = sum(a for a, r in zip(agree, rows, strict=True) if len(r.expected) == 1)
@@ -280,14 +283,15 @@ def readme(summary: dict[str, Any], cards: list[dict[str, Any]], out: Path) -> s
         title=": the held-out set" if heldout else "", command=rec["command"],
         minutes=f"{summary['wall_s'] / 60:.1f}", runs=rec["runs"], models=rec["models"],
         made_by=made_by(cards[0]["provenance"]),
-        shape="the check's default shape" if not shape else
-        "the check's default shape but " + ", ".join(f"`--model.{k} {v}`" for k, v in shape.items()),
+        shape=(f"the {graded} tier's shape" if other_tier else "the check's default shape")
+        + ("" if not shape else " but " + ", ".join(f"`--model.{k} {v}`" for k, v in shape.items())),
         reference=reference_text(cards), protocol=cards[0]["protocol_text"], data=cards[0]["data_text"],
         preamble=preamble, headline=reach_headline(summary, rows, [c["status"] for c in cards]), agree=sum(agree),
         n_rows=len(rows), percent=f"{100 * sum(agree) / max(1, len(rows)):.0f}",
         goal="; out of sample" if heldout else "; goal ≥ 90 %", strict=strict, single=single,
         stable_agree=sum(agree) - strict, stable=len(rows) - single,
         thresholds="**a --thresholds file, not the defaults**." if not rec["default_thresholds"] else
+        PARTS["thresholds-tier"].substitute(tier=graded, file=tiers()[graded]["thresholds"]) if other_tier else
         "the defaults of `lnstab/check/thresholds.yaml`, fixed before the set was first run"
         + (f"; {len(THRESHOLD_CHANGES)} changed after that run, every verdict re-run or re-graded (see Thresholds)."
            if THRESHOLD_CHANGES else " (history below)."),
@@ -297,7 +301,8 @@ def readme(summary: dict[str, Any], cards: list[dict[str, Any]], out: Path) -> s
                                  for row, card in zip(rows, cards, strict=True)),
         decides="\n".join(decides),
         history="\n".join([f"- `{h}`" for h in rec["history"]] or ["- (not a git checkout)"]),
-        changes="; ".join(THRESHOLD_CHANGES) if THRESHOLD_CHANGES else
+        changes=PARTS["tier-changes"].substitute(tier=graded, quick="../../" if heldout else "../") if other_tier else
+        "; ".join(THRESHOLD_CHANGES) if THRESHOLD_CHANGES else
         "none; every verdict above is from the thresholds fixed before it.",
         sections=sections)
 

@@ -22,9 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lnstab.check.criteria import load_thresholds
-from lnstab.check.options import FACTORY_OPTIONS, build_parser, make_protocol, worker_counts
-from lnstab.check.protocol import plan, run_ladder
+from lnstab.check.options import FACTORY_OPTIONS, build_parser, make_protocol, tier_thresholds, worker_counts
+from lnstab.check.protocol import plan, run_ladder, tiers
 from lnstab.check.runner import check_model, grade, lnstab_version, load_data, machine, public_command, public_path
 from lnstab.check.signals import Interrupted, deferred
 from lnstab.check.subjects import Subject, context_length, hf_subject, lnstab_subject, parse_value, references
@@ -157,13 +156,13 @@ def main(args: argparse.Namespace, model_args: dict[str, Any], argv: list[str], 
         raise LNStabError(f"--rows {unknown[0]} is not allowed; rows of --set {args.set}: "
                           f"{', '.join(r.id for r in every)}")
     rows = [r for r in every if not wanted or r.id in wanted]
-    heldout = args.set == "heldout"
 
     protocol = make_protocol(args, {})
-    thresholds = load_thresholds(args.thresholds)
-    out = (Path(args.out) if args.out else DEFAULT_OUT / HELDOUT_DIR if heldout
-           else DEFAULT_OUT / "supplements" / sup.id if sup else DEFAULT_OUT)
-    selection = Selection(rows, tuple(every), sup, wanted, model_args, {**pairs(DEFAULT_SHAPE), **model_args})
+    thresholds = tier_thresholds(args.tier, args.thresholds)
+    out = Path(args.out) if args.out else default_out(args.tier, args.set, sup.id if sup else None)
+    tier_shape = (tiers()[args.tier].get("model") or {}) if args.tier != "quick" else {}
+    selection = Selection(rows, tuple(every), sup, wanted, model_args,
+                          {**pairs(DEFAULT_SHAPE), **tier_shape, **model_args})
     try:
         agree, wall = validate_rows(args, argv, typed, selection, out, protocol, thresholds, started)
     except Interrupted as exc:
@@ -174,6 +173,15 @@ def main(args: argparse.Namespace, model_args: dict[str, Any], argv: list[str], 
                      f"agree with the published outcome ({wall:.0f} s); {out / 'README.md'}\n")
     if agree < len(rows):
         raise SystemExit(1)
+
+
+def default_out(tier: str, set_name: str, supplement: str | None) -> Path:
+    """Where a validation goes without ``--out``: ``docs/check/validation`` at the quick tier (the held-out set in
+    its ``heldout/``, a supplement in ``supplements/ID``), ``docs/check/validation/<tier>`` at another tier, so a
+    proxy-tier run never replaces the quick tier's record."""
+    base = DEFAULT_OUT if tier == "quick" else DEFAULT_OUT / tier
+    return base / HELDOUT_DIR if set_name == "heldout" else DEFAULT_OUT / "supplements" / supplement if supplement \
+        else base
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,9 +247,10 @@ def validate_rows(args: argparse.Namespace, argv: list[str], typed: list[str], s
             agree = sum(c["status"] in r.expected for r, c in zip(rows, cards, strict=True))
             shown = [*model_flags(model_args), *(["--set", args.set] if heldout else []),
                      *(["--rows", ",".join(wanted)] if wanted else []), *protocol_args(argv)]
-            full = not wanted and not model_args and default_protocol(protocol)
             tier = getattr(args, "tier", None) or "quick"  # a run at a tier's shape and protocol says which (issue 39)
-            at_tier = {} if sup or model_args or tier == "quick" and not default_protocol(protocol) else {"tier": tier}
+            at_tier = {} if sup or model_args or not default_protocol(protocol, tier) else {"tier": tier}
+            # the row notes explain the quick tier's whole default run, and quote its numbers
+            full = not wanted and not model_args and tier == "quick" and default_protocol(protocol)
             summary = {"set": args.set, **({"supplement": sup.id} if sup else {}), **at_tier,  # args: no local path
                        "args": shlex.split(public_command(shown).removeprefix("lnstab check ")),
                        "agree": agree, "rows": {r.id: {"card": c["status"], "expected": list(r.expected)}
@@ -249,7 +258,7 @@ def validate_rows(args: argparse.Namespace, argv: list[str], typed: list[str], s
                        "readme": {  # what the README says beyond the cards: it is rendered from this record
                            "command": public_command(["--validate", *argv_without(typed, "--validate")]),
                            "runs": n_runs, "models": len(registry), "shape": model_args, "data": data_text(protocol),
-                           "notes": full, "default_thresholds": thresholds == load_thresholds(None),
+                           "notes": full, "default_thresholds": thresholds == tier_thresholds(tier, None),
                            "history": history()}}
             text = readme(summary, cards, out)
             try:
@@ -286,12 +295,13 @@ def protocol_args(argv: list[str]) -> list[str]:
     return out
 
 
-def default_protocol(protocol: Any) -> bool:
-    """Whether ``protocol`` is the check's default one, whatever its data and accelerator."""
+def default_protocol(protocol: Any, tier: str = "quick") -> bool:
+    """Whether ``protocol`` is ``tier``'s (by default the check's default one), whatever its data and accelerator."""
 
-    default = make_protocol(build_parser().parse_args([]), {})
-    loose = {"data_source": "auto", "data_path": None, "accelerator": "cpu"}
-    return dataclasses.replace(protocol, **loose) == dataclasses.replace(default, **loose)
+    data = ["--data.path", protocol.data_path] if protocol.data_path else []  # the proxy tier needs a file
+    default = make_protocol(build_parser().parse_args(["--tier", tier, *data]), {})
+    loose = {"data_source": default.data_source, "data_path": default.data_path, "accelerator": default.accelerator}
+    return dataclasses.replace(protocol, **loose) == default
 
 
 def data_text(protocol: Any) -> str:
@@ -303,8 +313,9 @@ def data_text(protocol: Any) -> str:
 
 
 def with_protocol_vocab(subject: Subject, data: Any, seq_len: int) -> Subject:
-    """``subject`` on the validation's windows: with the protocol vocabulary when that is in use."""
-    if data.vocab["mode"] != "protocol":
+    """``subject`` on the validation's windows: with their vocabulary when it is not the model's own (the protocol
+    vocabulary, or the proxy tier's top-K + UNK)."""
+    if data.vocab["mode"] == "model":
         return subject
     compact = subject.with_vocab(data.vocab["size"])
     if compact is None:
