@@ -62,3 +62,12 @@ def pytest_unconfigure(config) -> None:
         for p in left:
             p.kill()
             p.join(10)
+
+
+@pytest.fixture
+def grid(tmp_path):
+    """A sweep directory of eight lnstab runs over three configurations, one run planned and missing
+    (``support.report.write_grid``)."""
+    from support.report import write_grid  # after the offline settings above
+
+    return write_grid(tmp_path)

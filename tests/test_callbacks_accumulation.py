@@ -8,9 +8,7 @@ from collections import Counter
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.loggers import Logger
-from support.callbacks import LitLM, gpt, loader, trainer
-from test_callbacks_divergence import ParamWatch, unchanged
+from support.callbacks import SGDLM, ListLogger, LitLM, ParamWatch, gpt, loader, trainer, unchanged
 
 from lnstab.callbacks import (
     DivergenceMonitor,
@@ -22,40 +20,6 @@ from lnstab.callbacks import (
 from lnstab.callbacks._tap import Subscription
 
 PREFIXES = ("hidden/", "bound/", "growth/", "grad/", "jacobian/")
-
-
-class ListLogger(Logger):
-    """Keeps every ``log_metrics`` call as ``(step, metrics)``; the run directory is ``save_dir``."""
-
-    def __init__(self, save_dir) -> None:
-        super().__init__()
-        self.rows: list[tuple[int, dict[str, float]]] = []
-        self._save_dir = str(save_dir)
-
-    @property
-    def save_dir(self) -> str:
-        return self._save_dir
-
-    @property
-    def name(self) -> str:
-        return "list"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, *args, **kwargs) -> None:
-        pass
-
-    def log_metrics(self, metrics, step=None) -> None:
-        self.rows.append((step, dict(metrics)))
-
-
-class SGDLM(LitLM):
-    """Plain SGD: an update is linear in the gradient, so summing micro-batch gradients changes only rounding."""
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
 def fit(tmp_path, name: str, batch_size: int, accumulate: int, steps: int = 3, wrap=None) -> ListLogger:

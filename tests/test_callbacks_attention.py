@@ -19,10 +19,27 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fsdp_cpu import CPUFSDPStrategy
-from support.callbacks import EncoderLM, LitLM, gpt, lit, loader, tokens, trainer
-from test_callbacks_accumulation import SGDLM, ListLogger
-from test_callbacks_fsdp import STEPS, Recorder, ShardedSGD
-from test_callbacks_tap import SyncCounter, hook_counts
+from support.callbacks import (
+    NAMES,
+    SGDLM,
+    STEPS,
+    EncoderLM,
+    ListLogger,
+    LitLM,
+    MaxNumel,
+    Recorder,
+    ShardedSGD,
+    SyncCounter,
+    assert_close,
+    direct,
+    fit_fixed,
+    gpt,
+    hook_counts,
+    lit,
+    loader,
+    logged,
+    trainer,
+)
 from torch import nn
 
 from lnstab.callbacks import AttentionLogitStatistics, DivergenceMonitor, OutputLogitStatistics
@@ -31,29 +48,6 @@ from lnstab.errors import ConfigError
 from lnstab.model import Block
 
 ROOT = Path(__file__).resolve().parents[1]
-NAMES = ("max_logit", "entropy_mean", "entropy_min", "collapsed")
-
-
-def direct(qs: list[torch.Tensor], ks: list[torch.Tensor], scale: float, min_keys: int = 2,
-           softcap: float | None = None, window: int | None = None) -> dict[str, float]:
-    """The four statistics from the materialised float64 attention of micro-batches ``(q, k)`` pooled together;
-    q ``(B, H, T, hs)``, k ``(B, H_kv, T, hs)`` (each k head repeated for its group of q heads, as Llama does); with
-    ``softcap`` the softmax of ``softcap·tanh(z / softcap)`` (the largest logit uncapped), with ``window`` keys
-    ``i − window < j ≤ i`` only (Gemma 2)."""
-    q = torch.cat(qs).double()
-    k = torch.cat(ks).double()
-    k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)  # (B, H, T, hs)
-    T = q.size(2)
-    z = q @ k.transpose(-1, -2) * scale  # (B, H, T, T)
-    visible = torch.ones(T, T, dtype=torch.bool).tril()
-    if window is not None:
-        visible &= ~torch.ones(T, T, dtype=torch.bool).tril(-window)
-    capped = softcap * torch.tanh(z / softcap) if softcap else z
-    p = capped.masked_fill(~visible, -math.inf).softmax(dim=-1)
-    entropy = -(p * p.clamp_min(1e-300).log()).sum(dim=-1)[..., min_keys - 1 :]  # (B, H, T')
-    collapsed = (p.amax(dim=-1)[..., min_keys - 1 :] > 0.99).double()
-    return {"max_logit": z[..., visible].abs().max().item(), "entropy_mean": entropy.mean().item(),
-            "entropy_min": entropy.min().item(), "collapsed": collapsed.mean().item()}
 
 
 def keep(store: dict, key, value) -> None:
@@ -61,32 +55,11 @@ def keep(store: dict, key, value) -> None:
     store.setdefault(key, value)
 
 
-def logged(logger: ListLogger) -> dict[int, dict[str, float]]:
-    out: dict[int, dict[str, float]] = {}
-    for step, metrics in logger.rows:
-        out.setdefault(step, {}).update({k: v for k, v in metrics.items() if k.startswith(("attn/", "output/"))})
-    return {s: m for s, m in out.items() if m}
-
-
-def assert_close(got: dict[str, float], expected: dict[str, float], layer: str, context=None) -> None:
-    for name in NAMES:
-        assert got[f"attn/{name}/{layer}"] == pytest.approx(expected[name], rel=1e-5, abs=1e-5), (context, name)
-
-
 def sharpen(model: nn.Module, factor: float) -> None:
     """Scale every q/k projection so that attention is far from uniform (some rows collapse, some do not)."""
     with torch.no_grad():
         for block in model.transformer.h:
             block.attn.c_attn.weight[: 2 * block.attn.n_embd] *= factor
-
-
-def fit_fixed(tmp_path, module: LitLM, callbacks: list, steps: int = 2, batch_size: int = 2, accumulate: int = 2):
-    """``steps`` optimizer steps at lr 0 (the weights never change) of ``batch_size × accumulate`` sequences."""
-    logger = ListLogger(tmp_path)
-    module.lr = 0.0
-    t = trainer(tmp_path, callbacks, max_steps=steps, accumulate_grad_batches=accumulate, logger=logger)
-    t.fit(module, loader(n=batch_size * accumulate * steps, batch_size=batch_size))
-    return logged(logger), tokens(batch_size * accumulate * steps).tensors[0]
 
 
 def test_statistics_equal_direct_computation_on_lnstab_gpt(tmp_path):
@@ -146,23 +119,6 @@ def test_qk_norm_outputs_are_what_is_measured(tmp_path):
                         for j in (0, 1))
         raw = direct([raw_q], [raw_k], 1 / math.sqrt(32))["max_logit"]
         assert values[0][f"attn/max_logit/L{i:02d}"] > 10 * raw  # not the un-normalised projections
-
-
-class MaxNumel(torch.utils._python_dispatch.TorchDispatchMode):
-    """The largest tensor any operation inside the block allocated (views of existing tensors do not count)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = torch.utils._pytree.tree_leaves((args, kwargs))
-        shared = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
-        for t in out if isinstance(out, tuple | list) else [out]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in shared:  # not a view
-                self.largest = max(self.largest, t.numel())
-        return out
 
 
 def test_chunking_gives_the_same_numbers_and_bounds_memory_at_t_1024():

@@ -11,8 +11,7 @@ import warnings
 import pytest
 import torch
 from hf_tiny import HFLM, hf_model
-from support.callbacks import LitLM
-from test_callbacks_attention import assert_close, direct, fit_fixed
+from support.callbacks import LitLM, assert_close, direct, fit_fixed
 from torch import nn
 
 from lnstab.callbacks import AttentionLogitStatistics

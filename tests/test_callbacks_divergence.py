@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 import math
 
-import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
-from support.callbacks import SEQ, VOCAB, LitLM, StepClock, lit, loader, trainer
+from support.callbacks import SEQ, VOCAB, LitLM, ParamWatch, StepClock, lit, loader, trainer, unchanged
 
 from lnstab.callbacks import (
     DivergenceMonitor,
@@ -28,24 +27,6 @@ def inject_nan(module, clock: StepClock, layer: int = 1, step: int = NAN_STEP) -
     """Make ``h.<layer>.resid_attn`` return NaN on one step (registered before the monitor's hooks)."""
     target = module.model.transformer.h[layer].resid_attn
     target.register_forward_hook(lambda m, a, out: out * float("nan") if clock.step == step else None)
-
-
-class ParamWatch(pl.Callback):
-    """Copies of the weights before and after each step."""
-
-    def __init__(self) -> None:
-        self.before: dict[int, list[torch.Tensor]] = {}
-        self.after: dict[int, list[torch.Tensor]] = {}
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.before[trainer.global_step] = [p.detach().clone() for p in pl_module.parameters()]
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.after[trainer.global_step - 1] = [p.detach().clone() for p in pl_module.parameters()]
-
-
-def unchanged(watch: ParamWatch, step: int) -> bool:
-    return all(torch.equal(a, b) for a, b in zip(watch.before[step], watch.after[step], strict=True))
 
 
 def run_dir(tmp_path):

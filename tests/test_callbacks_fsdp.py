@@ -12,8 +12,7 @@ import pytest
 import torch
 from fsdp_cpu import CPUFSDPStrategy
 from lightning.pytorch.loggers import CSVLogger
-from support.callbacks import LitLM, gpt, tokens
-from torch.utils.data import DataLoader, DistributedSampler
+from support.callbacks import PROBE, STEPS, Recorder, ShardedSGD
 
 from lnstab.callbacks import (
     DivergenceMonitor,
@@ -22,57 +21,9 @@ from lnstab.callbacks import (
     HiddenStateStatistics,
     JacobianSensitivity,
     RunStatus,
-    unsharded,
 )
 from lnstab.model import Block
 from lnstab.rundir import read_summary, run_dir
-
-GLOBAL_BATCH, STEPS = 8, 3
-PROBE = (torch.arange(12)[None] * 7) % 100
-
-
-class ShardedSGD(LitLM):
-    """Global batch 8 of fixed sequences split over ranks and micro-batches; SGD (updates linear in the gradient)."""
-
-    def __init__(self, accumulate: int) -> None:
-        super().__init__(gpt(residual_scale=0.5))
-        self.accumulate = accumulate
-
-    def train_dataloader(self) -> DataLoader:
-        world, rank = self.trainer.world_size, self.trainer.global_rank
-        data = tokens(GLOBAL_BATCH * STEPS)
-        sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False)
-        return DataLoader(data, batch_size=GLOBAL_BATCH // world // self.accumulate, sampler=sampler)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.5)
-
-
-class Recorder(pl.Callback):
-    """Every instrument's ``last`` after each optimizer step, and the model's output through ``unsharded`` at the end,
-    written as JSON by rank 0."""
-
-    def __init__(self, path: str, instruments: list) -> None:
-        self.path, self.instruments, self.rows, self.started = path, instruments, {}, None
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.started = trainer.global_step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step != self.started:  # the step's last micro-batch
-            for instrument in self.instruments:
-                self.rows.setdefault(str(self.started), {}).update(instrument.last)
-                instrument.last = {}
-
-    def on_train_end(self, trainer, pl_module):
-        with unsharded(trainer, pl_module) as module, torch.no_grad():
-            logits = module(PROBE).double()
-            generated = module.model.generate(PROBE[:, :4], max_new_tokens=6, greedy=True)
-            params = sum(p.double().square().sum().item() for p in module.parameters())
-        if trainer.is_global_zero:
-            result = {"steps": self.rows, "logits": logits.flatten()[:50].tolist(), "generated": generated.tolist(),
-                      "param_sq": params, "logit_sum": logits.sum().item()}
-            Path(self.path).write_text(json.dumps(result))
 
 
 def fit(tmp_path: Path, name: str, **kwargs) -> tuple[dict, dict]:

@@ -11,9 +11,19 @@ import pytest
 import torch
 from fsdp_cpu import CPUDDPSpawnStrategy
 from hf_tiny import HFLM, hf_model
-from support.callbacks import EncoderLM, LitLM, gpt, lit, loader, trainer
-from test_callbacks_attention import MaxNumel, fit_fixed
-from test_callbacks_fsdp import STEPS, Recorder, ShardedSGD
+from support.callbacks import (
+    STEPS,
+    EncoderLM,
+    LitLM,
+    MaxNumel,
+    Recorder,
+    ShardedSGD,
+    fit_fixed,
+    gpt,
+    lit,
+    loader,
+    trainer,
+)
 
 from lnstab.callbacks import OutputLogitStatistics
 from lnstab.callbacks._views import LogitView

@@ -5,14 +5,13 @@ on steps that do not log, and strategies refused in one line."""
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from functools import cached_property
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from support.callbacks import StepClock, direct_stats, lit, loader, record_outputs, trainer
+from support.callbacks import StepClock, SyncCounter, direct_stats, hook_counts, lit, loader, record_outputs, trainer
 
 from lnstab.callbacks import (
     DivergenceMonitor,
@@ -32,14 +31,6 @@ SITES = {
     "model.transformer.drop": "embed",
     **{f"model.transformer.h.{i}.resid_{k}": f"L{i:02d}_{k}" for i in range(2) for k in ("attn", "mlp")},
 }
-
-
-def hook_counts(module: torch.nn.Module) -> dict[str, int]:
-    return {
-        name: len(m._forward_hooks) + len(m._forward_pre_hooks)
-        for name, m in module.named_modules()
-        if m._forward_hooks or m._forward_pre_hooks
-    }
 
 
 class HookSpy(pl.Callback):
@@ -152,33 +143,6 @@ def test_state_exists_only_on_capture_steps_and_vectors_are_float32(tmp_path):
         assert len(sizes) == 6 * 5  # per site: 2 sums, a max, the moments' mean vector and Σ M2
         assert [(d, n) for d, n in sizes if n >= entries] == [(torch.float32, entries)] * 6  # one T·d vector per site
         assert all(n <= 2 for d, n in sizes if d == torch.float64)
-
-
-class SyncCounter(pl.Callback):
-    """Counts host syncs (``tolist``, ``item``, ``bool``, ``float``, ``int`` of a tensor) made by lnstab's instruments,
-    per optimizer step."""
-
-    def __init__(self, monkeypatch) -> None:
-        self.step, self.counts = -1, Counter()
-        root = os.path.dirname(os.path.abspath(_stats.__file__))
-        for name in ("tolist", "item", "__bool__", "__float__", "__int__"):
-            original = getattr(torch.Tensor, name)
-
-            def wrapper(tensor, *args, _original=original, _name=name):
-                import sys
-
-                frame = sys._getframe(1)
-                if frame.f_code.co_filename.startswith(root):
-                    self.counts[(self.step, os.path.basename(frame.f_code.co_filename))] += 1
-                return _original(tensor, *args)
-
-            monkeypatch.setattr(torch.Tensor, name, wrapper)
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.step = trainer.global_step
-
-    def on_train_end(self, trainer, pl_module):
-        self.step = "end"
 
 
 def test_no_host_sync_on_steps_that_do_not_log(tmp_path, monkeypatch):

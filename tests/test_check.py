@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.check import ENCODER, GPT, TINY, check, rows
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lnstab.check.criteria import IDS
@@ -22,25 +23,6 @@ from lnstab.cli import main
 from lnstab.rundir import read_summary
 
 TESTS = Path(__file__).parent
-TINY = ["--steps", "6", "--measure-every", "3", "--batch-size", "4", "--seq-len", "16", "--seeds", "0",
-        "--workers", "1", "--threads", "1", "--no-progress", "--data.source", "synthetic"]
-GPT = ["--model.preset", "tiny", "--model.vocab_size", "128", "--model.block_size", "32"]
-ENCODER = ["--factory", "check_factories:encoder_lm", "--layer-pattern", r"layers\.(\d+)$"]
-
-
-def check(out: Path, *args: str) -> tuple[int, dict]:
-    """Run ``lnstab check … --out out``; its exit status and ``report.json``."""
-    try:
-        main(["check", *args, "--out", str(out)])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    report = json.loads((out / "report.json").read_text()) if (out / "report.json").is_file() else {}
-    return code, report
-
-
-def rows(report: dict) -> dict[str, dict]:
-    return {r["id"]: r for r in report["criteria"]}
 
 
 def scalar_tags(run_dir: Path) -> set[str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 import torch
-from test_check import TINY, check
+from support.check import TINY, check
 
 from lnstab.check.factory import factory_subject
 

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_check import TINY, check, rows
+from support.check import SHAPE, TINY, check, olmo2, rows
 from torch import nn
 
 from lnstab.check.hf import HFCausalLM, LayerUpdates
 from lnstab.check.subjects import hf_subject
-
-SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=128,
-             max_position_embeddings=32, pad_token_id=0, bos_token_id=0, eos_token_id=0)
 
 
 def gemma2() -> nn.Module:
@@ -30,12 +27,6 @@ def gemma3() -> nn.Module:
     config = Gemma3TextConfig(**SHAPE, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16)
     config._attn_implementation = "eager"
     return Gemma3ForCausalLM(config)
-
-
-def olmo2() -> nn.Module:
-    from transformers import Olmo2Config, Olmo2ForCausalLM
-
-    return Olmo2ForCausalLM(Olmo2Config(**SHAPE))
 
 
 def llama() -> nn.Module:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_check import TINY, check
+from support.check import TINY, check
 
 from lnstab.check.signals import Interrupted, deferred, interruptible
 from lnstab.check.validation import run as validate

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_check import TINY
+from support.check import TINY
 
 from lnstab.check.options import build_parser, make_protocol, split_model_args
 from lnstab.check.subjects import lnstab_subject

@@ -5,7 +5,7 @@ among ``test_check``'s bad inputs."""
 from __future__ import annotations
 
 import pytest
-from test_check import GPT, TINY, check
+from support.check import GPT, TINY, check
 
 AS_FACTORY = ["--factory", "check_factories:lnstab_gpt_lm", "--layer-pattern", r"transformer\.h\.(\d+)$"]
 ONE = ["--lrs", "1e-2", *TINY, "--no-reference"]
@@ -47,7 +47,7 @@ def test_the_references_train_without_it(tmp_path) -> None:
 
 
 def test_a_hugging_face_olmo_2_directory_trains_with_the_z_loss_its_own_loss_lacks(tmp_path) -> None:
-    from test_check_hf import olmo2
+    from support.check import olmo2
 
     olmo2().save_pretrained(tmp_path / "olmo2")
     hf = ["--hf", str(tmp_path / "olmo2"), "--hf-init", *ONE]

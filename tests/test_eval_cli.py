@@ -148,7 +148,7 @@ def test_cli_rejects_a_file_that_is_not_a_checkpoint(tmp_path, capsys) -> None:
 
 @pytest.mark.slow
 def test_callback_under_two_process_ddp_equals_single_process(tmp_path) -> None:
-    from test_eval_model import assert_same_evaluation
+    from support.evaluation import assert_same_evaluation
 
     from lnstab.evaluation import evaluate_model
 

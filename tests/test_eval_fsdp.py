@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from test_cli_runs import tiny_config
+from support.runs import tiny_config
 
 from lnstab.cli import cli_main
 from lnstab.evaluation import evaluate_model

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from support.evaluation import assert_same_evaluation
+
 from lnstab.evaluation import evaluate_model  # noqa: E402
 from lnstab.model import GPT, GPTConfig  # noqa: E402
 from lnstab.tokenizer import gpt2_encoding  # noqa: E402
@@ -99,20 +101,6 @@ def _ddp_worker(rank: int, world: int, port: int, state_path: str, out_dir: str)
             json.dump(results, f)
     finally:
         dist.destroy_process_group()
-
-
-def assert_same_evaluation(a: dict, b: dict) -> None:
-    """Same windows, texts and order exactly; scores equal up to float rounding (1e-6 relative), since ranks run with
-    fewer threads than one process and CPU kernels reduce in thread-count-dependent order."""
-    assert len(a["samples"]) == len(b["samples"])
-    for x, y in zip(a["samples"], b["samples"], strict=True):
-        assert {k: v for k, v in x.items() if isinstance(v, str | int)} == {
-            k: v for k, v in y.items() if isinstance(v, str | int)
-        }
-        for k, v in x.items():
-            if isinstance(v, float):
-                assert v == pytest.approx(y[k], rel=1e-6, abs=1e-9), k
-    assert a["metrics"] == pytest.approx(b["metrics"], rel=1e-6, abs=1e-9)
 
 
 def ddp_cases() -> list[dict]:

@@ -113,3 +113,18 @@ def test_no_product_module_imports_a_layer_above_its_own() -> None:
     upward = {(name, target) for name, path in known.items() for target in imports(name, path, known)
               if layer(target) > layer(name)}
     assert upward == UPWARD
+
+
+def test_no_test_module_imports_another() -> None:
+    """What several test files share lives in tests/support (helpers) or tests/conftest.py (fixtures): a test module
+    imported by another runs its module-level code twice and ties two files' edits together."""
+    tests = ROOT / "tests"
+    names = {p.stem for p in tests.glob("test_*.py")}
+    offenders = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                       else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            offenders += [f"{path.relative_to(ROOT)}:{node.lineno} imports {t}" for t in targets
+                          if t.split(".")[0] in names or t.startswith("tests.test_")]
+    assert offenders == [], offenders

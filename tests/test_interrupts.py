@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_cli_runs import fit, tiny_config, weights
+from support.runs import fit, tiny_config, weights
 
 from lnstab.checkpoint import AtomicCheckpointIO, CheckpointError, is_complete, load_checkpoint
 from lnstab.rundir import read_summary

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.module import saved_bytes
 
 from lnstab.memory import estimate_memory, total_params
 from lnstab.model import GPT, NORM_PLACEMENTS, GPTConfig
@@ -15,22 +16,6 @@ def test_parameter_count_matches_the_model(preset: str, placement: str) -> None:
     config = GPTConfig.preset(preset, norm_placement=placement, bias=False, pad_vocab_multiple=64)
     with torch.device("meta"):
         assert total_params(config) == GPT(config).num_params()
-
-
-def saved_bytes(model: GPT, x: torch.Tensor) -> int:
-    """Bytes of the distinct storages autograd saves for the backward pass of ``model(x, x)``, parameters excluded."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x, x)
-    return sum(storages.values())
 
 
 @pytest.mark.parametrize("placement", NORM_PLACEMENTS)

@@ -10,8 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from test_memory import saved_bytes
-from test_module import StepOfRead, small_data, small_module
+from support.module import StepOfRead, saved_bytes, small_data, small_module
 from torch import nn
 
 from lnstab.errors import ConfigError

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_check import ENCODER, GPT, TINY
+from support.check import ENCODER, GPT, TINY
 
 from lnstab.check.criteria import load_thresholds
 from lnstab.cli import main
@@ -211,7 +211,7 @@ def test_a_default_run_root_under_a_file_is_one_line(tmp_path, capsys, monkeypat
 
 
 def test_a_billion_laughs_as_a_model_value_is_one_line(tmp_path, capsys) -> None:
-    from test_probe_files import inline_laughs
+    from support.probes import inline_laughs
 
     code, err = run_check(capsys, *GPT, "--model.betas", inline_laughs(), *ONE_RUN, "--out", str(tmp_path / "c"))
     assert code == 2 and "a --model.* value: its aliases expand to more than 100000 values" in err

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_cli_runs import tiny_config
-from test_report import grid  # noqa: F401 - the fixture: eight runs of three configurations, one missing
+from support.runs import tiny_config
 
 from lnstab import rundir
 from lnstab.cli import main
@@ -47,7 +46,7 @@ def damage(run: Path, name: str, how: str) -> None:
         path.write_text("model: [unclosed\n")
 
 
-def test_damaged_run_files_are_named_counted_and_the_rest_reported(grid, tmp_path, capsys) -> None:  # noqa: F811
+def test_damaged_run_files_are_named_counted_and_the_rest_reported(grid, tmp_path, capsys) -> None:
     for run, (name, how, _) in DAMAGE.items():
         damage(grid / run, name, how)
     out = tmp_path / "report"
@@ -70,7 +69,7 @@ def test_damaged_run_files_are_named_counted_and_the_rest_reported(grid, tmp_pat
     assert {row["run"]: row["status"] for row in runs_table(records).rows}["peri_s1"] == "damaged"
 
 
-def test_a_corrupt_manifest_is_one_line_and_the_runs_are_still_reported(grid, tmp_path, capsys) -> None:  # noqa: F811
+def test_a_corrupt_manifest_is_one_line_and_the_runs_are_still_reported(grid, tmp_path, capsys) -> None:
     manifest = grid / ".sweep" / "manifest.json"
     truncate(manifest)
     main(["report", str(grid), "--out", str(tmp_path / "report")])

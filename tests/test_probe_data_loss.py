@@ -18,9 +18,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_cli_runs import tiny_config
-from test_probe_disk import small_tmpfs
-from test_report import grid  # noqa: F401 - the fixture: eight runs of three configurations, one missing
+from support.probes import small_tmpfs
+from support.runs import tiny_config
 
 from lnstab import runlock
 from lnstab.cli import main
@@ -125,7 +124,7 @@ def test_the_bounded_reader_refuses_a_number_too_long_in_one_line(tmp_path) -> N
         "a": int("7" * MAX_NUMBER_CHARS), "b": HUGE, "c": 31}  # a quoted one is a string
 
 
-def test_lnstab_report_counts_a_run_with_a_number_too_long_as_damaged(grid, tmp_path, capsys) -> None:  # noqa: F811
+def test_lnstab_report_counts_a_run_with_a_number_too_long_as_damaged(grid, tmp_path, capsys) -> None:
     summary = grid / "pre_s0" / "summary.json"
     summary.write_text(summary.read_text().replace('"final_step": 100', f'"final_step": {HUGE}'))
     events = grid / "peri_s1" / "divergence_events.jsonl"
@@ -175,7 +174,7 @@ def test_a_resume_past_a_summary_with_a_number_too_long_keeps_it_and_trains_on(t
 
 
 @pytest.mark.system
-def test_lnstab_report_on_a_full_disk_is_one_line_and_exit_1(grid, full_disk, capsys) -> None:  # noqa: F811
+def test_lnstab_report_on_a_full_disk_is_one_line_and_exit_1(grid, full_disk, capsys) -> None:
     out = full_disk / "report"
     with pytest.raises(SystemExit) as info:
         main(["report", str(grid), "--out", str(out)])  # before: an OSError traceback
@@ -201,7 +200,7 @@ def test_lnstab_sweep_on_a_full_disk_is_one_line_and_exit_1(full_disk, tmp_path,
 @pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # the event writer's thread too
 def test_lnstab_check_on_a_full_disk_ends_in_one_line_naming_the_file_and_exit_3(full_disk, capsys) -> None:
     """A check is a gate: a full disk is a failure with no verdict (3), never "a criterion fails" (1)."""
-    from test_check import GPT, TINY
+    from support.check import GPT, TINY
 
     out = full_disk / "check"
     with pytest.raises(SystemExit) as info:

@@ -8,18 +8,17 @@ left; through ``lnstab fit`` that line is what ``summary.json`` records.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import resource
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_cli_runs import tiny_config
+from support.probes import small_tmpfs
+from support.runs import tiny_config
 
 pytestmark = pytest.mark.system  # a mounted tmpfs and a file-size rlimit, in child processes
 
@@ -38,25 +37,6 @@ try:
 except CheckpointWriteError as exc:
     print(json.dumps({"error": str(exc)}))
 """
-
-
-@contextlib.contextmanager
-def small_tmpfs(where: Path, size: str = "512k") -> Iterator[bool]:
-    """A tmpfs of ``size`` mounted at ``where`` (yields True), or False where mounting is refused."""
-    where.mkdir()
-    if os.geteuid() != 0:
-        yield False
-        return
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        yield False
-        return
-    try:
-        yield True
-    finally:
-        if subprocess.run(["umount", str(where)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
 def save_twice(path: Path, limit: int) -> str | None:

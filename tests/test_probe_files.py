@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_cli_runs import tiny_config
+from support.probes import inline_laughs
+from support.runs import tiny_config
 
 from lnstab.cli import main
 from lnstab.rundir import read_json, read_summary, write_json
@@ -29,12 +30,6 @@ def laughs(levels: int = 9, width: int = 10, indent: str = "") -> str:
     lines = [f'{indent}a0: &a0 ["lol"]']
     lines += [f"{indent}a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * width) + "]" for i in range(1, levels)]
     return "\n".join(lines) + "\n"
-
-
-def inline_laughs(levels: int = 9, width: int = 10) -> str:
-    """The same as one flow sequence (a value on a command line, or inside a string)."""
-    items = ["&a0 [lol]"] + [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * width) + "]" for i in range(1, levels)]
-    return "[" + ", ".join(items) + "]"
 
 
 def one_line(capsys, *args: str) -> str:

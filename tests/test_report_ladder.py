@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_report import make_run, write_scalars
+from support.report import make_run, write_scalars
 
 from lnstab.report import collect
 from lnstab.report.figures import lr_ladder, palette

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from test_cli_runs import fit, one_line_error, tiny_config
+from support.runs import fit, one_line_error, tiny_config
 
 from lnstab import runlock
 from lnstab.cli import main

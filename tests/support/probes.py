@@ -1,0 +1,35 @@
+"""What the hostile probes share: a small tmpfs to fill (a full disk) and a YAML bomb as inline text."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def small_tmpfs(where: Path, size: str = "512k") -> Iterator[bool]:
+    """A tmpfs of ``size`` mounted at ``where`` (yields True), or False where mounting is refused."""
+    where.mkdir()
+    if os.geteuid() != 0:
+        yield False
+        return
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        if subprocess.run(["umount", str(where)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def inline_laughs(levels: int = 9, width: int = 10) -> str:
+    """A billion-laughs YAML bomb (nested anchors, ``width`` ** ``levels`` items) as one flow sequence: a value on a
+    command line, or inside a string."""
+    items = ["&a0 [lol]"] + [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * width) + "]" for i in range(1, levels)]
+    return "[" + ", ".join(items) + "]"
