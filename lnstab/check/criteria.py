@@ -363,11 +363,6 @@ DEFAULT_PATH = Path(__file__).parent / "thresholds.yaml"
 DEFAULT_THRESHOLDS: dict[str, dict[str, Any]] = read_defaults(DEFAULT_PATH)
 
 
-def criterion_value(criterion: str, summary: Summary) -> tuple[float, float]:
-    """``(value, sd)`` of ``criterion`` in one subject's :func:`~lnstab.check.analysis.summarise` output."""
-    return BY_ID[criterion].value(summary)
-
-
 def display(cid: str, value: float | None) -> str:
     """A criterion's value as the card reads it: spreads and growth as factors, losses in nats to 0.01."""
     if value is None or not math.isfinite(value):

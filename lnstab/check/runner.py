@@ -314,11 +314,4 @@ def run_record(run: Any, out: Path) -> dict[str, Any]:
     }
 
 
-def check_vocab_mode(value: str) -> str:
-    """``--vocab`` is ``protocol`` or ``model``."""
-    if value not in VOCAB_MODES:
-        raise LNStabError(f"--vocab {value} is not allowed; use protocol or model")
-    return value
-
-
 __all__ = ["GPT2_VOCAB", "Data", "grade", "load_data", "machine", "lnstab_version", "public_command"]
