@@ -4,6 +4,8 @@ torch.compile's on-disk cache is kept per CPU instruction set; the fixtures seve
 import getpass
 import os
 import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,3 +73,23 @@ def grid(tmp_path):
     from support.report import write_grid  # after the offline settings above
 
     return write_grid(tmp_path)
+
+
+@pytest.fixture
+def full_disk(tmp_path) -> Iterator[Path]:
+    """A 64 KB tmpfs, every byte taken by a file (directories and empty files can still be made in it). ``mount``
+    needs root: the test is skipped, saying so, where it is refused."""
+    from support.hostile import small_tmpfs
+
+    with small_tmpfs(tmp_path / "disk", "64k") as mounted:
+        if not mounted:
+            pytest.skip("mount -t tmpfs is refused here (it needs root): no real full disk to test against")
+        fd = os.open(tmp_path / "disk" / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        yield tmp_path / "disk"

@@ -1,13 +1,18 @@
-"""Runs through the CLI: where they live, how they resume, what their saved config reruns, and what is refused."""
+"""Runs through the CLI: where they live, how they resume (past a damaged summary too), what their saved config
+reruns, and what is refused (among it a run directory behind a broken link, or one whose summary is damaged)."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from support.hostile import HUGE
 from support.runs import fit, one_line_error, tiny_config, weights
 
 from lnstab.cli import cli_main, main
@@ -87,6 +92,24 @@ def test_ckpt_path_last_skips_a_truncated_newest_file(tmp_path) -> None:
     (run / "checkpoints" / "epoch=0-step=6.ckpt").write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     fit("--config", str(cfg), "--run_dir", str(run), "--ckpt_path", "last", "--trainer.max_steps", "6")
     assert read_summary(run)["final_step"] == 6  # resumed from step 4's last.ckpt, not the truncated file
+
+
+@pytest.mark.system
+def test_a_resume_past_a_summary_with_a_number_too_long_keeps_it_and_trains_on(tmp_path) -> None:
+    """``--ckpt_path last`` with such a summary: a damaged summary, which the resume sets aside byte for byte and
+    repairs (as it does a truncated one), instead of a ValueError after a new event file was written."""
+    cfg, run = tiny_config(tmp_path), tmp_path / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "lnstab.cli", "fit", "--config", str(cfg), "--run_dir", str(run)]
+    done = subprocess.run([*command, "--trainer.max_steps", "2"], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = run / "summary.json"
+    damaged = summary.read_text().replace('"final_step": 2', f'"final_step": {HUGE}')
+    summary.write_text(damaged)
+    done = subprocess.run([*command, "--ckpt_path", "last"], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert (run / "summary.damaged-1.json").read_text() == damaged  # nothing lost
+    assert read_summary(run)["status"] == "completed" and read_summary(run)["final_step"] == 4
 
 
 def test_auto_starts_fresh_when_there_is_nothing_to_resume(tmp_path) -> None:
@@ -204,6 +227,35 @@ def test_an_unwritable_run_dir_or_a_bad_callback_in_yaml_is_one_line_before_anyt
         {"class_path": "lnstab.callbacks.HiddenStateStatistics", "init_args": {"every_n_steps": 0}}]}}))
     assert "every_n_steps=0 is not allowed" in one_line_error(capsys, "fit", "--config", str(bad))
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_fresh_fit_into_a_run_dir_with_a_corrupt_summary_is_the_usual_refusal(tmp_path, capsys) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text('{"status": "comp')
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--config", str(tiny_config(tmp_path)), "--run_dir", str(run)])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and "\n" not in err, err
+    assert f"--run_dir {run} already holds a run (status unknown: summary.json is damaged: not valid JSON" in err
+    assert sorted(p.name for p in run.iterdir()) == ["summary.json"]
+
+
+@pytest.mark.parametrize("kind", ["dangling", "loop", "under_dangling", "under_file"])
+def test_a_run_dir_behind_a_broken_link_or_under_a_file_is_one_line(kind, tmp_path, capsys) -> None:
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "loop_a").symlink_to(tmp_path / "loop_b")
+    (tmp_path / "loop_b").symlink_to(tmp_path / "loop_a")
+    run_dir, expected = {
+        "dangling": (tmp_path / "dangling", "is a symbolic link to"),
+        "loop": (tmp_path / "loop_a", "is a loop of symbolic links"),
+        "under_dangling": (tmp_path / "dangling" / "run", "which does not exist"),
+        "under_file": (tmp_path / "file" / "a" / "run", "is a file, not a directory"),
+    }[kind]
+    cfg = tiny_config(tmp_path)
+    assert expected in one_line_error(capsys, "fit", "--config", str(cfg), "--run_dir", str(run_dir))
+    assert not (tmp_path / "nowhere").exists() and not (tmp_path / "runs").exists()
 
 
 def test_run_files_are_readable_by_others(tmp_path) -> None:

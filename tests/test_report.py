@@ -1,5 +1,7 @@
 """``lnstab report``: tables computed from fixture run directories (a diverged, an interrupted and a missing run
-among them), figures written, resumed TensorBoard logs, and one-line errors for what is not an lnstab run."""
+among them), figures written, resumed TensorBoard logs, and one-line errors for what is not an lnstab run; damaged
+run files (cut short, not JSON or YAML, a number too long) and a corrupt sweep manifest named in one line each and
+counted, the healthy runs reported as before; a full disk as one line, exit 1."""
 
 from __future__ import annotations
 
@@ -10,12 +12,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.hostile import ENOSPC, HUGE, truncate
 from support.report import TAGS, make_run, write_scalars
 
 from lnstab.cli import main
 from lnstab.report import collect, divergence_table, performance_table, stability_table
 from lnstab.report.collect import read_scalars
-from lnstab.report.tables import mean_std
+from lnstab.report.tables import mean_std, runs_table
 from lnstab.rundir import write_json
 
 
@@ -280,3 +283,80 @@ def test_logit_table_takes_extremes_over_layers_and_steps_then_means_over_seeds(
     assert row["n"] == 2 and row["attn_max_logit_mean"] == pytest.approx(40.0)  # 30 and 50: NaN steps left out
     assert row["attn_entropy_min_mean"] == pytest.approx(0.2) and row["attn_collapsed_mean"] == pytest.approx(0.25)
     assert row["log_z_last_mean"] == pytest.approx(6.0) and row["output_max_logit_mean"] == pytest.approx(4.0)
+
+
+DAMAGE = {  # run -> (file, how, what the line says)
+    "pre_s0": ("summary.json", "truncate", "summary.json is damaged: not valid JSON at line"),
+    "pre_s1": ("eval.json", "truncate", "eval.json is damaged: not valid JSON"),
+    "peri_s0": ("hidden_stats.json", "truncate", "hidden_stats.json is damaged: not valid JSON"),
+    "peri_s1": ("divergence_events.jsonl", "half-line", "divergence_events.jsonl is damaged: line 2 is not valid JSON"),
+    "none_s1": ("config.yaml", "not-yaml", "config.yaml is damaged: not valid YAML at line 2"),
+}
+
+
+def damage(run: Path, name: str, how: str) -> None:
+    path = run / name
+    if how == "truncate":
+        truncate(path)
+    elif how == "half-line":
+        path.write_text('{"step": 3, "kind": "loss_spike", "value": 9.5}\n{"step": 4, "kind": "nonfin')
+    else:
+        path.write_text("model: [unclosed\n")
+
+
+def test_damaged_run_files_are_named_counted_and_the_rest_reported(grid, tmp_path, capsys) -> None:
+    for run, (name, how, _) in DAMAGE.items():
+        damage(grid / run, name, how)
+    out = tmp_path / "report"
+    main(["report", str(grid), "--out", str(out)])
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == len(DAMAGE), captured.err
+    for run, (_, _, said) in DAMAGE.items():
+        assert any(said in line and f"{run} is counted as a damaged run" in line for line in lines), (run, lines)
+    report = (out / "report.md").read_text()
+    assert "8 runs in 3 configuration(s): 5 damaged, 1 diverged, 1 interrupted, 1 missing." in report
+    assert all(f"- `{run}`: " in report for run in DAMAGE)
+    records = collect([grid], warn=lambda line: None)
+    assert {r.name for r in records if r.status == "damaged"} == set(DAMAGE)
+    divergence = {row["norm_placement"]: row for row in divergence_table(records).rows}
+    assert divergence["none"]["runs"] == 2 and divergence["none"]["diverged"] == 1  # none_s1 counted in its config
+    assert divergence["pre"]["unfinished"] == "2 damaged, 1 interrupted"
+    performance = {row["norm_placement"]: row for row in performance_table(records).rows}
+    assert performance["pre"]["n"] == 0 and performance["pre"]["runs"] == 3  # no data used, still counted
+    assert {row["run"]: row["status"] for row in runs_table(records).rows}["peri_s1"] == "damaged"
+
+
+def test_a_corrupt_manifest_is_one_line_and_the_runs_are_still_reported(grid, tmp_path, capsys) -> None:
+    manifest = grid / ".sweep" / "manifest.json"
+    truncate(manifest)
+    main(["report", str(grid), "--out", str(tmp_path / "report")])
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"{manifest} is damaged: not valid JSON" in err and "left out" in err
+    assert "7 runs in 3 configuration(s)" in (tmp_path / "report" / "report.md").read_text()  # no missing run now
+
+
+def test_lnstab_report_counts_a_run_with_a_number_too_long_as_damaged(grid, tmp_path, capsys) -> None:
+    summary = grid / "pre_s0" / "summary.json"
+    summary.write_text(summary.read_text().replace('"final_step": 100', f'"final_step": {HUGE}'))
+    events = grid / "peri_s1" / "divergence_events.jsonl"
+    events.write_text(f'{{"step": {HUGE}, "kind": "loss_spike"}}\n')
+    out = tmp_path / "report"
+    main(["report", str(grid), "--out", str(out)])  # before: ValueError, no report
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2, lines
+    assert any(f"{summary} is damaged: holds a number of 5001 characters" in line and "pre_s0 is counted as a "
+               "damaged run" in line for line in lines), lines
+    assert any(f"{events} is damaged: line 1 holds a number of 5001 characters" in line for line in lines), lines
+    assert "8 runs in 3 configuration(s): 3 completed, 2 damaged, 1 diverged," in (out / "report.md").read_text()
+
+
+@pytest.mark.system
+def test_lnstab_report_on_a_full_disk_is_one_line_and_exit_1(grid, full_disk, capsys) -> None:
+    out = full_disk / "report"
+    with pytest.raises(SystemExit) as info:
+        main(["report", str(grid), "--out", str(out)])  # before: an OSError traceback
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 1 and "\n" not in err, err
+    assert err.startswith(f"lnstab: error: {out}/") and err.endswith(ENOSPC), err
+    assert not any(p.name.endswith(".tmp") for p in out.iterdir())  # no partial file left

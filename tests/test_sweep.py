@@ -1,9 +1,11 @@
-"""``lnstab sweep``: grid expansion, bad grids as one-line errors, rerun decisions, SLURM and torchrun launch."""
+"""``lnstab sweep``: grid expansion, bad grids as one-line errors, rerun decisions, SLURM and torchrun launch; a
+damaged run file or manifest, a full disk and a file where the sweep's directory goes, each one line."""
 
 from __future__ import annotations
 
 import datetime as dt
 import fcntl
+import math
 import os
 import sys
 import threading
@@ -13,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.hostile import ENOSPC, HUGE, truncate
+from support.runs import one_line_error
 
 from lnstab.cli import main
 from lnstab.errors import LNStabError
@@ -21,7 +25,16 @@ from lnstab.sweep.cli import prepare
 from lnstab.sweep.grid import GridError, cli_value, load_grid
 from lnstab.sweep.runner import fit_command
 from lnstab.sweep.slurm import sbatch_script, slurm_settings, torchrun_commands
-from lnstab.sweep.state import is_locked, lock_path, move_aside, plan, record_manifest, run_directory, run_lock
+from lnstab.sweep.state import (
+    is_locked,
+    lock_path,
+    move_aside,
+    plan,
+    read_manifest,
+    record_manifest,
+    run_directory,
+    run_lock,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 GRIDS = sorted((ROOT / "experiments" / "grids").glob("*.yaml"))
@@ -140,6 +153,16 @@ def test_paper_divergence_grid_names() -> None:
     assert {f"{p}_wd{wd}_s{s}" for p in ("pre", "peri", "none") for wd in ("0.1", "0") for s in range(5)} == names
 
 
+@pytest.mark.parametrize("value", ["..", ".", ".hidden"])
+def test_a_run_name_that_would_leave_its_grid_directory_is_refused(value, tmp_path, capsys) -> None:
+    grid = tmp_path / "g.yaml"
+    grid.write_text(yaml.safe_dump({"base": QUICKSTART, "axes": {"data.init_args.path": [value, "ok"]}}))
+    err = one_line_error(capsys, "sweep", str(grid), "--dry-run", "--root", str(tmp_path / "runs"))
+    assert f"run name {value!r}" in err and "is not allowed" in err
+    one_line_error(capsys, "sweep", str(grid), "--slurm", "--no-validate", "--root", str(tmp_path / "runs"))
+    assert not (tmp_path / "runs").exists()
+
+
 # ----------------------------------------------------------------------------------------------- rerun decisions
 def make_run(directory: Path, status: str | None, checkpoint: bool = False) -> Path:
     directory.mkdir(parents=True)
@@ -197,6 +220,29 @@ def test_manifest_refuses_a_changed_run_under_the_same_name(tmp_path) -> None:
                                               "overrides": {"trainer.max_steps": 6}}))
     with pytest.raises(GridError, match="was launched with other overrides .differs in trainer.max_steps"):
         record_manifest(root, changed, changed.runs)
+
+
+def test_a_grid_of_the_strings_inf_and_nan_reruns_and_reports(tmp_path, capsys) -> None:
+    grid_file = tmp_path / "g.yaml"  # two runs named inf and nan, and a float NaN in every run
+    grid_file.write_text(f"base: {QUICKSTART}\naxes:\n  data.init_args.path: ['inf', 'nan']\n"
+                         f"overrides:\n  model.dropout: .nan\n")
+    grid = load_grid(grid_file)
+    assert [r.name for r in grid.runs] == ["inf", "nan"]
+    root = tmp_path / "runs"
+    for _ in range(3):  # the unchanged grid, rerun: no "launched with other overrides", no runs added
+        record_manifest(root, grid, grid.runs)
+    manifest = read_manifest(root / grid.name)
+    assert [e["name"] for e in manifest["runs"]] == ["inf", "nan"]
+    assert manifest["runs"][1]["overrides"]["data.init_args.path"] == "nan"
+    assert math.isnan(manifest["runs"][1]["overrides"]["model.dropout"])
+    run = root / grid.name / "nan"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump({"data": {"init_args": {"path": "nan"}}}))
+    write_json(run / "summary.json", {"status": "completed", "final_step": 5, "val": {"loss": 2.5}})
+    main(["report", str(root / grid.name), "--out", str(tmp_path / "report")])
+    assert "2 runs in 2 configuration(s): 1 completed, 1 missing." in (tmp_path / "report" / "report.md").read_text()
+    rows = (tmp_path / "report" / "runs.csv").read_text().splitlines()[1:]
+    assert [row.split(",")[0] for row in rows] == ["inf", "nan"]
 
 
 def test_a_held_lock_means_running(tmp_path) -> None:
@@ -320,3 +366,94 @@ def test_a_cpu_job_requests_no_gpu_and_one_task_per_node(tmp_path) -> None:
     assert all("--nproc-per-node=1 " in x for x in commands.splitlines() if x.startswith("torchrun"))
     with pytest.raises(LNStabError, match=r"slurm gpus_per_node=-1 is not allowed; it must be an integer >= 0"):
         slurm_settings(grid, gpus_per_node=-1)
+
+
+# ----------------------------------------------------------------- damaged files, a full disk, a file in the way
+def test_a_corrupt_manifest_stops_a_sweep_in_one_line(tmp_path, capsys) -> None:
+    grid_file = tmp_path / "g.yaml"
+    grid_file.write_text(yaml.safe_dump({"base": QUICKSTART, "axes": {"seed_everything": [0]}}))
+    write_json(tmp_path / "runs" / "g" / "s0" / "summary.json", {"status": "completed"})  # nothing to train
+    manifest = tmp_path / "runs" / "g" / ".sweep" / "manifest.json"
+    manifest.parent.mkdir()
+    manifest.write_text('{"grid": "g.yaml", "runs": [{"name": "s0", "overr')
+    before = manifest.read_bytes()
+    with pytest.raises(SystemExit) as info:
+        main(["sweep", str(grid_file), "--no-validate", "--root", str(tmp_path / "runs")])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and "\n" not in err and f"{manifest} is damaged: not valid JSON" in err
+    assert manifest.read_bytes() == before  # not overwritten
+
+
+def test_a_manifest_naming_a_run_outside_the_grid_is_damaged(tmp_path, capsys) -> None:
+    grid = tmp_path / "g.yaml"
+    grid.write_text(yaml.safe_dump({"base": QUICKSTART, "axes": {"seed_everything": [0]}}))
+    write_json(tmp_path / "runs" / "g" / "s0" / "summary.json", {"status": "completed"})  # nothing to train
+    manifest = tmp_path / "runs" / "g" / ".sweep" / "manifest.json"
+    write_json(manifest, {"grid": str(grid), "base": QUICKSTART, "runs": [{"name": "..", "overrides": {}}]})
+    err = one_line_error(capsys, "sweep", str(grid), "--no-validate", "--root", str(tmp_path / "runs"))
+    assert f"{manifest} is damaged: runs[0] has the name '..'" in err
+
+
+def test_sweep_status_shows_a_damaged_run_and_the_others(tmp_path, capsys) -> None:
+    grid_file = tmp_path / "g.yaml"
+    grid_file.write_text(yaml.safe_dump({"base": QUICKSTART, "axes": {"seed_everything": [0, 1, 2]}}))
+    runs = tmp_path / "runs" / "g"
+    write_json(runs / "s0" / "summary.json", {"status": "completed", "final_step": 9, "val": {"loss": 1.25},
+                                              "wall_s": 30})
+    write_json(runs / "s1" / "summary.json", {"status": "completed"})
+    truncate(runs / "s1" / "summary.json")
+    main(["sweep", str(grid_file), "--status", "--root", str(tmp_path / "runs")])
+    out = capsys.readouterr().out
+    table = {line.split()[0]: line.split() for line in out.splitlines()[1:4]}
+    assert table["s0"][1:4] == ["completed", "9", "1.2500"] and table["s1"][1] == "damaged"
+    assert table["s2"][1] == "pending"
+    assert "3 runs: 1 completed, 1 damaged, 1 pending" in out
+    assert f"damaged: s1: {runs / 's1' / 'summary.json'} is damaged: not valid JSON" in out
+    assert plan(runs / "s1").action == "skip"  # a rerun leaves it alone: its state is unknown
+
+
+def test_sweep_status_shows_a_run_with_a_number_too_long_as_damaged(tmp_path, capsys) -> None:
+    grid_file = tmp_path / "g.yaml"
+    grid_file.write_text(yaml.safe_dump({"base": QUICKSTART, "axes": {"seed_everything": [0, 1]}}))
+    runs = tmp_path / "runs" / "g"
+    write_json(runs / "s0" / "summary.json", {"status": "completed", "final_step": 9})
+    (runs / "s1").mkdir()
+    (runs / "s1" / "summary.json").write_text(f'{{"status": "completed", "final_step": {HUGE}}}')
+    main(["sweep", str(grid_file), "--status", "--root", str(tmp_path / "runs")])  # before: ValueError
+    out = capsys.readouterr().out
+    assert "2 runs: 1 completed, 1 damaged" in out
+    assert f"damaged: s1: {runs / 's1' / 'summary.json'} is damaged: holds a number of 5001 characters" in out
+
+
+@pytest.mark.system
+def test_lnstab_sweep_on_a_full_disk_is_one_line_and_exit_1(full_disk, tmp_path, capsys) -> None:
+    grid_file = tmp_path / "g.yaml"
+    grid_file.write_text(yaml.safe_dump({"base": QUICKSTART, "axes": {"seed_everything": [0]}}))
+    (full_disk / "runs" / "g" / "s0").mkdir(parents=True)  # made before the disk filled: nothing to train
+    with pytest.raises(SystemExit) as info:
+        main(["sweep", str(grid_file), "--no-validate", "--root", str(full_disk / "runs")])
+    err = capsys.readouterr().err.strip()
+    manifest = full_disk / "runs" / "g" / ".sweep" / "manifest.json"
+    assert info.value.code == 1 and err == f"lnstab: error: {manifest} {ENOSPC}", err
+
+
+def files_of(*roots: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for root in roots for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(("where", "mode"), [(".sweep", []), (".sweep", ["--prepare", "s0"]),
+                                             (".sweep", ["--slurm", "--gpus-per-node", "0"]),
+                                             (".sweep/locks", []), (".sweep/logs", [])])
+def test_a_file_where_the_sweeps_directory_goes_is_one_line_and_exit_2(where, mode, tmp_path, capsys) -> None:
+    grid_file = tmp_path / "g.yaml"
+    grid_file.write_text(yaml.safe_dump({"base": QUICKSTART, "axes": {"seed_everything": [0]}}))
+    path = tmp_path / "runs" / "g" / where
+    path.parent.mkdir(parents=True)
+    path.write_text("a file of the user's\n")
+    before = files_of(tmp_path / "runs")
+    with pytest.raises(SystemExit) as info:
+        main(["sweep", str(grid_file), "--no-validate", "--root", str(tmp_path / "runs"), *mode])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and "\n" not in err, err  # before: a FileExistsError or NotADirectoryError traceback
+    assert err.startswith(f"lnstab: error: {path} is a file, not a directory; lnstab sweep keeps its "), err
+    assert files_of(tmp_path / "runs") == before  # nothing written

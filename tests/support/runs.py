@@ -1,5 +1,6 @@
 """An lnstab experiment small enough for a test (a 2-layer model on the synthetic stream, resuming exactly) and the
-CLI helpers the run, signal, probe and evaluation tests share: fit through the CLI, a one-line error, saved weights."""
+CLI helpers the run, signal, checkpoint, run lock, safeload and evaluation tests share: fit through the CLI, a
+one-line error, saved weights."""
 
 from __future__ import annotations
 
@@ -48,12 +49,12 @@ def fit(*args: str) -> None:
 
 
 def one_line_error(capsys, *args: str) -> str:
+    """Run ``lnstab *args``; it must exit 2 with exactly one ``lnstab: error:`` line; that line."""
     capsys.readouterr()  # drop what earlier runs in this test printed
     with pytest.raises(SystemExit) as info:
         main(list(args))
-    assert info.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("lnstab: error: ") and "\n" not in err, err
+    assert info.value.code == 2 and err.startswith("lnstab: error: ") and "\n" not in err, err
     return err
 
 

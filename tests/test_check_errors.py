@@ -1,5 +1,6 @@
-"""``lnstab check`` on faulty models and hostile flags (issue 16): a crash is exit 3 with one line, never the exit 1
-of a failed criterion; empty or repeated ladders, a bad ``--out`` and a huge threshold expression are usage errors.
+"""How ``lnstab check`` fails: a faulty model (one that breaks in training, ends the process, or is NaN) is exit 3
+with one line, never the exit 1 of a failed criterion; hostile flags (empty or repeated ladders, a bad ``--out``, a huge
+threshold expression, a YAML bomb) are usage errors; a full disk is exit 3 naming the file.
 
 The faulty models (``check_faulty``) pass the check's up-front probe and break in the first stress run.
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from support.check import ENCODER, GPT, TINY
+from support.hostile import ENOSPC
 
 from lnstab.check.criteria import load_thresholds
 from lnstab.cli import main
@@ -211,8 +213,22 @@ def test_a_default_run_root_under_a_file_is_one_line(tmp_path, capsys, monkeypat
 
 
 def test_a_billion_laughs_as_a_model_value_is_one_line(tmp_path, capsys) -> None:
-    from support.probes import inline_laughs
+    from support.hostile import inline_laughs
 
     code, err = run_check(capsys, *GPT, "--model.betas", inline_laughs(), *ONE_RUN, "--out", str(tmp_path / "c"))
     assert code == 2 and "a --model.* value: its aliases expand to more than 100000 values" in err
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.system
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # the event writer's thread too
+def test_lnstab_check_on_a_full_disk_ends_in_one_line_naming_the_file_and_exit_3(full_disk, capsys) -> None:
+    """A check is a gate: a full disk is a failure with no verdict (3), never "a criterion fails" (1)."""
+    out = full_disk / "check"
+    with pytest.raises(SystemExit) as info:
+        main(["check", *GPT, *TINY, "--lrs", "1e-2", "--out", str(out)])
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert info.value.code == 3 and last.startswith("lnstab: error: lnstab check: ") and ENOSPC in last, last
+    assert "Traceback" not in err and "Exception in thread" not in err, err  # nor the event writer's thread
+    assert f"{out}/" in last, last  # a file of the check's directory is named

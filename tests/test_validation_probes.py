@@ -1,4 +1,5 @@
-"""The model-update probe (docs/check/validation/probes/model_update.py) measures what its README says."""
+"""The validation's probe scripts (docs/check/validation/probes/): the model-update probe (model_update.py) measures
+what its README says."""
 
 from __future__ import annotations
 

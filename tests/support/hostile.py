@@ -1,4 +1,5 @@
-"""What the hostile probes share: a small tmpfs to fill (a full disk) and a YAML bomb as inline text."""
+"""Hostile inputs several test files share: a small tmpfs to fill (a full disk) and the one line a full disk is
+reported in, a YAML bomb as inline text, a number too long to read, and a file cut short."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+
+HUGE = "1" + "0" * 5000  # past Python's 4,300-digit limit of int(): a ValueError traceback before
+ENOSPC = "cannot be written: No space left on device (errno 28 ENOSPC)"
 
 
 @contextlib.contextmanager
@@ -33,3 +37,9 @@ def inline_laughs(levels: int = 9, width: int = 10) -> str:
     command line, or inside a string."""
     items = ["&a0 [lol]"] + [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * width) + "]" for i in range(1, levels)]
     return "[" + ", ".join(items) + "]"
+
+
+def truncate(path: Path, keep: float = 0.5) -> None:
+    """Cut ``path`` to the first ``keep`` of its bytes, as a write ended half-way leaves it."""
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])

@@ -1,4 +1,4 @@
-"""A checkpoint write that the operating system refuses (issue 16): a full disk, or a file-size limit.
+"""``lnstab.checkpoint``'s writes when the operating system refuses one: a full disk, or a file-size limit.
 
 Real OS failures, not mocks: a small tmpfs filled to the brim (ENOSPC) where ``mount`` is allowed (root), and
 ``RLIMIT_FSIZE`` with SIGXFSZ ignored (EFBIG) in a child process, which needs no privilege. Either way the error
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.probes import small_tmpfs
+from support.hostile import small_tmpfs
 from support.runs import tiny_config
 
 pytestmark = pytest.mark.system  # a mounted tmpfs and a file-size rlimit, in child processes
