@@ -13,12 +13,15 @@ check may build it with its protocol vocabulary. Goal: a card ≤ 60 s wall on 2
 Issue 39's cards, now only (``--no-before``): ``factory-own`` is the same factory without a ``vocab_size`` argument
 (:func:`dyt_lm_own`), so the check trains GPT-2's 50,257-wide head, and the line printed after the pair is its wall
 time over the factory's; ``--tier proxy`` makes each card at the proxy tier (docs/proxy's shape and ladder, 16 runs a
-subject), which the check before issue 19 does not have.
+subject), which the check before issue 19 does not have. ``--warm`` makes each card a second time, reusing the first
+card's reference runs (``lnstab.check.cache``), and prints the first card's time over the second's.
 
     python benchmarks/bench_check.py                       # both subjects, old and new (~15 min on a shared 2-core CPU)
     python benchmarks/bench_check.py --only lnstab --data ../shared/data/openwebtext/owt-sample-900.jsonl.gz
     python benchmarks/bench_check.py --no-before --only factory,factory-own --data ...   # the cost of no vocab_size
     python benchmarks/bench_check.py --no-before --only lnstab --tier proxy --data ...   # a proxy-tier card
+    python benchmarks/bench_check.py --no-before --only lnstab --warm --data ...   # a first card, then one reusing
+                                                                                  # its reference runs
 """
 
 from __future__ import annotations
@@ -123,11 +126,13 @@ def baseline_tree(commit: str, where: Path) -> Path:
     return src
 
 
-def card(args: list[str], out: Path, pythonpath: list[str]) -> dict:
+def card(args: list[str], out: Path, pythonpath: list[str], cache: Path) -> dict:
     """One whole ``lnstab check`` process; its wall seconds, exit code and verdict. It runs in ``out``'s parent, not
     in this checkout, whose ``lnstab/`` would otherwise shadow ``pythonpath`` (``python -c`` puts the working
-    directory first on ``sys.path``)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(pythonpath), "HF_HUB_OFFLINE": "1"}
+    directory first on ``sys.path``). Its reference runs are kept in ``cache`` (the check before issue 19 keeps none),
+    empty for the first card of a subject, so that card trains them as a user's first card does."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(pythonpath), "HF_HUB_OFFLINE": "1",
+           "LNSTAB_CHECK_CACHE": str(cache)}
     code = ("import sys, lnstab; print('lnstab from', lnstab.__file__, file=sys.stderr); from lnstab.cli import main; "
             "sys.exit(main())")
     started = time.perf_counter()
@@ -150,6 +155,8 @@ def main() -> None:
                    help=f"Comma-separated subjects, of {', '.join(SUBJECTS)} (default: lnstab,factory).")
     p.add_argument("--tier", choices=("quick", "proxy"), default="quick", help="The tier of the 'now' cards.")
     p.add_argument("--no-before", action="store_true", help="Only the check as it is now (implied by --tier proxy).")
+    p.add_argument("--warm", action="store_true", help="Make each 'now' card twice: the second reuses the first's "
+                   "reference runs (lnstab.check.cache), as a user's second card of that shape does.")
     p.add_argument("--extra", default="", help="More lnstab check arguments for both (e.g. '--steps 6').")
     opts = p.parse_args()
     names = [n for n in opts.only.split(",") if n]
@@ -171,11 +178,12 @@ def main() -> None:
         old_src = baseline_tree(opts.baseline, Path(tmp)) if before else None
         for name in names:
             args = [*(PROXY_SUBJECTS if opts.tier == "proxy" else SUBJECTS)[name], *data, *extra]
-            new = card([*args, *tier], Path(tmp) / f"new-{name}", [str(ROOT), bench_dir])
+            kept = Path(tmp) / f"cache-{name}"
+            new = card([*args, *tier], Path(tmp) / f"new-{name}", [str(ROOT), bench_dir], kept)
             walls[name] = new["wall"]
             line = f"{name:11s} now {new['wall']:7.1f} s ({new['verdict']}, exit {new['exit']})"
             if old_src is not None:
-                old = card(args, Path(tmp) / f"old-{name}", [str(old_src), bench_dir])
+                old = card(args, Path(tmp) / f"old-{name}", [str(old_src), bench_dir], kept)
                 ratio = old["wall"] / new["wall"] if new["wall"] > 0 else math.nan
                 line = (f"{name:11s} before {old['wall']:7.1f} s ({old['verdict']}, exit {old['exit']})   now "
                         f"{new['wall']:7.1f} s ({new['verdict']}, exit {new['exit']})   before/now {ratio:5.2f}x")
@@ -183,6 +191,13 @@ def main() -> None:
             goal = (f"goal now <= {limit} s: " + ("met" if new["wall"] <= limit else "not met")
                     if new["exit"] in (0, 1) else "no card, no goal")
             print(f"{line}   {goal}; load {os.getloadavg()[0]:.1f}")
+            if opts.warm:  # the same card again: its reference runs come from the first one's
+                warm = card([*args, *tier], Path(tmp) / f"warm-{name}", [str(ROOT), bench_dir], kept)
+                goal = (f"goal <= {limit} s: " + ("met" if warm["wall"] <= limit else "not met")
+                        if warm["exit"] in (0, 1) else "no card, no goal")
+                print(f"{name:11s} again, references reused {warm['wall']:7.1f} s ({warm['verdict']}, exit "
+                      f"{warm['exit']})   first/again {new['wall'] / warm['wall']:5.2f}x   {goal}; "
+                      f"load {os.getloadavg()[0]:.1f}")
     if "factory" in walls and "factory-own" in walls:
         print(f"factory without vocab_size / with it: {walls['factory-own'] / walls['factory']:.2f}x wall")
 

@@ -12,6 +12,9 @@ import torch
 
 for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
     os.environ.setdefault(_var, "1")
+# lnstab check trains its references afresh in every test (no card reuses another test's, nor the user's
+# ~/.cache/lnstab/check); tests/test_check_cache.py turns the cache on where it tests it.
+os.environ["LNSTAB_CHECK_CACHE"] = "off"
 
 # Inductor's cache (/tmp/torchinductor_<user>) does not tell kernels built for AVX-512 from kernels built for AVX2
 # (torch 2.13): with the suite run natively and then under ATEN_CPU_CAPABILITY=avx2 (this suite's stand-in for an

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from lnstab import validation
+from lnstab.check.cache import cache_root
 from lnstab.check.options import (
     EXIT_FAILED,
     FACTORY_OPTIONS,
@@ -222,7 +223,8 @@ def run_check(args: argparse.Namespace, model_args: dict[str, Any], command: str
             subjects = [subject] + ([] if args.no_reference else references(subject, seq_len))
             out = run_directory(args, args.name or subject.name)  # only now: a usage error leaves nothing behind
             provenance = {"lnstab": lnstab_version(), "machine": machine(workers, per_worker)}
-            runs = run_ladder(subjects, protocol, data.tokens, out / "tb", progress=not args.no_progress, pool=pool)
+            runs = run_ladder(subjects, protocol, data.tokens, out / "tb", progress=not args.no_progress, pool=pool,
+                              cache=cache_root(args.no_cache))
         except Interrupted as exc:
             if out is not None:
                 note_interrupted(out, exc, f"{pool.finished} of {n_runs} stress runs finished")

@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--out", help="Run directory (default runs/check/<name>; never overwritten).")
     out.add_argument("--name", help="Name of the default run directory.")
     out.add_argument("--no-progress", action="store_true", help="No progress bar.")
+    out.add_argument("--no-cache", action="store_true", help="Train the references afresh: do not reuse (or keep) "
+                     "reference runs of earlier cards with the same shape, protocol, data, lnstab source, torch and "
+                     "CPU kind (kept in $LNSTAB_CHECK_CACHE, default ~/.cache/lnstab/check; off: never).")
     out.add_argument("--validate", action="store_true", help="Run the validation set (lnstab.check.validation) at "
                      "the default shape and write its README (--out, default docs/check/validation).")
     out.add_argument("--overwrite", action="store_true", help="With --validate: replace an earlier validation.")

@@ -221,9 +221,10 @@ def plan(subjects: list[Subject], protocol: Protocol) -> list[tuple[Subject, flo
 
 
 def run_ladder(subjects: list[Subject], protocol: Protocol, tokens: torch.Tensor, log_root: Path,
-               progress: bool = True, pool: Any = None) -> dict[str, list[RunResult]]:
+               progress: bool = True, pool: Any = None, cache: Path | None = None) -> dict[str, list[RunResult]]:
     """Train every planned run (a progress bar across runs on stderr) in ``pool`` (a
     :class:`~lnstab.check.workers.RunPool`; ``None``: this process); ``{subject key: runs}``, copies included.
+    With ``cache``, a reference run kept there by an earlier card is reused (:mod:`lnstab.check.cache`).
 
     Only the runs at the first learning rate probe the Jacobians at initialisation: the others start from the same
     seeded weights and batches, and the card reads the initial probe of the first rate only.
@@ -235,7 +236,7 @@ def run_ladder(subjects: list[Subject], protocol: Protocol, tokens: torch.Tensor
                 "measure_every": protocol.measure_every, "jacobian_iters": protocol.jacobian_iters,
                 "probe_size": protocol.probe_size, "accelerator": protocol.accelerator}
     first_lr = min(protocol.lrs)
-    jobs = [Job(i, s, lr, seed, {**settings, "probe_init": lr == first_lr}, tokens, log_root)
+    jobs = [Job(i, s, lr, seed, {**settings, "probe_init": lr == first_lr}, tokens, log_root, cache)
             for i, (s, lr, seed) in enumerate(plan(subjects, protocol))]
     results: dict[str, list[RunResult]] = {s.key: [] for s in subjects}
     bar = tqdm(total=len(jobs), desc="lnstab check", unit="run", disable=not progress, dynamic_ncols=True)

@@ -39,6 +39,7 @@ def terminal(card: dict[str, Any]) -> str:
         f"lnstab check: {card['model']['label']} — {MARK[card['status']]}",
         f"  {card['model']['description']}; {card['protocol_text']}",
         *([f"  {tier_text(card['tier'])}"] if card.get("tier") else []),
+        *([f"  {cached_text(card['runs'])}"] if any(r.get("cached") for r in card.get("runs", ())) else []),
         *([f"  weights shared across depth: {repeated_text(card['model']['repeated'])}"]
           if card["model"].get("repeated") else []),
         "",
@@ -51,6 +52,15 @@ def terminal(card: dict[str, Any]) -> str:
         f"report: {card.get('_out', card['out'])}/report.md  (exit {card['exit_code']}, {card['wall_s']:.0f} s)",
     ]
     return "\n".join(out) + "\n"
+
+
+def cached_text(runs: list[dict[str, Any]]) -> str:
+    """How many reference runs an earlier card's identical runs stood in for (``lnstab.check.cache``)."""
+    cached = [r for r in runs if r.get("cached")]
+    refs = sorted({r["subject"] for r in cached})
+    return (f"Reused: {len(cached)} of {len(runs)} stress runs ({', '.join(refs)}) are an earlier card's identical "
+            "reference runs (same config, protocol, token windows, lnstab source, torch, CPU kind and threads), not "
+            "trained again; `--no-cache` trains them afresh")
 
 
 def markdown(card: dict[str, Any]) -> str:
@@ -71,6 +81,7 @@ def markdown(card: dict[str, Any]) -> str:
         *([f"- Weights shared across depth: {repeated_text(card['model']['repeated'])}"]
           if card["model"].get("repeated") else []),
         *([f"- Made by {provenance(card['provenance'])}"] if card.get("provenance") else []),
+        *([f"- {cached_text(card['runs'])}"] if any(r.get("cached") for r in card.get("runs", ())) else []),
         "",
         f"| criterion | unit | measured | {ref_cols + ' | ' if refs else ''}warn | fail | status | why |",
         f"|---|---|---|{'---|' * len(refs)}---|---|---|---|",

@@ -311,6 +311,7 @@ def run_record(run: Any, out: Path) -> dict[str, Any]:
         "loss_final": run.losses[-1] if run.losses else float("nan"),
         "losses": run.losses, "events": run.events, "wall_s": run.wall_s,
         "log_dir": str(log_dir.relative_to(out)) if log_dir.is_relative_to(out) else public_path(run.log_dir),
+        **({"cached": True} if run.cached else {}),
     }
 
 

@@ -121,6 +121,7 @@ class RunResult:
     wall_s: float = 0.0
     repeated: dict[str, int] = field(default_factory=dict)  # block module -> calls in one forward, when above 1
     bound_unchecked: str = ""  # why output norms that were located did not get Theorem 4's bound checked
+    cached: bool = False  # reused from an earlier card's identical run (lnstab.check.cache), not trained again
 
 
 class ModelExit(SystemExit):

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from lnstab.check import cache
 from lnstab.check.runspec import exit_call, exits_caught
 from lnstab.parentdeath import blocked, die_with_parent
 
@@ -60,6 +61,7 @@ class Job:
     settings: dict[str, Any]
     tokens: torch.Tensor
     log_root: Path
+    cache: Path | None = None  # where reference runs are kept between cards (lnstab.check.cache); None: not kept
 
     def __getstate__(self) -> dict[str, Any]:
         # By value: a tensor pickled for another process would be shared through a file descriptor that the worker
@@ -85,6 +87,9 @@ def run_job(job: Job) -> Any:
     :class:`Failure` when the model (or the check) raised, or ended the process (``sys.exit``, ``os._exit``)."""
     from lnstab.check.training import stress_run
 
+    key = cache.run_key(job, torch.get_num_threads()) if job.cache is not None else None
+    if key is not None and (kept := cache.load(job.cache, key, job)) is not None:
+        return kept
     try:
         with exits_caught():
             torch.manual_seed(job.seed)
@@ -92,8 +97,11 @@ def run_job(job: Job) -> Any:
             if not any(p.requires_grad for p in model.parameters()):
                 raise ValueError("the model has no trainable parameters")
             with quiet():
-                return stress_run(job.subject.key, model, job.subject.sites, job.tokens, lr=job.lr, seed=job.seed,
-                                  log_root=job.log_root, z_loss=job.subject.z_loss, **job.settings)
+                result = stress_run(job.subject.key, model, job.subject.sites, job.tokens, lr=job.lr, seed=job.seed,
+                                    log_root=job.log_root, z_loss=job.subject.z_loss, **job.settings)
+            if key is not None:
+                cache.store(job.cache, key, result)
+            return result
     except SystemExit as exc:  # would pass `except Exception` and end the check with the model's status (0: a pass)
         return Failure(job.index, "SystemExit", f"the model ended the process during training ({exit_call(exc)})",
                        "".join(traceback.format_exception(exc)))
