@@ -5,9 +5,11 @@ completed, so a reader compared the reason's numbers with another rate's profile
 from __future__ import annotations
 
 import math
+import warnings
 
 from lnstab.check import figures
 from lnstab.check.criteria import CRITERIA
+from lnstab.check.runspec import RunResult
 
 DEPTHS = [1.0, 2.0, 3.0, 4.0]
 
@@ -47,3 +49,32 @@ def test_the_trained_row_is_the_rate_the_growth_reason_names(tmp_path, monkeypat
 def test_without_a_graded_rate_the_largest_common_rate_is_drawn() -> None:
     summaries = {"pre-ln": summary(0.1), "checked": {**summary(0.1), "growth_trained": {"lr": None}}}
     assert figures.graded_lr(summaries) == {"pre-ln": "0.1", "checked": "0.1"}
+
+
+def stress_run(subject: str, losses: list[float], diverged: bool) -> RunResult:
+    return RunResult(subject=subject, lr=0.1, seed=0, log_dir="tb", losses=losses, diverged=diverged,
+                     diverged_step=len(losses) - 1 if diverged else None, events=[], hidden_tags=[], hidden_steps=[],
+                     hidden={})
+
+
+def test_a_panel_of_runs_with_no_finite_loss_names_them_and_warns_nothing(tmp_path, monkeypatch) -> None:
+    """A model NaN from its first step draws only divergence marks: the loss figure drew them unnamed and matplotlib
+    warned 'No artists with labels found to put in legend' on the user's terminal. Each subject is named once per
+    panel, by its line or, where it drew none, by its mark."""
+    nan = float("nan")
+    runs = {"checked": [stress_run("checked", [nan, nan], True), stress_run("checked", [nan, nan, nan], True)],
+            "pre-ln": [stress_run("pre-ln", [nan], True), stress_run("pre-ln", [5.0, 4.0], False)]}
+    labels = {"checked": "checked", "pre-ln": "Pre-LN reference"}
+    drawn: list[str] = []
+    save = figures._save
+
+    def keep(fig, path):
+        drawn.extend(t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts())
+        return save(fig, path)
+
+    monkeypatch.setattr(figures, "_save", keep)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert figures.loss_figure(runs, labels, [0.1], tmp_path / "loss.png") == "loss.png"
+    assert (tmp_path / "loss.png").stat().st_size > 0
+    assert sorted(drawn) == ["Pre-LN reference", "checked"], drawn  # once each, the mark standing for the line

@@ -121,21 +121,25 @@ def loss_figure(runs: dict[str, list[RunResult]], labels: dict[str, str], lrs: l
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(lrs), figsize=(4.2 * len(lrs), 3.6), squeeze=False)
     for ax, lr in zip(axes[0], lrs, strict=True):
+        named: set[str] = set()  # subjects already in this panel's legend: each is named once, by what it drew first
         for key, subject_runs in ordered(runs):
-            for i, run in enumerate(r for r in subject_runs if r.lr == lr):
+            for run in (r for r in subject_runs if r.lr == lr):
                 finite = [(s, v) for s, v in enumerate(run.losses) if math.isfinite(v)]
                 if finite:
                     ax.plot(*zip(*finite, strict=True), color=COLORS.get(key), alpha=0.8,
-                            label=labels[key] if i == 0 else None, **{"lw": 1, **LINE.get(key, {})})
-                if run.diverged:
+                            label=None if key in named else labels[key], **{"lw": 1, **LINE.get(key, {})})
+                    named.add(key)
+                if run.diverged:  # a run with no finite loss draws only this mark, so the mark names its subject
                     step = run.diverged_step if run.diverged_step is not None else len(run.losses) - 1
                     y = finite[-1][1] if finite else 0.0
-                    ax.plot([step], [y], marker="x", ms=9, color=COLORS.get(key))
+                    ax.plot([step], [y], marker="x", ms=9, linestyle="none", color=COLORS.get(key),
+                            label=None if key in named else labels[key])
+                    named.add(key)
         ax.set_title(f"lr {lr:g}", fontsize=9)
         ax.set_xlabel("step")
         ax.set_ylabel("training loss")
         ax.grid(alpha=0.3)
-        if ax.lines:
+        if named:
             ax.legend(fontsize=7)
     return _save(fig, path)
 
