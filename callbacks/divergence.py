@@ -179,6 +179,7 @@ class DivergenceMonitor(TapCallback):
         self._acted = False
         self._params: list[torch.nn.Parameter] = []
         self._sharded = self._distributed = False
+        self._began = False  # this fit reached on_fit_start (a refusal before it leaves the run's summary alone)
 
     @property
     @override
@@ -187,6 +188,7 @@ class DivergenceMonitor(TapCallback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._began = False
         require_strategy(trainer, type(self).__name__, reads_parameters=True)
         if any(isinstance(c, DivergenceMonitor) and c is not self for c in trainer.callbacks):
             raise ConfigError("callbacks with two DivergenceMonitors are not allowed; both would write the run's "
@@ -199,6 +201,10 @@ class DivergenceMonitor(TapCallback):
         self.checks.close()
         if self.stats_every_n_steps:
             self.checks.setup(pl_module, type(self).__name__)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._began = True  # after a resumed run's state is restored: its events are this monitor's now
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -383,6 +389,8 @@ class DivergenceMonitor(TapCallback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if not self._began:
+            return  # refused before it began (the data's setup, another callback's): the run's summary is as it was
         update_summary(trainer, diverged_step=self.diverged_step, divergence_events=len(self.events))
 
     @override

@@ -16,6 +16,7 @@ from support.hostile import HUGE
 from support.runs import fit, one_line_error, tiny_config, weights
 
 from lnstab.cli import cli_main, main
+from lnstab.datamodules.sample import sample_path
 from lnstab.rundir import read_summary
 
 
@@ -110,6 +111,27 @@ def test_a_resume_past_a_summary_with_a_number_too_long_keeps_it_and_trains_on(t
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert (run / "summary.damaged-1.json").read_text() == damaged  # nothing lost
     assert read_summary(run)["status"] == "completed" and read_summary(run)["final_step"] == 4
+
+
+def test_a_fit_its_data_refuses_leaves_the_run_dir_as_it_was(tmp_path, capsys) -> None:
+    """The data module refuses a fit before any callback's setup (here a vocab_size that is not the relabelled
+    vocabulary's): a fresh run directory gets no summary, so the corrected command runs there; a refused resume keeps
+    the run's divergence events (the monitor wrote 0 over them before)."""
+    data = {"source": "files", "path": str(sample_path()), "val_split": "documents", "val_documents": 25,
+            "vocab": "top_k", "vocab_top_k": 127, "batch_size": 4, "num_workers": 0, "val_tokens": 256}
+    cfg = tiny_config(tmp_path, data={"class_path": "lnstab.datamodules.OpenWebTextDataModule", "init_args": data})
+    run = tmp_path / "run"
+    err = one_line_error(capsys, "fit", "--config", str(cfg), "--run_dir", str(run), "--model.vocab_size", "256")
+    assert "model.vocab_size=256 is not allowed with --data.vocab top_k" in err and "--model.vocab_size 128" in err
+    assert not (run / "summary.json").exists()
+    fit("--config", str(cfg), "--run_dir", str(run), "--model.vocab_size", "128",
+        "--instruments.divergence_policy", "continue", "--instruments.grad_norm_threshold", "1e-9")  # 4 events
+    before = (run / "summary.json").read_bytes()
+    assert read_summary(run)["status"] == "completed" and read_summary(run)["divergence_events"] == 4
+    err = one_line_error(capsys, "fit", "--config", str(run / "config.yaml"), "--run_dir", str(run), "--ckpt_path",
+                         "last", "--data.vocab_top_k", "63", "--trainer.max_steps", "6")
+    assert "model.vocab_size=128 is not allowed with --data.vocab top_k" in err
+    assert (run / "summary.json").read_bytes() == before
 
 
 def test_auto_starts_fresh_when_there_is_nothing_to_resume(tmp_path) -> None:
