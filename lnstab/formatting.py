@@ -1,7 +1,8 @@
 """How lnstab writes numbers into its tables: one home for ``lnstab report``'s Markdown and ``lnstab check``'s cards.
 
 Two conventions, each written once. The report's cells keep four significant digits and show a missing value as
-``–``; the check's cards keep three, show a value that is not finite as ``n/a`` and whole numbers as such. Plain
+``–``; the check's cards keep three, show a value that is not finite as ``n/a`` and whole numbers as such (in their
+sentences: :func:`card_short`, and :func:`card_quote` for a value the card displays). Plain
 Python: the check's parent imports it without Lightning.
 """
 
@@ -54,3 +55,23 @@ def card_number(value: Any) -> str:
     if isinstance(value, float) and value == int(value) and abs(value) < 1e6:
         return f"{int(value)}"
     return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def card_short(value: float | None, digits: int = 3) -> str:
+    """A number in a card's sentence: ``digits`` significant digits, ``n/a`` for ``None`` or a value not finite."""
+    if value is None or not math.isfinite(value):
+        return NA
+    return f"{value:.{digits}g}"
+
+
+def card_quote(value: float, digits: int = 2) -> str:
+    """A value as the card displays it: ``8.2e3`` from 1000 up, a whole number from 100, else ``digits`` significant
+    digits (``n/a`` for a value not finite)."""
+    if not math.isfinite(value):
+        return NA
+    if abs(value) >= 1000:
+        mantissa, exponent = f"{value:.{digits - 1}e}".split("e")
+        return f"{mantissa}e{int(exponent)}"
+    if abs(value) >= 100:
+        return f"{value:.0f}"
+    return f"{value:.{digits}g}"

@@ -1,6 +1,7 @@
-"""The committed validation READMEs re-rendered from their committed run records (``summary.json`` with its
-``readme`` record, and the rows' ``report.json``): the main README byte for byte, and every README's verdicts and
-tables; the validation's data files read back, and refused in one line when malformed."""
+"""Every committed card's ``report.md`` re-rendered from its ``report.json``, and the committed validation READMEs from
+their committed run records (``summary.json`` with its ``readme`` record, and the rows' ``report.json``): the main
+README byte for byte, and every README's verdicts and tables; the validation's data files read back, and refused in one
+line when malformed."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from scipy.stats import binomtest
 from lnstab.check.card import build_rows
 from lnstab.check.criteria import overall
 from lnstab.check.options import tier_thresholds
+from lnstab.check.report import markdown
 from lnstab.check.validation import sets
 from lnstab.check.validation.readme import rerender
 from lnstab.check.validation.score import best_constant, score, wilson
@@ -127,7 +129,8 @@ def test_the_best_constant_verdict_and_the_score_are_over_the_reachable_reported
                          ids=lambda p: p.parent.relative_to(VALIDATION.parent).as_posix())
 def test_every_committed_card_grades_again_to_its_verdicts(file: Path) -> None:
     """A shipped card is what its stored measurements grade to under the package's thresholds for its tier: a change of
-    thresholds or criteria (issue 39: mechanisms warn only) re-grades the committed cards, or this fails."""
+    thresholds or criteria (issue 39: mechanisms warn only) re-grades the committed cards, or this fails. Each row
+    whole, the sentence saying why and its numbers included (issue 38: the same card before and after)."""
     card = read_json(file)  # lnstab's JSON: a NaN is {"$float": "nan"}
     sites = card["model"]["sites"]
     order = ["checked", "pre-ln", "peri-ln"]  # the subjects' order (report.json sorts its keys)
@@ -137,7 +140,16 @@ def test_every_committed_card_grades_again_to_its_verdicts(file: Path) -> None:
     rows = build_rows(summaries, tier_thresholds(tier, None), {"norm_pattern": sites.get("norm_pattern"), "attention":
                       sites.get("attention"), "logits": sites.get("logits"), "bound_unchecked": ""})
     assert {r["id"]: r["status"] for r in rows} == {c["id"]: c["status"] for c in card["criteria"]}
+    assert json.dumps(rows, sort_keys=True) == json.dumps(card["criteria"], sort_keys=True)  # NaN == NaN as text
     assert overall([r["status"] for r in rows]) == card["status"]
+
+
+@pytest.mark.parametrize("file", sorted(VALIDATION.parent.rglob("report.json")),
+                         ids=lambda p: p.parent.relative_to(VALIDATION.parent).as_posix())
+def test_every_committed_cards_markdown_renders_again_byte_for_byte(file: Path) -> None:
+    """A shipped card's ``report.md`` is what its ``report.json`` renders to (issue 38: every card identical before
+    and after a change of the card's code): a change of wording, number format or layout shows here as a diff."""
+    assert markdown(read_json(file)) == (file.parent / "report.md").read_text(encoding="utf-8")
 
 
 def test_the_data_files_hold_the_sets() -> None:

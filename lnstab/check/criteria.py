@@ -29,6 +29,7 @@ from typing import Any
 
 from lnstab.check.analysis import BF16_MAX, FP16_MAX
 from lnstab.errors import LNStabError
+from lnstab.formatting import card_quote, card_short
 from lnstab.safeload import load_yaml
 
 NAMES = ("pre", "peri", "pre_sd", "peri_sd", "sd")
@@ -90,25 +91,6 @@ class Criterion:
         return self.factor_base ** value if self.factor_base else value
 
 
-def fmt(value: float, digits: int = 3) -> str:
-    """A short number (``n/a`` for ``nan``)."""
-    if value is None or not math.isfinite(value):
-        return "n/a"
-    return f"{value:.{digits}g}"
-
-
-def number(value: float, digits: int = 2) -> str:
-    """A quoted number: ``8.2e3`` from 1000 up, a whole number from 100, else ``digits`` significant digits."""
-    if not math.isfinite(value):
-        return "n/a"
-    if abs(value) >= 1000:
-        mantissa, exponent = f"{value:.{digits - 1}e}".split("e")
-        return f"{mantissa}e{int(exponent)}"
-    if abs(value) >= 100:
-        return f"{value:.0f}"
-    return f"{value:.{digits}g}"
-
-
 LABELS = {"pre-ln": "Pre-LN", "peri-ln": "Peri-LN"}
 # A collapsed-row fraction within this of the references' reads "as the references" (wording, not a threshold).
 COLLAPSED_AS_MUCH = 0.05
@@ -137,8 +119,8 @@ def _lr_sensitivity_missing(s: Summary, sites: dict[str, Any]) -> str:
 
 def _lr_sensitivity(s: Summary, value: float, sd: float, refs: dict[str, Summary]) -> str:
     ls = s["lr_sensitivity"]
-    ladder = ", ".join(f"{float(lr):g}: {fmt(v, 4)}" for lr, v in ls["points"].items())
-    return (f"mean over the ladder of min(L, L_init) − L* = {value:.3f} nats (L_init {fmt(ls['initial'], 4)}; "
+    ladder = ", ".join(f"{float(lr):g}: {card_short(v, 4)}" for lr, v in ls["points"].items())
+    return (f"mean over the ladder of min(L, L_init) − L* = {value:.3f} nats (L_init {card_short(ls['initial'], 4)}; "
             f"min(L, L_init) by lr {ladder}; a diverged run counts as L_init)")
 
 
@@ -166,8 +148,8 @@ def _growth(cid: str) -> Callable[[Summary, float, float, dict[str, Summary]], s
         g, skipped = s[cid], _growth_skipped(cid, s)
         at = f" at lr {g['lr']:g}" if cid == "growth_trained" and g.get("lr") is not None else ""
         text = (f"mean |x| grows ×{2.0 ** value:.3g} over the deeper half{at} (linear from 0: ×2); "
-                f"{g['law']} law fits better (R² {fmt(g['exp_r2'], 2)} exponential at ×{fmt(math.exp(g['exp_rate']))}"
-                f"/layer, {fmt(g['lin_r2'], 2)} linear)")
+                f"{g['law']} law fits better (R² {card_short(g['exp_r2'], 2)} exponential at "
+                f"×{card_short(math.exp(g['exp_rate']))}/layer, {card_short(g['lin_r2'], 2)} linear)")
         return text + (f" ({skipped}; the others are graded)" if skipped else "")
 
     return explain
@@ -192,7 +174,7 @@ def _collapsed(a: dict[str, Any], refs: dict[str, Summary]) -> str:
     collapse as much: a PASS beside 95 % collapsed rows is then what the references do too)."""
     theirs = {k: r["attention"]["collapsed"] for k, r in refs.items()
               if k in LABELS and math.isfinite(r["attention"].get("collapsed", math.nan))}
-    text = f"largest collapsed-row fraction {fmt(a['collapsed'], 2)}"
+    text = f"largest collapsed-row fraction {card_short(a['collapsed'], 2)}"
     if not theirs or not math.isfinite(a["collapsed"]):
         return text
     if a["collapsed"] > max(theirs.values()) + COLLAPSED_AS_MUCH:
@@ -201,13 +183,13 @@ def _collapsed(a: dict[str, Any], refs: dict[str, Summary]) -> str:
         word = "less than the references"
     else:
         word = "as the references"
-    return f"{text}, {word} ({', '.join(f'{LABELS[k]} {fmt(v, 2)}' for k, v in theirs.items())})"
+    return f"{text}, {word} ({', '.join(f'{LABELS[k]} {card_short(v, 2)}' for k, v in theirs.items())})"
 
 
 def _attention(s: Summary, value: float, sd: float, refs: dict[str, Summary]) -> str:
     a = s["attention"]
-    return (f"largest |q·k|/√d {value:.3g} at lr {a['lr']:g} (from {fmt(a['init'])} at initialisation); "
-            f"{_collapsed(a, refs)}, smallest row entropy {fmt(a['entropy_min'], 2)} nats; "
+    return (f"largest |q·k|/√d {value:.3g} at lr {a['lr']:g} (from {card_short(a['init'])} at initialisation); "
+            f"{_collapsed(a, refs)}, smallest row entropy {card_short(a['entropy_min'], 2)} nats; "
             f"{a['events']} attention_collapse events")
 
 
@@ -219,8 +201,8 @@ def _log_z_missing(s: Summary, sites: dict[str, Any]) -> str:
 
 def _log_z(s: Summary, value: float, sd: float, refs: dict[str, Summary]) -> str:
     z = s["log_z"]
-    return (f"largest |mean log Z| {value:.3g} at lr {z['lr']:g} after initialisation (log Z {fmt(z['init'])} at "
-            f"initialisation); {z['events']} logit_drift events")
+    return (f"largest |mean log Z| {value:.3g} at lr {z['lr']:g} after initialisation (log Z "
+            f"{card_short(z['init'])} at initialisation); {z['events']} logit_drift events")
 
 
 def _sensitivity_missing(s: Summary, sites: dict[str, Any]) -> str:
@@ -229,7 +211,7 @@ def _sensitivity_missing(s: Summary, sites: dict[str, Any]) -> str:
 
 
 def _sensitivity(s: Summary, value: float, sd: float, refs: dict[str, Summary]) -> str:
-    return (f"slope {value:+.2f} ± {fmt(sd, 2)} over {len(s['sensitivity']['points'])} blocks×measurements "
+    return (f"slope {value:+.2f} ± {card_short(sd, 2)} over {len(s['sensitivity']['points'])} blocks×measurements "
             "(−1: scale-invariant blocks, ≥ 0: sensitivity does not fall as activations grow)")
 
 
@@ -246,7 +228,7 @@ def _bound_missing(s: Summary, sites: dict[str, Any]) -> str:
 def _bound(s: Summary, value: float, sd: float, refs: dict[str, Summary]) -> str:
     verdict = "holds, as Theorem 4 says" if value == 0 else "is violated"
     return (f"MA(X_D) ≤ RMS(X_0) + ΣΔt(γmax+βmax) {verdict}: {int(value)} violations, smallest slack "
-            f"{fmt(s['bound']['min_slack'])}")
+            f"{card_short(s['bound']['min_slack'])}")
 
 
 def _grad_spread_missing(s: Summary, sites: dict[str, Any]) -> str:
@@ -261,11 +243,11 @@ def _grad_spread(s: Summary, value: float, sd: float, refs: dict[str, Summary]) 
 
 
 def _growth_quote(cid: str) -> Callable[[Summary], str]:
-    return lambda r: f"×{fmt(2.0 ** r[cid]['mean'])}"
+    return lambda r: f"×{card_short(2.0 ** r[cid]['mean'])}"
 
 
 def _factor(base: float) -> Callable[[float], str]:
-    return lambda v: "×" + number(base ** v)
+    return lambda v: "×" + card_quote(base ** v)
 
 
 CRITERIA: tuple[Criterion, ...] = (
@@ -276,7 +258,7 @@ CRITERIA: tuple[Criterion, ...] = (
                        "diverges more often than both references"), show=lambda v: f"{v:.0%}"),
     Criterion("lr_sensitivity", "LR sensitivity over the ladder (Wortsman et al.)", "nats",
               value=_mean("lr_sensitivity"), explain=_lr_sensitivity, missing=_lr_sensitivity_missing,
-              quote=lambda r: fmt(r["lr_sensitivity"]["mean"]),
+              quote=lambda r: card_short(r["lr_sensitivity"]["mean"]),
               phrases=("as sensitive to the learning rate as {ref}", "less sensitive to the learning rate than both "
                        "references", "more sensitive to the learning rate than both references")),
     Criterion("growth_init", "Growth over depth at initialisation", "doublings, deeper half",
@@ -292,16 +274,16 @@ CRITERIA: tuple[Criterion, ...] = (
     Criterion("overflow", "Largest |x| (overflow headroom)", "max |x|", value=lambda s: (s["max_abs"], 0.0),
               explain=_overflow,
               missing=lambda s, sites: "no run completed, so no finite activations to compare with fp16/bf16",
-              quote=lambda r: fmt(r["max_abs"]),
+              quote=lambda r: card_short(r["max_abs"]),
               phrases=("peaks like {ref}", "peaks lower than both references", "peaks higher than both references")),
     Criterion("attention", "Attention-logit growth (largest |q·k|/√d)", "logit", value=_mean("attention"),
-              explain=_attention, missing=_attention_missing, quote=lambda r: fmt(r["attention"]["mean"]),
+              explain=_attention, missing=_attention_missing, quote=lambda r: card_short(r["attention"]["mean"]),
               phrases=("attention logits grow like {ref}", "attention logits stay smaller than both references'",
                        "attention logits grow larger than both references'")),
     Criterion("log_z", "Output-logit drift (largest |mean log Z|)", "nats", value=_mean("log_z"), explain=_log_z,
-              missing=_log_z_missing, quote=lambda r: fmt(r["log_z"]["mean"]),
+              missing=_log_z_missing, quote=lambda r: card_short(r["log_z"]["mean"]),
               phrases=("log Z drifts like {ref}", "log Z stays nearer 0 than both references'",
-                       "log Z drifts further from 0 than both references'"), show=lambda v: number(v, 3)),
+                       "log Z drifts further from 0 than both references'"), show=lambda v: card_quote(v, 3)),
     Criterion("sensitivity", "Jacobian sensitivity against activation scale", "log-log slope",
               value=lambda s: (s["sensitivity"]["slope"], s["sensitivity"]["se"]), explain=_sensitivity,
               missing=_sensitivity_missing, quote=lambda r: f"{r['sensitivity']['slope']:+.2f}",
@@ -313,15 +295,15 @@ CRITERIA: tuple[Criterion, ...] = (
               show=lambda v: f"{v:.0f}"),
     Criterion("grad_spread", "Gradient-norm spread over layers", "log10 max/min", value=_mean("grad_spread"),
               explain=_grad_spread, missing=_grad_spread_missing,
-              quote=lambda r: f"×{fmt(10.0 ** r['grad_spread']['mean'])}",
+              quote=lambda r: f"×{card_short(10.0 ** r['grad_spread']['mean'])}",
               phrases=("spreads gradients like {ref}", "spreads gradients less than both references",
                        "spreads gradients more than both references"), factor_base=10.0, show=_factor(10.0),
               mechanism="a mechanism, so it warns and never fails: unbalanced gradients are not the root cause of "
                         "instability (Liu et al. 2020), the scale of the model update is (DeepNet §3)"),
     Criterion("loss", "Learns (final loss at best learning rate)", "nats", value=_mean("loss"),
               explain=lambda s, v, sd, refs: f"final loss {v:.3f} at lr {s['loss']['lr']:g} (from "
-                                             f"{fmt(s['loss_init'], 4)} at initialisation)",
-              missing=lambda s, sites: "every run diverged", quote=lambda r: fmt(r["loss"]["mean"], 4),
+                                             f"{card_short(s['loss_init'], 4)} at initialisation)",
+              missing=lambda s, sites: "every run diverged", quote=lambda r: card_short(r["loss"]["mean"], 4),
               phrases=("learns like {ref}", "learns faster than both references", "learns slower than both references"),
               show=lambda v: f"{v:.2f}"),
 )
@@ -368,7 +350,7 @@ def display(cid: str, value: float | None) -> str:
     if value is None or not math.isfinite(value):
         return "n/a"
     show = BY_ID[cid].show if cid in BY_ID else None
-    return show(value) if show else number(value, 2)
+    return show(value) if show else card_quote(value, 2)
 
 
 def check_expression(where: str, text: Any, names: tuple[str, ...] = NAMES, why: str = "") -> None:

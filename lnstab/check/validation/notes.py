@@ -16,7 +16,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from lnstab.check.criteria import BY_ID, display, number
+from lnstab.check.criteria import BY_ID, display
+from lnstab.formatting import card_quote
 from lnstab.safeload import DataFileError, load_yaml
 
 HERE = Path(__file__).parent
@@ -94,7 +95,7 @@ def _ratio(match: re.Match[str], cards: dict[str, dict[str, Any]]) -> str:
         raise NoteError(f"{match[0]} divides by 0")
     value = _operand(match["a"], cards) / below
     if match["fmt"] == "times":
-        return number(value)
+        return card_quote(value)
     if value <= 0:
         raise NoteError(f"{match[0]} has no decades: the ratio is {value}")
     return f"{math.log10(value):.0f}"
@@ -120,7 +121,7 @@ def _fill(text: str, cards: dict[str, dict[str, Any]]) -> str:
             raise NoteError(f"the card of {match['row']} has no {match['path']!r} (at {key!r})") from None
     if match["fmt"]:
         return format(value, match["fmt"])
-    return number(value) if isinstance(value, float) else str(value)
+    return card_quote(value) if isinstance(value, float) else str(value)
 
 
 def render(note: str, cards: dict[str, dict[str, Any]]) -> str:
