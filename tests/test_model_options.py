@@ -422,7 +422,7 @@ def xavier_bound(weight: torch.Tensor) -> float:
 def test_xavier_init_is_xavier_uniform_without_residual_scaling(tie: bool) -> None:
     torch.manual_seed(0)
     config = GPTConfig.preset("mini", vocab_size=512, init="xavier", tie_embeddings=tie)
-    model, gpt2 = GPT(config).requires_grad_(False), GPT(dataclasses.replace(config, init="gpt2"))
+    model, gpt2 = GPT(config).requires_grad_(False), GPT(dataclasses.replace(config, init="gpt2")).requires_grad_(False)
     c = config.n_embd
     for block, ref in zip(model.transformer.h, gpt2.transformer.h, strict=True):
         q, k, v = block.attn.c_attn.weight.split(c)  # each its own (C, C) Xavier matrix
