@@ -35,7 +35,7 @@ from lnstab.errors import ConfigError, exit_for_user_error, one_line
 from lnstab.module import GPTModule
 from lnstab.precision import precision_warning, resolve_precision
 from lnstab.runconfig import CKPT_SUBCOMMANDS, UNNAMED, LNStabArgumentParser, SaveRunConfig, logger_args
-from lnstab.rundir import CONFIG_FILE, check_writable
+from lnstab.rundir import CONFIG_FILE, SUMMARY_FILE, check_writable
 from lnstab.rundir import run_dir as trainer_run_dir
 from lnstab.safeload import load_yaml
 from lnstab.trainer import LNStabTrainer
@@ -47,6 +47,7 @@ class LNStabCLI(LightningCLI):
     experiment: str | None = None
     argv: list[str] = []
     run_status: RunStatus | None = None  # the RunStatus of the trainer being run
+    created_run_dir: Path | None = None  # the fit's run directory, when this fit created it
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -227,7 +228,9 @@ class LNStabCLI(LightningCLI):
             # one owner per run directory, taken once every class is built and checked (a bad setting has failed
             # by now, leaving nothing behind) and before the trainer's setup, where the logger creates its event
             # file (RunStatus.setup takes it too, for Trainers used without this CLI)
-            note = runlock.hold(trainer_run_dir(self.trainer))
+            directory = Path(trainer_run_dir(self.trainer))
+            LNStabCLI.created_run_dir = None if directory.exists() else directory
+            note = runlock.hold(directory)
             if note:
                 rank_zero_info(note)
 
@@ -254,7 +257,7 @@ def cli_main(args: list[str] | None = None, run: bool = True) -> LNStabCLI:
     expanded = expand_extends(raw)
     LNStabCLI.experiment, LNStabCLI.argv = experiment_name(raw), raw
     LNStabArgumentParser.experiment = LNStabCLI.experiment
-    LNStabCLI.run_status = None
+    LNStabCLI.run_status = LNStabCLI.created_run_dir = None
     return LNStabCLI(
         GPTModule,
         LightningDataModule,
@@ -277,7 +280,12 @@ def run(argv: list[str]) -> None:
 
         follow_parent()  # a sweep's child ends with its sweep
     try:
-        cli = cli_main(argv)
+        try:
+            cli = cli_main(argv)
+        except BaseException:  # refused or stopped before the run began: the directory it made goes with it
+            if LNStabCLI.created_run_dir is not None and not (LNStabCLI.created_run_dir / SUMMARY_FILE).exists():
+                runs.discard_unbegun(LNStabCLI.created_run_dir)
+            raise
     except RunInterrupted as exc:  # a signal during the final evaluation, or a second Ctrl-C
         raise SystemExit(128 + exc.signum) from None
     except Exception as exc:

@@ -10,9 +10,11 @@ use).
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
+from lnstab import runlock
 from lnstab.checkpoint import CheckpointError, checkpoints_of, is_complete, load_checkpoint, newest_checkpoint
 from lnstab.errors import ConfigError
 from lnstab.rundir import CHECKPOINT_DIR, CONFIG_FILE, SUMMARY_FILE, RunFileError, latest_eval, read_summary
@@ -88,6 +90,32 @@ def check_fresh_run_dir(run_dir: str | os.PathLike) -> None:
             f"--run_dir {path} already holds a run (status {status}); resume it with --ckpt_path last, or choose "
             f"another --run_dir"
         )
+
+
+# What a fit writes into its run directory before it begins: the lock, the TensorBoard logger's event file (made
+# before the data module's setup) and the hyperparameters the logger saves as it closes.
+UNBEGUN = (runlock.LOCK_FILE, "hparams.yaml")
+EVENT_FILE_PREFIX = "events.out.tfevents."
+
+
+def discard_unbegun(run_dir: str | os.PathLike) -> bool:
+    """Remove a run directory that this fit created and that was refused before the run began (``--data.path``
+    missing, a vocabulary the data module refuses): left, it would take a version number and be refused by
+    ``lnstab report`` as not a run. Only a directory holding nothing but :data:`UNBEGUN` files and event files is
+    removed; True if it was."""
+    path = Path(run_dir)
+    try:
+        entries = list(path.iterdir())
+        if any(not (e.name in UNBEGUN or e.name.startswith(EVENT_FILE_PREFIX))
+               or not stat.S_ISREG(e.lstat().st_mode) for e in entries):
+            return False
+        runlock.release(path)
+        for entry in entries:
+            entry.unlink()
+        path.rmdir()
+    except OSError:  # gone already, or not ours to remove: leave what is left
+        return False
+    return True
 
 
 def explicit_keys(argv: list[str], prefix: str) -> list[str]:

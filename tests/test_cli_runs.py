@@ -134,6 +134,25 @@ def test_a_fit_its_data_refuses_leaves_the_run_dir_as_it_was(tmp_path, capsys) -
     assert (run / "summary.json").read_bytes() == before
 
 
+def test_a_fit_refused_before_it_began_leaves_no_run_directory(tmp_path, capsys) -> None:
+    """A fit its data refuses (here a --data.path that does not exist, after the logger made its event file) removes
+    the run directory it created: a version number is not taken and ``lnstab report`` over the experiment does not
+    refuse a directory that is not a run. A directory that was there before is left as it was."""
+    cfg = tiny_config(tmp_path, **{"model.vocab_size": 50257, "model.pad_vocab_multiple": 64})  # GPT-2's ids
+    missing = ["--data.source", "files", "--data.path", str(tmp_path / "nowhere.txt")]
+    err = one_line_error(capsys, "fit", "--config", str(cfg), *missing)
+    assert "--data.path" in err and not (tmp_path / "runs" / "tiny" / "version_0").exists()
+    err = one_line_error(capsys, "fit", "--config", str(cfg), "--run_dir", str(tmp_path / "fresh"), *missing)
+    assert not (tmp_path / "fresh").exists()
+    (tmp_path / "mine").mkdir()
+    one_line_error(capsys, "fit", "--config", str(cfg), "--run_dir", str(tmp_path / "mine"), *missing)
+    assert (tmp_path / "mine").is_dir()
+    fit("--config", str(cfg))
+    assert read_summary(tmp_path / "runs" / "tiny" / "version_0")["status"] == "completed"
+    main(["report", str(tmp_path / "runs" / "tiny"), "--out", str(tmp_path / "report")])
+    assert "1 runs in 1 configuration(s)" in (tmp_path / "report" / "report.md").read_text()
+
+
 def test_auto_starts_fresh_when_there_is_nothing_to_resume(tmp_path) -> None:
     cfg = tiny_config(tmp_path)
     fit("--config", str(cfg), "--run_dir", str(tmp_path / "a"), "--ckpt_path", "auto", "--trainer.max_steps", "2")
