@@ -150,7 +150,7 @@ def test_a_fit_refused_before_it_began_leaves_no_run_directory(tmp_path, capsys)
     fit("--config", str(cfg))
     assert read_summary(tmp_path / "runs" / "tiny" / "version_0")["status"] == "completed"
     main(["report", str(tmp_path / "runs" / "tiny"), "--out", str(tmp_path / "report")])
-    assert "1 runs in 1 configuration(s)" in (tmp_path / "report" / "report.md").read_text()
+    assert "1 run in 1 configuration(s): 1 completed." in (tmp_path / "report" / "report.md").read_text()
 
 
 def test_auto_starts_fresh_when_there_is_nothing_to_resume(tmp_path) -> None:

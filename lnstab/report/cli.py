@@ -43,6 +43,11 @@ TABLES = {
 }
 
 
+def runs_text(n: int) -> str:
+    """``1 run``, ``8 runs``."""
+    return f"{n} run" if n == 1 else f"{n} runs"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``lnstab report`` argument parser."""
     p = OneLineParser(prog="lnstab report", description=__doc__.split("\n\n")[0])
@@ -98,7 +103,7 @@ def write_report(records: list[RunRecord], out: Path, command: str = "", notes: 
     counts: dict[str, int] = {}
     for r in records:
         counts[r.status] = counts.get(r.status, 0) + 1
-    lines += [f"{len(records)} runs in {len(configs)} configuration(s): "
+    lines += [f"{runs_text(len(records))} in {len(configs)} configuration(s): "
               + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + ".", ""]
     for note in notes or []:
         lines += [note, ""]
@@ -136,5 +141,5 @@ def main(argv: list[str] | None = None) -> None:
     with writing(out):  # a full disk: one line naming the file (or --out) and the OS's reason, exit 1
         figures = write_report(records, out, command=shlex.join(["lnstab", "report", *argv]), notes=notes)
     drawn = [n for n, p in figures.items() if p is not None]
-    print(f"lnstab report: {len(records)} runs -> {out}/report.md, {len(TABLES)} tables (md + csv), "
+    print(f"lnstab report: {runs_text(len(records))} -> {out}/report.md, {len(TABLES)} tables (md + csv), "
           f"{len(drawn)} figures")
