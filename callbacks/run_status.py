@@ -197,7 +197,7 @@ class RunStatus(Callback):
             # a signal, then an error between two steps (e.g. a loader worker the same signal killed): the state is
             # that of a step boundary, so this checkpoint resumes exactly (one process only: a save may be collective)
             with contextlib.suppress(Exception):
-                trainer.save_checkpoint(self.checkpoint_path(trainer))
+                trainer.save_checkpoint(self.checkpoint_path(trainer), weights_only=False)  # resumable: all state
         else:
             step = None  # stopped mid-step: resume from the newest checkpoint
         self.interrupted_step = step
@@ -263,7 +263,7 @@ class RunStatus(Callback):
         self.signal, self.interrupted_step, self.requested = signum, trainer.global_step, None
         if self.save_on_interrupt:
             path = self.checkpoint_path(trainer)
-            trainer.save_checkpoint(path)
+            trainer.save_checkpoint(path, weights_only=False)  # resumable: optimizer, loops, callbacks too
             rank_zero_info(f"lnstab: saved {path} at step {trainer.global_step}; resume with ckpt_path={path} "
                            "(lnstab fit: --ckpt_path last)")
         trainer.should_stop = True

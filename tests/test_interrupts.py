@@ -53,6 +53,7 @@ def test_sigterm_stops_at_a_step_boundary_and_resumes_exactly(tmp_path, precisio
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "weights_only" not in out, out[-3000:]  # Lightning's "`weights_only` was not set" on the stop's save
     summary = read_summary(run)
     step = summary["interrupted_step"]
     assert summary["status"] == "interrupted" and summary["signal"] == "SIGTERM" and summary["final_step"] == step
