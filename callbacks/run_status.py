@@ -54,6 +54,17 @@ def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
+def _own_last(trainer: pl.Trainer, path: Path) -> None:
+    """Make each ModelCheckpoint whose ``last`` file is ``path`` its owner, before the save (its ``last_model_path``
+    is part of the saved state). Otherwise a run stopped before that callback's first save leaves ``last.ckpt`` to
+    this save and the callback, saving ``last`` as the stopped epoch ends, writes ``last-v1.ckpt`` beside it; the
+    resumed run then keeps writing ``last-v1.ckpt`` while ``last.ckpt`` stays at the stopped step."""
+    for callback in trainer.checkpoint_callbacks:
+        if (isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath
+                and Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}" == path):
+            callback.last_model_path = str(path)
+
+
 class RunStatus(Callback):
     """Keeps ``summary.json``'s ``status`` and ends a signalled run at an optimizer-step boundary, resumably.
 
@@ -197,7 +208,9 @@ class RunStatus(Callback):
             # a signal, then an error between two steps (e.g. a loader worker the same signal killed): the state is
             # that of a step boundary, so this checkpoint resumes exactly (one process only: a save may be collective)
             with contextlib.suppress(Exception):
-                trainer.save_checkpoint(self.checkpoint_path(trainer), weights_only=False)  # resumable: all state
+                path = self.checkpoint_path(trainer)
+                _own_last(trainer, path)
+                trainer.save_checkpoint(path, weights_only=False)  # resumable: all state
         else:
             step = None  # stopped mid-step: resume from the newest checkpoint
         self.interrupted_step = step
@@ -263,6 +276,7 @@ class RunStatus(Callback):
         self.signal, self.interrupted_step, self.requested = signum, trainer.global_step, None
         if self.save_on_interrupt:
             path = self.checkpoint_path(trainer)
+            _own_last(trainer, path)
             trainer.save_checkpoint(path, weights_only=False)  # resumable: optimizer, loops, callbacks too
             rank_zero_info(f"lnstab: saved {path} at step {trainer.global_step}; resume with ckpt_path={path} "
                            "(lnstab fit: --ckpt_path last)")

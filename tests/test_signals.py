@@ -26,6 +26,11 @@ def ckpt_step(path: Path) -> int:
     return torch.load(path, weights_only=True)["global_step"]
 
 
+def lasts(run: Path) -> list[str]:
+    """The run's ``last*.ckpt`` files (beside them: the step checkpoints ``save_top_k: -1`` keeps)."""
+    return sorted(p.name for p in (run / "checkpoints").glob("last*.ckpt"))
+
+
 @pytest.mark.system
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT", "SIGHUP"])
 def test_a_signal_during_the_final_evaluation_ends_the_run_interrupted_and_a_resume_evaluates(
@@ -142,6 +147,27 @@ def test_an_error_after_a_signal_is_an_interruption_that_resumes_exactly(tmp_pat
     resumed = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
     straight = torch.load(tmp_path / "straight" / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
     for key, value in straight.items():
+        torch.testing.assert_close(resumed[key], value, rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.system
+def test_a_run_stopped_before_its_first_checkpoint_keeps_one_last_ckpt_that_resumes_exactly(tmp_path,
+                                                                                              monkeypatch) -> None:
+    """Stopped at step 1, before the checkpoint callback's first save (step 2 here; the quickstart's 100): one
+    ``last.ckpt``, which the resumed run goes on writing. Before: the callback wrote ``last-v1.ckpt`` beside it as the
+    stopped epoch ended, and the resumed run kept writing ``last-v1.ckpt`` while ``last.ckpt`` stayed at step 1."""
+    cfg = with_helpers(tmp_path, monkeypatch, callback={"at": 1, "signum": int(signal.SIGTERM)})
+    run, last = tmp_path / "run", tmp_path / "run" / "checkpoints" / "last.ckpt"
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--config", str(cfg), "--run_dir", str(run)])
+    assert info.value.code == 128 + signal.SIGTERM
+    assert lasts(run) == ["last.ckpt"] and ckpt_step(last) == read_summary(run)["interrupted_step"] == 1
+    fit("--config", str(cfg), "--run_dir", str(run), "--ckpt_path", "last")
+    assert lasts(run) == ["last.ckpt"] and ckpt_step(last) == 8
+    straight = tmp_path / "straight"
+    fit("--config", str(tiny_config(tmp_path, name="plain", **{"trainer.max_steps": 8})), "--run_dir", str(straight))
+    resumed = torch.load(last, weights_only=True)["state_dict"]
+    for key, value in torch.load(straight / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"].items():
         torch.testing.assert_close(resumed[key], value, rtol=0, atol=0, msg=key)
 
 
