@@ -9,7 +9,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -85,7 +85,9 @@ class DivergenceMonitor(TapCallback):
     ``ModelCheckpoint`` is refused by ``on_save_checkpoint`` (:class:`NonFiniteCheckpointError`). Events go to
     ``divergence_events.jsonl`` in the run directory as they happen; the run's ``summary.json`` gets
     ``diverged_step`` (the first step the ``stop`` policy acted on or the weights became non-finite) and
-    ``divergence_events``; :class:`RunStatus` turns that into ``status: diverged``.
+    ``divergence_events``; :class:`RunStatus` turns that into ``status: diverged``. A diverged run says so in one
+    line as training ends (the step, its event kinds, the events file), since Lightning is silent when a callback
+    stops it.
 
     Args:
         policy: ``stop``, ``skip`` or ``continue``.
@@ -386,6 +388,11 @@ class DivergenceMonitor(TapCallback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._check_last_update(trainer, pl_module)  # the final check: the last update had no next decision
         update_summary(trainer, diverged_step=self.diverged_step, divergence_events=len(self.events))
+        if self.diverged_step is not None:  # Lightning says nothing when a callback stops the run: say why
+            kinds = dict.fromkeys(e["kind"] for e in self.events if e["step"] == self.diverged_step)
+            rank_zero_info(f"DivergenceMonitor: the run diverged at step {self.diverged_step} ({', '.join(kinds)}) "
+                           f"and ended at step {trainer.global_step}; {len(self.events)} events in "
+                           f"{run_dir(trainer) / EVENTS_FILE}")
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

@@ -33,7 +33,7 @@ def run_dir(tmp_path):
     return tmp_path / "csv" / "version_0"
 
 
-def test_stop_reports_step_and_layer_and_stops(tmp_path):
+def test_stop_reports_step_and_layer_and_stops(tmp_path, caplog):
     module, clock, watch = lit("gpt"), StepClock(), ParamWatch()
     inject_nan(module, clock)
     monitor = DivergenceMonitor(policy="stop")
@@ -53,6 +53,10 @@ def test_stop_reports_step_and_layer_and_stops(tmp_path):
     assert [json.loads(line)["kind"] for line in lines] == [e["kind"] for e in monitor.events]
     last = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
     assert all(torch.isfinite(v).all() for v in last["state_dict"].values())
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("DivergenceMonitor: the run diverged")]
+    assert said == [f"DivergenceMonitor: the run diverged at step {NAN_STEP} ({', '.join(dict.fromkeys(kinds))}) "
+                    f"and ended at step {NAN_STEP + 1}; {len(monitor.events)} events in "
+                    f"{run_dir(tmp_path) / 'divergence_events.jsonl'}"]  # Lightning itself says nothing
 
 
 def strict_json(text: str):
@@ -150,10 +154,10 @@ def test_activation_overflow_risk(tmp_path):
     assert overflow and overflow[0]["layer"] == "L00_mlp" and overflow[0]["step"] == 0
 
 
-def test_clean_run_completes_and_state_round_trips(tmp_path):
+def test_clean_run_completes_and_state_round_trips(tmp_path, caplog):
     monitor = DivergenceMonitor()
     trainer(tmp_path, [monitor, RunStatus()], max_steps=3).fit(lit("gpt"), loader())
-    assert monitor.events == []
+    assert monitor.events == [] and "diverged" not in caplog.text
     assert read_summary(run_dir(tmp_path))["status"] == "completed"
     restored = DivergenceMonitor()
     monitor.events.append({"step": 1, "kind": "loss_spike", "value": 9.0, "layer": None})
