@@ -86,7 +86,7 @@ class DivergenceMonitor(TapCallback):
     ``divergence_events.jsonl`` in the run directory as they happen; the run's ``summary.json`` gets
     ``diverged_step`` (the first step the ``stop`` policy acted on or the weights became non-finite) and
     ``divergence_events``; :class:`RunStatus` turns that into ``status: diverged``. A diverged run says so in one
-    line as training ends (the step, its event kinds, the events file), since Lightning is silent when a callback
+    line as the fit ends (the step, its event kinds, the events file), since Lightning is silent when a callback
     stops it.
 
     Args:
@@ -388,7 +388,11 @@ class DivergenceMonitor(TapCallback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._check_last_update(trainer, pl_module)  # the final check: the last update had no next decision
         update_summary(trainer, diverged_step=self.diverged_step, divergence_events=len(self.events))
-        if self.diverged_step is not None:  # Lightning says nothing when a callback stops the run: say why
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning says nothing when a callback stops the run: say why, once the progress bar has closed its line
+        if self.diverged_step is not None:
             kinds = dict.fromkeys(e["kind"] for e in self.events if e["step"] == self.diverged_step)
             rank_zero_info(f"DivergenceMonitor: the run diverged at step {self.diverged_step} ({', '.join(kinds)}) "
                            f"and ended at step {trainer.global_step}; {len(self.events)} events in "

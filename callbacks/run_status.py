@@ -125,6 +125,7 @@ class RunStatus(Callback):
         self._owns_dir = False
         self._before: dict[str, Any] = {}  # the run's summary before this fit
         self._began = True  # this fit got past its setup (a refusal there leaves the run's status as it was)
+        self._bar_line = False  # a progress bar is drawing (a signal's line then starts on a line of its own)
 
     # ------------------------------------------------------------------ summary
     @override
@@ -230,6 +231,8 @@ class RunStatus(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
+        bar = trainer.progress_bar_callback
+        self._bar_line = bar is not None and bar.is_enabled  # a bar may hold the terminal's line mid-way
         for name in self.signals:
             signum = getattr(signal, name, None)
             if signum is None:
@@ -247,8 +250,8 @@ class RunStatus(Callback):
         if self._urgent:
             raise RunInterrupted(signum)
         rank_zero_info(
-            f"lnstab: received {signal.Signals(signum).name}; stopping after this optimizer step with a resumable "
-            f"checkpoint (Ctrl-C again to stop at once, without one)"
+            f"{chr(10) if self._bar_line else ''}lnstab: received {signal.Signals(signum).name}; stopping after this "
+            "optimizer step with a resumable checkpoint (Ctrl-C again to stop at once, without one)"
         )
 
     @override

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
+import sys
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from lnstab.callbacks import (
     NonFiniteCheckpointError,
     RunCheckpoint,
     RunStatus,
+    StepProgressBar,
 )
 from lnstab.rundir import read_events, read_hidden_series, read_summary
 
@@ -57,6 +60,30 @@ def test_stop_reports_step_and_layer_and_stops(tmp_path, caplog):
     assert said == [f"DivergenceMonitor: the run diverged at step {NAN_STEP} ({', '.join(dict.fromkeys(kinds))}) "
                     f"and ended at step {NAN_STEP + 1}; {len(monitor.events)} events in "
                     f"{run_dir(tmp_path) / 'divergence_events.jsonl'}"]  # Lightning itself says nothing
+
+
+def test_the_divergence_line_starts_a_line_of_its_own_below_the_progress_bar(tmp_path, capsys):
+    """Said once the bar has closed its line (at the end of the fit): said as training ended, it was glued to the
+    bar's last line (lnstab fit's: endless data, so no epoch end closes the bar first). A terminal shows the bar
+    (stdout) and Lightning's log lines (stderr) on one screen: one stream here, since pytest's logging stands in for
+    Lightning's own handler."""
+
+    class Endless(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            while True:
+                yield from loader(n=64, batch_size=1).dataset
+
+    module, clock = lit("gpt"), StepClock()
+    inject_nan(module, clock)
+    terminal = logging.StreamHandler(sys.stdout)
+    logging.getLogger("lightning.pytorch").addHandler(terminal)
+    try:
+        trainer(tmp_path, [clock, DivergenceMonitor(policy="stop"), RunStatus(), StepProgressBar()], max_steps=10,
+                enable_progress_bar=True).fit(module, torch.utils.data.DataLoader(Endless(), batch_size=4))
+    finally:
+        logging.getLogger("lightning.pytorch").removeHandler(terminal)
+    shown = capsys.readouterr().out.replace("\r", "\n").split("\n")
+    assert any(line.startswith(f"DivergenceMonitor: the run diverged at step {NAN_STEP} ") for line in shown), shown
 
 
 def strict_json(text: str):
