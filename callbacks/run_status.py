@@ -209,9 +209,7 @@ class RunStatus(Callback):
             # a signal, then an error between two steps (e.g. a loader worker the same signal killed): the state is
             # that of a step boundary, so this checkpoint resumes exactly (one process only: a save may be collective)
             with contextlib.suppress(Exception):
-                path = self.checkpoint_path(trainer)
-                _own_last(trainer, path)
-                trainer.save_checkpoint(path, weights_only=False)  # resumable: all state
+                self._save_resumable(trainer)
         else:
             step = None  # stopped mid-step: resume from the newest checkpoint
         self.interrupted_step = step
@@ -249,9 +247,10 @@ class RunStatus(Callback):
         self.requested = signum
         if self._urgent:
             raise RunInterrupted(signum)
+        own_line = "\n" if self._bar_line else ""  # not after the bar's text on its line
         rank_zero_info(
-            f"{chr(10) if self._bar_line else ''}lnstab: received {signal.Signals(signum).name}; stopping after this "
-            "optimizer step with a resumable checkpoint (Ctrl-C again to stop at once, without one)"
+            f"{own_line}lnstab: received {signal.Signals(signum).name}; stopping after this optimizer step with a "
+            "resumable checkpoint (Ctrl-C again to stop at once, without one)"
         )
 
     @override
@@ -278,9 +277,7 @@ class RunStatus(Callback):
         signum = self.requested if self.requested is not None else signal.SIGTERM  # another rank's signal
         self.signal, self.interrupted_step, self.requested = signum, trainer.global_step, None
         if self.save_on_interrupt:
-            path = self.checkpoint_path(trainer)
-            _own_last(trainer, path)
-            trainer.save_checkpoint(path, weights_only=False)  # resumable: optimizer, loops, callbacks too
+            path = self._save_resumable(trainer)
             rank_zero_info(f"lnstab: saved {path} at step {trainer.global_step}; resume with ckpt_path={path} "
                            "(lnstab fit: --ckpt_path last)")
         trainer.should_stop = True
@@ -289,6 +286,14 @@ class RunStatus(Callback):
         previous = self._previous.get(signum)
         if signum == signal.SIGUSR1 and SLURMEnvironment.detect() and callable(previous):
             previous(signum, None)  # Lightning's SLURM handler: requeue the job, now that the state is saved
+
+    def _save_resumable(self, trainer: pl.Trainer) -> Path:
+        """Save the whole state (optimizer, loops, callbacks) to :meth:`checkpoint_path`, owned by the checkpoint
+        callback that writes ``last`` there; the path."""
+        path = self.checkpoint_path(trainer)
+        _own_last(trainer, path)
+        trainer.save_checkpoint(path, weights_only=False)
+        return path
 
     def checkpoint_path(self, trainer: pl.Trainer) -> Path:
         """Where an interrupted run saves: the ModelCheckpoint's directory (else the run's), ``last.ckpt``."""

@@ -35,7 +35,7 @@ from lnstab.errors import ConfigError, exit_for_user_error, one_line
 from lnstab.module import GPTModule
 from lnstab.precision import precision_warning, resolve_precision
 from lnstab.runconfig import CKPT_SUBCOMMANDS, UNNAMED, LNStabArgumentParser, SaveRunConfig, logger_args
-from lnstab.rundir import CONFIG_FILE, SUMMARY_FILE, check_writable
+from lnstab.rundir import CONFIG_FILE, check_writable
 from lnstab.rundir import run_dir as trainer_run_dir
 from lnstab.safeload import load_yaml
 from lnstab.trainer import LNStabTrainer
@@ -283,8 +283,8 @@ def run(argv: list[str]) -> None:
         try:
             cli = cli_main(argv)
         except BaseException:  # refused or stopped before the run began: the directory it made goes with it
-            if LNStabCLI.created_run_dir is not None and not (LNStabCLI.created_run_dir / SUMMARY_FILE).exists():
-                runs.discard_unbegun(LNStabCLI.created_run_dir)
+            if LNStabCLI.created_run_dir is not None:
+                runs.discard_unbegun(LNStabCLI.created_run_dir)  # never one holding a summary: the run began
             raise
     except RunInterrupted as exc:  # a signal during the final evaluation, or a second Ctrl-C
         raise SystemExit(128 + exc.signum) from None
