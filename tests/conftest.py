@@ -2,9 +2,11 @@
 torch.compile's on-disk cache is kept per CPU instruction set; the fixtures several test modules share."""
 
 import getpass
+import logging
 import os
+import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -67,6 +69,25 @@ def pytest_unconfigure(config) -> None:
         for p in left:
             p.kill()
             p.join(10)
+
+
+@pytest.fixture
+def terminal(capsys) -> Iterator[Callable[[], list[str]]]:
+    """What a terminal shows, line by line: Lightning's progress bar (stdout) and its log lines (its own handler, on
+    stderr, which pytest's logging replaces) on one stream, as on one screen. Call it after the fit."""
+    class Stdout:  # sys.stdout when written to: capsys puts its own in place only as the test runs
+        def write(self, text: str) -> int:
+            return sys.stdout.write(text)
+
+        def flush(self) -> None:
+            sys.stdout.flush()
+
+    handler = logging.StreamHandler(Stdout())
+    logging.getLogger("lightning.pytorch").addHandler(handler)
+    try:
+        yield lambda: capsys.readouterr().out.replace("\r", "\n").split("\n")
+    finally:
+        logging.getLogger("lightning.pytorch").removeHandler(handler)
 
 
 @pytest.fixture

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import logging
 import math
-import sys
 
 import pytest
 import torch
@@ -62,11 +60,9 @@ def test_stop_reports_step_and_layer_and_stops(tmp_path, caplog):
                     f"{run_dir(tmp_path) / 'divergence_events.jsonl'}"]  # Lightning itself says nothing
 
 
-def test_the_divergence_line_starts_a_line_of_its_own_below_the_progress_bar(tmp_path, capsys):
+def test_the_divergence_line_starts_a_line_of_its_own_below_the_progress_bar(tmp_path, terminal):
     """Said once the bar has closed its line (at the end of the fit): said as training ended, it was glued to the
-    bar's last line (lnstab fit's: endless data, so no epoch end closes the bar first). A terminal shows the bar
-    (stdout) and Lightning's log lines (stderr) on one screen: one stream here, since pytest's logging stands in for
-    Lightning's own handler."""
+    bar's last line (lnstab fit's: endless data, so no epoch end closes the bar first)."""
 
     class Endless(torch.utils.data.IterableDataset):
         def __iter__(self):
@@ -75,14 +71,9 @@ def test_the_divergence_line_starts_a_line_of_its_own_below_the_progress_bar(tmp
 
     module, clock = lit("gpt"), StepClock()
     inject_nan(module, clock)
-    terminal = logging.StreamHandler(sys.stdout)
-    logging.getLogger("lightning.pytorch").addHandler(terminal)
-    try:
-        trainer(tmp_path, [clock, DivergenceMonitor(policy="stop"), RunStatus(), StepProgressBar()], max_steps=10,
-                enable_progress_bar=True).fit(module, torch.utils.data.DataLoader(Endless(), batch_size=4))
-    finally:
-        logging.getLogger("lightning.pytorch").removeHandler(terminal)
-    shown = capsys.readouterr().out.replace("\r", "\n").split("\n")
+    trainer(tmp_path, [clock, DivergenceMonitor(policy="stop"), RunStatus(), StepProgressBar()], max_steps=10,
+            enable_progress_bar=True).fit(module, torch.utils.data.DataLoader(Endless(), batch_size=4))
+    shown = terminal()
     assert any(line.startswith(f"DivergenceMonitor: the run diverged at step {NAN_STEP} ") for line in shown), shown
 
 

@@ -142,7 +142,7 @@ def test_a_fit_refused_before_it_began_leaves_no_run_directory(tmp_path, capsys)
     missing = ["--data.source", "files", "--data.path", str(tmp_path / "nowhere.txt")]
     err = one_line_error(capsys, "fit", "--config", str(cfg), *missing)
     assert "--data.path" in err and not (tmp_path / "runs" / "tiny" / "version_0").exists()
-    err = one_line_error(capsys, "fit", "--config", str(cfg), "--run_dir", str(tmp_path / "fresh"), *missing)
+    one_line_error(capsys, "fit", "--config", str(cfg), "--run_dir", str(tmp_path / "fresh"), *missing)
     assert not (tmp_path / "fresh").exists()
     (tmp_path / "mine").mkdir()
     one_line_error(capsys, "fit", "--config", str(cfg), "--run_dir", str(tmp_path / "mine"), *missing)

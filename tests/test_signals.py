@@ -3,7 +3,6 @@ completion it did not let happen, the exit status says which signal, and a secon
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import subprocess
@@ -153,24 +152,17 @@ def test_an_error_after_a_signal_is_an_interruption_that_resumes_exactly(tmp_pat
 
 @pytest.mark.system
 def test_a_run_stopped_before_its_first_checkpoint_keeps_one_last_ckpt_that_resumes_exactly(tmp_path, monkeypatch,
-                                                                                              capsys) -> None:
+                                                                                              terminal) -> None:
     """Stopped at step 1, before the checkpoint callback's first save (step 2 here; the quickstart's 100): one
     ``last.ckpt``, which the resumed run goes on writing. Before: the callback wrote ``last-v1.ckpt`` beside it as the
     stopped epoch ended, and the resumed run kept writing ``last-v1.ckpt`` while ``last.ckpt`` stayed at step 1.
     With a progress bar drawing, the signal's line starts a line of its own (it was glued to the bar's)."""
     cfg = with_helpers(tmp_path, monkeypatch, callback={"at": 1, "signum": int(signal.SIGTERM)})
     run, last = tmp_path / "run", tmp_path / "run" / "checkpoints" / "last.ckpt"
-    # A terminal shows the bar (Lightning's on stdout) and Lightning's log lines (its own handler, on stderr, which
-    # pytest's logging replaces) on one screen: both to one stream here
-    terminal = logging.StreamHandler(sys.stdout)
-    logging.getLogger("lightning.pytorch").addHandler(terminal)
-    try:
-        with pytest.raises(SystemExit) as info:
-            main(["fit", "--config", str(cfg), "--run_dir", str(run), "--trainer.enable_progress_bar", "true"])
-    finally:
-        logging.getLogger("lightning.pytorch").removeHandler(terminal)
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--config", str(cfg), "--run_dir", str(run), "--trainer.enable_progress_bar", "true"])
     assert info.value.code == 128 + signal.SIGTERM
-    shown = capsys.readouterr().out.replace("\r", "\n").split("\n")  # line by line, as the terminal shows them
+    shown = terminal()
     assert any(line.startswith("lnstab: received SIGTERM") for line in shown), shown
     assert lasts(run) == ["last.ckpt"] and ckpt_step(last) == read_summary(run)["interrupted_step"] == 1
     fit("--config", str(cfg), "--run_dir", str(run), "--ckpt_path", "last")
