@@ -30,13 +30,15 @@ KINDS = (
     "nonfinite_param",
     "nonfinite_activation",
     "grad_explosion",
+    "loss_explosion",
     "loss_spike",
     "activation_overflow",
     "attention_collapse",
     "logit_drift",
     "remote",
 )
-FATAL = ("nonfinite_loss", "nonfinite_grad", "nonfinite_param", "nonfinite_activation", "grad_explosion", "remote")
+FATAL = ("nonfinite_loss", "nonfinite_grad", "nonfinite_param", "nonfinite_activation", "grad_explosion",
+         "loss_explosion", "remote")
 
 
 class NonFiniteCheckpointError(RuntimeError):
@@ -58,6 +60,8 @@ class DivergenceMonitor(TapCallback):
     * ``nonfinite_loss`` / ``nonfinite_grad`` / ``nonfinite_activation`` (``layer`` = the first site in depth order
       whose output was not finite in some micro-batch) / ``nonfinite_param`` (weights after the step's update);
     * ``grad_explosion``: total gradient norm > ``grad_norm_threshold``;
+    * ``loss_explosion``: loss > ``loss_explosion_factor`` × the first finite loss the monitor checked (the run's
+      first step; kept across a resume): a loss that blew up without overflowing, which fp32 can hold to ~1e38;
     * ``loss_spike``: loss > mean + ``spike_k``·std of the last ``window`` finite losses (≥ 10 of them);
     * ``activation_overflow``: some |x| > ``overflow_fraction``·finfo(dtype).max;
     * ``attention_collapse`` (``layer`` = the first layer in depth order, ``stat`` = which test): more than
@@ -95,6 +99,8 @@ class DivergenceMonitor(TapCallback):
         window: Losses kept for spike detection.
         spike_k: Standard deviations above the window mean that make a spike.
         grad_norm_threshold: Total gradient norm that counts as an explosion (``None``: off).
+        loss_explosion_factor: Multiple (> 1) of the first checked loss that counts as an explosion (``None``: off;
+            meant for a positive loss such as cross-entropy, whose first value is ~ln V when training from scratch).
         overflow_fraction: Fraction of the dtype's maximum that counts as an overflow risk.
         fatal_kinds: Event kinds the policy acts on, one or a list (names from the event list above).
         layer_pattern: Sites whose outputs are watched, as in :class:`HiddenStateStatistics` (``None``: lnstab's
@@ -131,6 +137,7 @@ class DivergenceMonitor(TapCallback):
         window: int = 50,
         spike_k: float = 6.0,
         grad_norm_threshold: float | None = None,
+        loss_explosion_factor: float | None = None,
         overflow_fraction: float = 0.5,
         fatal_kinds: str | list[str] | tuple[str, ...] = FATAL,
         layer_pattern: str | None = None,
@@ -152,6 +159,8 @@ class DivergenceMonitor(TapCallback):
         self.window = require.positive_int("window", window)
         self.spike_k = require.number("spike_k", spike_k, 0, low_open=True)
         self.grad_norm_threshold = require.optional_number("grad_norm_threshold", grad_norm_threshold, 0, low_open=True)
+        self.loss_explosion_factor = require.optional_number("loss_explosion_factor", loss_explosion_factor, 1,
+                                                             low_open=True)
         self.overflow_fraction = require.number("overflow_fraction", overflow_fraction, 0, 1, low_open=True)
         kinds = [fatal_kinds] if isinstance(fatal_kinds, str) else fatal_kinds
         if not isinstance(kinds, list | tuple):
@@ -172,6 +181,7 @@ class DivergenceMonitor(TapCallback):
         self._stats_step = False
         self.events: list[dict[str, Any]] = []
         self.losses: deque[float] = deque(maxlen=window)
+        self.first_loss: float | None = None  # the reference of loss_explosion_factor
         self.diverged_step: int | None = None
         self.sites: list[Site] = []
         self._checking = False
@@ -266,6 +276,7 @@ class DivergenceMonitor(TapCallback):
         site_max = torch.stack(maxes).to(device, torch.float64) if maxes else zero.new_zeros(0)
         params_bad = self._params_bad.to(device, torch.float64) if self._params_bad is not None else zero
         spike_at = self._spike_threshold()
+        explosion_at = self._explosion_threshold()
         overflow_at = self.overflow_fraction * self._dtype_max()
         head = [loss, grad_sq, params_bad]
         if self._distributed:  # every rank must agree: sum this rank's verdicts (on the device) over ranks
@@ -273,6 +284,7 @@ class DivergenceMonitor(TapCallback):
                 "nonfinite_loss": ~loss.isfinite(),
                 "nonfinite_activation": (~site_max.isfinite()).any(),
                 "loss_spike": loss.isfinite() & (loss > spike_at),
+                "loss_explosion": loss.isfinite() & (loss > explosion_at),
                 "activation_overflow": (site_max.isfinite() & (site_max > overflow_at)).any(),
             }
             fatal = sum((v.double() for k, v in local.items() if k in self.fatal_kinds), zero)
@@ -303,6 +315,10 @@ class DivergenceMonitor(TapCallback):
         if hot is not None:
             new.append(self._event(step, "activation_overflow", site_v[hot], self.sites[hot].tag))
         if math.isfinite(loss_v):
+            if loss_v > explosion_at:
+                new.append(self._event(step, "loss_explosion", loss_v))
+            if self.first_loss is None:
+                self.first_loss = loss_v
             if loss_v > spike_at:
                 new.append(self._event(step, "loss_spike", loss_v))
             self.losses.append(loss_v)
@@ -336,6 +352,13 @@ class DivergenceMonitor(TapCallback):
     def _dtype_max(self) -> float:
         dtypes = [d for d in (self.subscription.dtypes if self.subscription else []) if d is not None]
         return min((torch.finfo(d).max for d in dtypes if d.is_floating_point), default=math.inf)
+
+    def _explosion_threshold(self) -> float:
+        """Losses above this are explosions: ``loss_explosion_factor`` × the first finite loss, once it is known
+        and positive."""
+        if self.loss_explosion_factor is None or self.first_loss is None or self.first_loss <= 0:
+            return math.inf
+        return self.loss_explosion_factor * self.first_loss
 
     def _spike_threshold(self) -> float:
         """Losses above this are spikes: window mean + ``spike_k``·std once 10 finite losses are known."""
@@ -413,10 +436,12 @@ class DivergenceMonitor(TapCallback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"events": list(self.events), "losses": list(self.losses), "diverged_step": self.diverged_step}
+        return {"events": list(self.events), "losses": list(self.losses), "diverged_step": self.diverged_step,
+                "first_loss": self.first_loss}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.events = list(state_dict["events"])
         self.losses = deque(state_dict["losses"], maxlen=self.window)
         self.diverged_step = state_dict["diverged_step"]
+        self.first_loss = state_dict.get("first_loss")  # absent from checkpoints written before it was kept

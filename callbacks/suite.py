@@ -40,6 +40,7 @@ class Instruments:
         divergence_policy: ``stop``, ``skip`` or ``continue`` (see :class:`DivergenceMonitor`).
         fatal_kinds: Event kinds the divergence policy acts on.
         grad_norm_threshold: Total gradient norm that counts as an explosion (``None``: off).
+        loss_explosion_factor: Multiple of the run's first loss that counts as an explosion (``None``: off).
         throughput: Also log tokens/s, samples/s, FLOP/s and MFU (:class:`Throughput`, on the logging steps).
         attention: Log the attention-logit statistics and check for attention collapse.
         output_logits: Log the output-logit statistics (log Z) and check for logit drift.
@@ -63,6 +64,7 @@ class Instruments:
         divergence_policy: str = "stop",
         fatal_kinds: list[str] | tuple[str, ...] = FATAL,
         grad_norm_threshold: float | None = None,
+        loss_explosion_factor: float | None = None,
         throughput: bool = True,
         attention: bool = True,
         output_logits: bool = True,
@@ -79,6 +81,9 @@ class Instruments:
         self.fatal_kinds = list(require.choices("instruments.fatal_kinds", fatal_kinds, KINDS))
         self.grad_norm_threshold = require.optional_number(
             "instruments.grad_norm_threshold", grad_norm_threshold, 0.0, low_open=True
+        )
+        self.loss_explosion_factor = require.optional_number(
+            "instruments.loss_explosion_factor", loss_explosion_factor, 1.0, low_open=True
         )
         self.throughput = bool(throughput)
         self.attention = bool(attention)
@@ -110,6 +115,7 @@ class Instruments:
                 every_n_steps=self.divergence_every_n_steps,
                 fatal_kinds=self.fatal_kinds,
                 grad_norm_threshold=self.grad_norm_threshold,
+                loss_explosion_factor=self.loss_explosion_factor,
                 stats_every_n_steps=n if self.attention or self.output_logits else 0,
                 **off,  # the checks of an instrument switched off; the monitor's default thresholds otherwise
             )

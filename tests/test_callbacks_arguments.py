@@ -44,6 +44,10 @@ def test_bad_arguments_are_one_line_and_single_values_are_lists_of_one() -> None
     assert "\n" not in str(info.value) and "module_types=an instance of Linear is not allowed" in str(info.value)
     with pytest.raises(ConfigError, match=r"^instruments\.fatal_kinds="):  # before: refused only by .callbacks()
         Instruments(fatal_kinds=["bogus"])
+    with pytest.raises(ConfigError, match=r"^instruments\.loss_explosion_factor=0\.5 is not allowed"):
+        Instruments(loss_explosion_factor=0.5)
+    monitors = [c for c in Instruments(loss_explosion_factor=10).callbacks() if isinstance(c, DivergenceMonitor)]
+    assert [m.loss_explosion_factor for m in monitors] == [10.0]  # the config's value reaches the monitor
 
 
 def test_growth_bound_without_an_embedding_site_starts_at_the_first_layers_input(tmp_path) -> None:

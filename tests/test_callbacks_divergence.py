@@ -163,6 +163,27 @@ def test_loss_spike_and_grad_explosion(tmp_path):
     assert unchanged(watch, 0) and unchanged(watch, 1)
 
 
+def test_a_loss_that_blows_up_without_overflowing_is_an_explosion_only_when_asked(tmp_path):
+    """fp32 holds a loss of 1e11 (no LN at lr 0.3 reached it, finite, on an AVX-512 CPU and inf on an AVX2 one)."""
+    runs = {}
+    for name, scale, factor in (("blown", 20.0, 10.0), ("under", 5.0, 10.0), ("off", 20.0, None)):
+        watch, monitor = ParamWatch(), DivergenceMonitor(policy="stop", loss_explosion_factor=factor)
+        t = trainer(tmp_path / name, [watch, monitor, RunStatus()], max_steps=8)
+        t.fit(lit("gpt", loss_scale_at={5: scale}, lr=1e-4), loader(n=64))
+        runs[name] = (t, watch, monitor)
+    t, watch, monitor = runs["blown"]
+    assert [(e["step"], e["kind"]) for e in monitor.events] == [(5, "loss_explosion")]
+    assert monitor.events[0]["value"] > 10 * monitor.first_loss > 0
+    assert t.global_step == 6 and unchanged(watch, 5)  # stopped on that step, its update dropped
+    assert read_summary(run_dir(tmp_path / "blown"))["diverged_step"] == 5
+    for name in ("under", "off"):  # x5 is under the factor; without a factor nothing is an explosion
+        t, _, monitor = runs[name]
+        assert monitor.events == [] and t.global_step == 8, name
+    restored = DivergenceMonitor(loss_explosion_factor=10.0)
+    restored.load_state_dict(runs["blown"][2].state_dict())
+    assert restored.first_loss == runs["blown"][2].first_loss  # a resumed run keeps its reference
+
+
 def test_activation_overflow_risk(tmp_path):
     module = lit("gpt")
     module.model.transformer.h[0].resid_mlp.register_forward_hook(lambda m, a, out: out * 1e37)
@@ -192,6 +213,7 @@ def test_clean_run_completes_and_state_round_trips(tmp_path, caplog):
         ({"overflow_fraction": 2}, "overflow_fraction=2"),
         ({"fatal_kinds": ["nan"]}, "fatal_kinds='nan'"),
         ({"grad_norm_threshold": -1.0}, "grad_norm_threshold=-1.0"),
+        ({"loss_explosion_factor": 1.0}, "loss_explosion_factor=1.0"),
     ],
 )
 def test_bad_arguments(kwargs, match):

@@ -70,7 +70,8 @@ def first_bad(run: RunResult) -> dict[str, Any] | None:
     """Step, kind and layer of the first fatal divergence event of a diverged run."""
     if not run.diverged:
         return None
-    fatal = [e for e in run.events if e["kind"].startswith("nonfinite") or e["kind"] in ("grad_explosion", "remote")]
+    fatal = [e for e in run.events
+             if e["kind"].startswith("nonfinite") or e["kind"] in ("grad_explosion", "loss_explosion", "remote")]
     if not fatal:
         step = next((i for i, v in enumerate(run.losses) if not math.isfinite(v)), run.diverged_step)
         return {"step": step, "kind": "nonfinite_loss", "layer": None}
