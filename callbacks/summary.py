@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
+import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_summary import get_formatted_model_size, get_human_readable_count
@@ -15,7 +17,8 @@ class ParameterSummary(ModelSummary):
     plain text, but without FLOPs where Lightning measured none.
 
     Lightning counts FLOPs only on a forward of the module's ``example_input_array``; lnstab's ``GPTModule`` has none,
-    so the default summary printed a column of zeros and ``Total FLOPs: 0``. A module that sets
+    so the default summary printed a column of zeros and ``Total FLOPs: 0``. Under mixed precision (``bf16-mixed``,
+    ``16-mixed``) it counts the fp32 weights without Lightning's warning that the size "will not be accurate". A module that sets
     ``example_input_array`` gets Lightning's summary with its FLOPs unchanged. ``LNStabTrainer`` uses this callback in
     place of Lightning's default one.
 
@@ -29,6 +32,15 @@ class ParameterSummary(ModelSummary):
 
         trainer = Trainer(enable_model_summary=False, callbacks=[ParameterSummary(max_depth=2)])
     """
+
+    @override
+    def _summary(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
+        # Under mixed precision the weights are kept in fp32, so the 32 bits Lightning then counts (with a warning that
+        # it "will not be accurate", in every bf16-mixed fit: every fit on a bf16 GPU or CPU) are the right size.
+        with warnings.catch_warnings():
+            if str(trainer.precision).endswith("-mixed"):
+                warnings.filterwarnings("ignore", message=r"Precision .*-mixed is not supported by the model summary")
+            return super()._summary(trainer, pl_module)
 
     @staticmethod
     @override

@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -79,3 +80,32 @@ def test_the_instruments_measure_in_float32_under_either_precision(tmp_path, pre
         reference.pop("_series")
         for key in ("val/loss", "hidden/mean_abs/L01_mlp", "bound/ma_bound"):
             assert got[key] == pytest.approx(reference[key], rel=5e-2), key
+
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_the_model_summary_counts_fp32_weights_without_a_warning_under_either_precision(
+    tmp_path, precision: str, caplog
+) -> None:
+    """Lightning warns in every bf16-mixed fit that the summary's size "will not be accurate" and counts 32 bits;
+    under mixed precision the weights are fp32, so that size is right: lnstab's summary says it without the warning.
+    Lightning's own summary is run beside it, so the test notices if Lightning stops warning."""
+    from lightning.pytorch.callbacks import ModelSummary
+
+    from lnstab.callbacks.summary import ParameterSummary
+
+    for summary in (ParameterSummary(), ModelSummary()):
+        module = GPTModule(preset="tiny", vocab_size=64, block_size=16)
+        data = SyntheticDataModule(block_size=16, batch_size=2, synthetic_vocab_size=64, train_tokens=2_000,
+                                   val_tokens=200, seed=0)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, precision=precision, max_steps=1, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             limit_val_batches=0, callbacks=[summary])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(module, data)
+        said = [str(w.message) for w in caught if "is not supported by the model summary" in str(w.message)]
+        expected = 0 if isinstance(summary, ParameterSummary) or precision == "32-true" else 1
+        assert len(said) == expected, (type(summary).__name__, said)
+    size = 4 * sum(p.numel() for p in module.parameters()) / 1e6  # fp32 bytes: the weights' real size
+    assert f"{size:,.3f}" in caplog.text
