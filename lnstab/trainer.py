@@ -37,6 +37,15 @@ warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` i
                         module=r"lightning\.pytorch\.utilities\._pytree")
 
 
+def _one_process(kwargs: dict[str, Any]) -> bool:
+    """Whether these Trainer arguments start one process (one node, one device). Lightning's hint on a SLURM host
+    ("prepend your python command with srun", against multi-process runs that hang) then only adds noise to every fit
+    on a login node or in an allocation; lnstab's own way onto SLURM, ``lnstab sweep --slurm``, runs fits under srun."""
+    devices = kwargs.get("devices", "auto")
+    one_device = devices in (1, "1") or (devices == "auto" and kwargs.get("accelerator") == "cpu")
+    return kwargs.get("num_nodes", 1) == 1 and one_device
+
+
 class LNStabTrainer(pl.Trainer):
     """A :class:`lightning.pytorch.Trainer` (same arguments) with these additions.
 
@@ -48,7 +57,8 @@ class LNStabTrainer(pl.Trainer):
       unless a progress bar is given or ``enable_progress_bar=False``.
     * The model summary leaves out FLOPs where Lightning measured none
       (:class:`~lnstab.callbacks.summary.ParameterSummary`) unless a summary is given or
-      ``enable_model_summary=False``; Lightning's tips for its cloud services (litlogger, litmodels) are not shown.
+      ``enable_model_summary=False``; Lightning's tips for its cloud services (litlogger, litmodels) are not shown,
+      nor, in a one-process fit, its hint to launch with ``srun`` where SLURM is installed.
     * :meth:`evaluate`: the final evaluation of a checkpoint (``lnstab evaluate``).
 
     Example::
@@ -79,7 +89,10 @@ class LNStabTrainer(pl.Trainer):
         tips = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # Lightning's rank_zero_info
         if _CLOUD_TIPS not in tips.filters:
             tips.addFilter(_CLOUD_TIPS)
-        super().__init__(precision=resolved, plugins=items, **kwargs)
+        with warnings.catch_warnings():
+            if _one_process(kwargs):  # a process with no peers cannot hang waiting for them, srun or not
+                warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not")
+            super().__init__(precision=resolved, plugins=items, **kwargs)
 
     def evaluate(
         self,

@@ -60,3 +60,23 @@ def test_the_final_evaluation_says_rouge_is_expected_near_zero_on_a_synthetic_st
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("FinalEvaluation: ")]
     assert line.endswith("(synthetic token stream, not text: ROUGE is expected to be ~0 there; train on text, e.g. "
                          "--data.source sample, for scores that mean something)")
+
+
+def test_a_one_process_fit_on_a_slurm_host_shows_no_srun_hint_and_a_multi_process_one_still_does() -> None:
+    """Lightning hints "prepend your python command with srun" wherever srun is installed: in every fit on a login node
+    (and in every test here). lnstab keeps the hint only where it helps, a fit of several processes."""
+    import shutil
+    import warnings
+
+    from lnstab.trainer import LNStabTrainer
+
+    if shutil.which("srun") is None:
+        assert not os.environ.get("LNSTAB_REQUIRE_SLURM"), "srun is not on PATH (.ci/run installs SLURM)"
+        pytest.skip("srun is not installed here, so Lightning has no hint to give")
+    said = {}
+    for name, kwargs in (("one", {"devices": 1}), ("cpu-auto", {}), ("two", {"devices": 2, "strategy": "ddp"})):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            LNStabTrainer(accelerator="cpu", logger=False, enable_checkpointing=False, **kwargs)
+        said[name] = [str(w.message) for w in caught if "`srun` command is available" in str(w.message)]
+    assert said["one"] == said["cpu-auto"] == [] and len(said["two"]) == 1, said
