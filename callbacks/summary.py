@@ -17,10 +17,10 @@ class ParameterSummary(ModelSummary):
     plain text, but without FLOPs where Lightning measured none.
 
     Lightning counts FLOPs only on a forward of the module's ``example_input_array``; lnstab's ``GPTModule`` has none,
-    so the default summary printed a column of zeros and ``Total FLOPs: 0``. Under mixed precision (``bf16-mixed``,
-    ``16-mixed``) it counts the fp32 weights without Lightning's warning that the size "will not be accurate". A module that sets
-    ``example_input_array`` gets Lightning's summary with its FLOPs unchanged. ``LNStabTrainer`` uses this callback in
-    place of Lightning's default one.
+    so the default summary printed a column of zeros and ``Total FLOPs: 0``. A module that sets
+    ``example_input_array`` gets Lightning's summary with its FLOPs unchanged. Under mixed precision (``bf16-mixed``,
+    ``16-mixed``) it counts the fp32 weights without Lightning's warning that the size "will not be accurate".
+    ``LNStabTrainer`` uses this callback in place of Lightning's default one.
 
     Args:
         max_depth: As :class:`~lightning.pytorch.callbacks.ModelSummary` (``-1``: all layers, ``0``: no summary).
