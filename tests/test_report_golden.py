@@ -1,0 +1,31 @@
+"""``lnstab report`` of committed run directories is, byte for byte, the committed report: the runs of
+``tests/data/report/golden.yaml`` (real ``lnstab fit`` runs, a diverged and a missing one among them; how they were
+made: ``tests/data/report/README.md``) and what the report wrote from them. A change to how runs are read, measured,
+fitted or tabulated shows here as a diff of its tables, Markdown and CSV; a change meant to alter them rewrites
+``expected/`` with the command in the README, and the diff is reviewed with it. The figures are checked for presence
+only (their pixels depend on matplotlib's version)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+from lnstab.cli import main
+
+DATA = Path(__file__).parent / "data" / "report"
+
+
+def test_the_report_of_the_committed_runs_is_the_committed_report(tmp_path, monkeypatch, capsys) -> None:
+    shutil.copytree(DATA / "runs", tmp_path / "runs")
+    monkeypatch.chdir(tmp_path)  # the report quotes its command: the same relative paths as when it was made
+    main(["report", "runs/golden", "--out", "expected"])
+    said = capsys.readouterr()
+    assert (said.out + said.err).strip().endswith("7 tables (md + csv), 9 figures"), said
+    written = tmp_path / "expected"
+    expected = sorted(p.name for p in (DATA / "expected").iterdir())
+    assert sorted(p.name for p in written.iterdir() if p.suffix != ".png") == expected
+    for name in expected:
+        assert (written / name).read_text() == (DATA / "expected" / name).read_text(), name
+    figures = re.findall(r"\]\(([\w.]+\.png)\)", (written / "report.md").read_text())
+    assert len(figures) >= 9 and all((written / f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for f in figures)
