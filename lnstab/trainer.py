@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -89,10 +91,36 @@ class LNStabTrainer(pl.Trainer):
         tips = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # Lightning's rank_zero_info
         if _CLOUD_TIPS not in tips.filters:
             tips.addFilter(_CLOUD_TIPS)
-        with warnings.catch_warnings():
-            if _one_process(kwargs):  # a process with no peers cannot hang waiting for them, srun or not
-                warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not")
+        self._one_process = _one_process(kwargs)
+        with self._no_srun_hint():  # Lightning looks for SLURM here and again as each fit, test, … starts
             super().__init__(precision=resolved, plugins=items, **kwargs)
+
+    @contextlib.contextmanager
+    def _no_srun_hint(self) -> Iterator[None]:
+        with warnings.catch_warnings():
+            if self._one_process:  # a process with no peers cannot hang waiting for them, srun or not
+                warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not")
+            yield
+
+    @override
+    def fit(self, *args: Any, **kwargs: Any) -> None:
+        with self._no_srun_hint():
+            return super().fit(*args, **kwargs)
+
+    @override
+    def validate(self, *args: Any, **kwargs: Any) -> Any:
+        with self._no_srun_hint():
+            return super().validate(*args, **kwargs)
+
+    @override
+    def test(self, *args: Any, **kwargs: Any) -> Any:
+        with self._no_srun_hint():
+            return super().test(*args, **kwargs)
+
+    @override
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        with self._no_srun_hint():
+            return super().predict(*args, **kwargs)
 
     def evaluate(
         self,

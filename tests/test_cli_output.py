@@ -77,6 +77,13 @@ def test_a_one_process_fit_on_a_slurm_host_shows_no_srun_hint_and_a_multi_proces
     for name, kwargs in (("one", {"devices": 1}), ("cpu-auto", {}), ("two", {"devices": 2, "strategy": "ddp"})):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            LNStabTrainer(accelerator="cpu", logger=False, enable_checkpointing=False, **kwargs)
+            trainer = LNStabTrainer(accelerator="cpu", logger=False, enable_checkpointing=False, max_steps=1,
+                                    enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1,
+                                    num_sanity_val_steps=0, **kwargs)
+            if name != "two":  # Lightning looks again as a fit starts (the second process would be launched there)
+                data = SyntheticDataModule(block_size=16, batch_size=2, synthetic_vocab_size=64, train_tokens=2_000,
+                                           val_tokens=200, seed=0)
+                trainer.fit(GPTModule(preset="tiny", vocab_size=64, block_size=16), data)
+                assert trainer.global_step == 1
         said[name] = [str(w.message) for w in caught if "`srun` command is available" in str(w.message)]
     assert said["one"] == said["cpu-auto"] == [] and len(said["two"]) == 1, said
