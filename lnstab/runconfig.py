@@ -5,6 +5,7 @@ named after the experiment), written once per run directory and never overwritte
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,27 @@ UNNAMED = (None, "", "lightning_logs")
 RUN_LOCATION = ("extends", "run_dir", "ckpt_path", "trainer.default_root_dir")
 
 
+def choices_message(message: str) -> str | None:
+    """jsonargparse's error for a value outside a union of literals (``trainer.precision``: 14 lines, every subtype
+    and why it failed, folded into one of ~1,000 characters) as lnstab says it: ``KEY='VALUE' is not allowed;
+    choose one of: …``. ``None`` for any other error, or a union that also takes a type of value (an int, a path)."""
+    key = re.search(r'^Parser key "([^"]+)":\s*Does not validate against any of the Union subtypes', message)
+    subtypes = re.search(r"^\s*Subtypes: \[(.*)\]\s*$", message, re.MULTILINE)
+    given = re.search(r"^\s*Given value: (.*?)\s*$", message, re.MULTILINE)
+    if not (key and subtypes and given):
+        return None
+    choices: list[str] = []
+    for literal, other in re.findall(r"typing\.Literal\[([^\]]*)\]|<class '(\w+)'>", subtypes.group(1)):
+        if other == "NoneType":
+            choices.append("null")
+        elif other:
+            return None  # a type of value, not a choice: jsonargparse's own account says more
+        else:
+            choices += [c.strip().strip("'\"") for c in literal.split(",")]
+    return (f"{key.group(1)}={given.group(1)!r} is not allowed; choose one of: "
+            f"{', '.join(dict.fromkeys(choices))}")
+
+
 class LNStabArgumentParser(LightningArgumentParser):
     """One-line parse errors (exit 2); dumps without ``extends`` and the run's location, so they rerun anywhere,
     and with the logger named after the experiment file where the config leaves the name empty."""
@@ -28,7 +50,7 @@ class LNStabArgumentParser(LightningArgumentParser):
         if not self.exit_on_error or os.environ.get("LNSTAB_DEBUG"):
             return super().error(message, ex)
         parser = getattr(ex, "subcommand_parser", None) or self
-        folded = " ".join(part.strip() for part in message.splitlines() if part.strip())
+        folded = choices_message(message) or " ".join(part.strip() for part in message.splitlines() if part.strip())
         sys.stderr.write(f"lnstab: error: {folded} (see: {parser.prog.replace(' [options]', '')} --help)\n")
         self.exit(2)
 

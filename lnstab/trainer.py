@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 from lightning.pytorch.trainer.connectors.accelerator_connector import _PRECISION_INPUT
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lnstab.callbacks.progress import StepProgressBar
@@ -93,7 +94,12 @@ class LNStabTrainer(pl.Trainer):
             tips.addFilter(_CLOUD_TIPS)
         self._one_process = _one_process(kwargs)
         with self._no_srun_hint():  # Lightning looks for SLURM here and again as each fit, test, … starts
-            super().__init__(precision=resolved, plugins=items, **kwargs)
+            try:
+                super().__init__(precision=resolved, plugins=items, **kwargs)
+            except (ValueError, MisconfigurationException) as exc:  # an argument Lightning refused: a user's mistake
+                if isinstance(exc, ConfigError):
+                    raise
+                raise ConfigError(f"trainer: {' '.join(str(exc).split())}") from exc
 
     @contextlib.contextmanager
     def _no_srun_hint(self) -> Iterator[None]:
