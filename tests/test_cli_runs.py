@@ -193,8 +193,8 @@ def test_validate_and_evaluate_use_the_run_and_its_data(tmp_path, caplog) -> Non
         (["--run_dir", "."], "run_dir='.' is not allowed"),
         # before: jsonargparse's ~1,000 characters of every subtype and why each failed
         (["--trainer.precision", "bf17"], "trainer.precision='bf17' is not allowed; choose one of: 64, 32, 16, "
-                                          "transformer-engine, transformer-engine-float16, 16-true, 16-mixed, bf16-true, "
-                                          "bf16-mixed, 32-true, 64-true, bf16, auto, null"),
+                                          "transformer-engine, transformer-engine-float16, 16-true, 16-mixed, "
+                                          "bf16-true, bf16-mixed, 32-true, 64-true, bf16, auto, null"),
         # before: Lightning's ValueError as a traceback, exit 1
         (["--trainer.accelerator", "tpu9"], "trainer: You selected an invalid accelerator name: `accelerator='tpu9'`"),
         (["--trainer.num_nodes", "0"], "trainer: `num_nodes` must be a positive integer, but got 0"),
