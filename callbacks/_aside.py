@@ -69,6 +69,21 @@ class _Bar:
 
 
 @contextmanager
+def bar_cleared(trainer: Any) -> Iterator[None]:
+    """Say a line where a drawing TQDM training bar is not: clear the bar's line, say it, draw the bar again below
+    (what ``tqdm.write`` does); else the line is glued to the bar's text, which holds the terminal's line mid-way."""
+    bar = _Bar(trainer).tqdm
+    if bar is None or bar.disable:
+        yield
+        return
+    bar.clear()
+    try:
+        yield
+    finally:
+        bar.refresh()
+
+
+@contextmanager
 def aside(trainer: Any, what: str, device: torch.device | None = None) -> Iterator[None]:
     """Run the block as work outside training: the device is synchronised before and after it (so the step's queued
     work is not counted in it), its seconds are added to :func:`aside_seconds`, and ``what`` is the training progress

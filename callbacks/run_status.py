@@ -32,6 +32,8 @@ from lnstab.rundir import (
     update_summary,
 )
 
+from ._aside import bar_cleared
+
 SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGHUP")
 
 
@@ -63,6 +65,7 @@ def _own_last(trainer: pl.Trainer, path: Path) -> None:
         if (isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath
                 and Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}" == path):
             callback.last_model_path = str(path)
+
 
 
 class RunStatus(Callback):
@@ -278,8 +281,9 @@ class RunStatus(Callback):
         self.signal, self.interrupted_step, self.requested = signum, trainer.global_step, None
         if self.save_on_interrupt:
             path = self._save_resumable(trainer)
-            rank_zero_info(f"lnstab: saved {path} at step {trainer.global_step}; resume with ckpt_path={path} "
-                           "(lnstab fit: --ckpt_path last)")
+            with bar_cleared(trainer):  # the bar may have drawn this step since the signal's line
+                rank_zero_info(f"lnstab: saved {path} at step {trainer.global_step}; resume with ckpt_path={path} "
+                               "(lnstab fit: --ckpt_path last)")
         trainer.should_stop = True
         # Lightning validates when a run is asked to stop; a signalled run must be quick (SLURM's grace period)
         self._val_limit, trainer.limit_val_batches = trainer.limit_val_batches, 0

@@ -72,16 +72,27 @@ from lnstab.datamodules import OpenWebTextDataModule
 
 
 class SignalAt(Callback):
-    """At the end of optimizer step ``at``, signal this process ``times`` times."""
+    """At the end of optimizer step ``at``, signal this process ``times`` times (``mid_step``: during the step that
+    ends at ``at``, before its update, as a signal mostly arrives: the progress bar then draws that step after it)."""
 
-    def __init__(self, at: int = 2, signum: int = 15, times: int = 1) -> None:
-        self.at, self.signum, self.times, self.sent = at, signum, times, False
+    def __init__(self, at: int = 2, signum: int = 15, times: int = 1, mid_step: bool = False) -> None:
+        self.at, self.signum, self.times, self.sent, self.mid_step = at, signum, times, False, mid_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.at and not self.sent:
+        if not self.mid_step:
+            self._send(trainer.global_step)
+        elif self.sent and trainer.progress_bar_callback is not None:  # the bar draws this step, as an instrument's
+            trainer.progress_bar_callback.train_progress_bar.set_postfix_str("probe", refresh=True)  # postfix does
+
+    def _send(self, step) -> None:
+        if step == self.at and not self.sent:
             self.sent = True
             for _ in range(self.times):
                 os.kill(os.getpid(), self.signum)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.mid_step:
+            self._send(trainer.global_step + 1)
 
 
 class SignalThenFailingData(OpenWebTextDataModule):
@@ -156,14 +167,16 @@ def test_a_run_stopped_before_its_first_checkpoint_keeps_one_last_ckpt_that_resu
     """Stopped at step 1, before the checkpoint callback's first save (step 2 here; the quickstart's 100): one
     ``last.ckpt``, which the resumed run goes on writing. Before: the callback wrote ``last-v1.ckpt`` beside it as the
     stopped epoch ended, and the resumed run kept writing ``last-v1.ckpt`` while ``last.ckpt`` stayed at step 1.
-    With a progress bar drawing, the signal's line starts a line of its own (it was glued to the bar's)."""
-    cfg = with_helpers(tmp_path, monkeypatch, callback={"at": 1, "signum": int(signal.SIGTERM)})
+    With a progress bar drawing, the signal's line and the save's start lines of their own (both were glued to the
+    bar's)."""
+    cfg = with_helpers(tmp_path, monkeypatch, callback={"at": 1, "signum": int(signal.SIGTERM), "mid_step": True})
     run, last = tmp_path / "run", tmp_path / "run" / "checkpoints" / "last.ckpt"
     with pytest.raises(SystemExit) as info:
         main(["fit", "--config", str(cfg), "--run_dir", str(run), "--trainer.enable_progress_bar", "true"])
     assert info.value.code == 128 + signal.SIGTERM
     shown = terminal()
     assert any(line.startswith("lnstab: received SIGTERM") for line in shown), shown
+    assert any(line.startswith(f"lnstab: saved {last} at step 1; resume with") for line in shown), shown
     assert lasts(run) == ["last.ckpt"] and ckpt_step(last) == read_summary(run)["interrupted_step"] == 1
     fit("--config", str(cfg), "--run_dir", str(run), "--ckpt_path", "last")
     assert lasts(run) == ["last.ckpt"] and ckpt_step(last) == 8
