@@ -7,13 +7,16 @@ second :func:`hold` of the same directory, from any process on this machine but 
 a ``spawn`` launcher starts), fails in one line naming the holder.
 
 A lock never goes stale: the kernel releases a ``flock`` when its holder ends, however it ends (``kill -9``
-included), so the file a killed run leaves behind is simply taken over by the next run, which says so. Whether a second
+included), so the file a killed run leaves behind is simply taken over by the next run, which says so. A holder that
+ends by returning or exiting (a completed run, one a signal stopped) empties its record first, so the run that resumes
+it says nothing. Whether a second
 host is caught depends on the filesystem (NFS carries ``flock`` between hosts, Lustre only with ``-o flock``):
 docs/runs.md.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime as dt
 import errno
@@ -31,7 +34,7 @@ from lnstab.safeload import DataFileError, decode, load_json_text
 LOCK_FILE = ".lnstab.lock"
 MAX_RECORD = 4096  # bytes of the lock file read for its holder's record (a record is about a hundred)
 
-_held: dict[Path, int] = {}  # resolved run directory -> open descriptor holding its lock
+_held: dict[Path, tuple[int, int]] = {}  # resolved run directory -> (open descriptor holding its lock, holder's pid)
 
 
 class RunDirInUse(ConfigError):
@@ -118,7 +121,7 @@ def hold(directory: str | os.PathLike, what: str = "lnstab fit") -> str | None:
     except OSError as exc:
         os.close(fd)
         raise cannot_write(lock, exc) from None
-    _held[key] = fd
+    _held[key] = (fd, os.getpid())
     if before and (before.get("pid"), before.get("host")) != (record["pid"], record["host"]):
         return (f"lnstab: {lock} was left by {before.get('what', 'a run')} (pid {before.get('pid')} on "
                 f"{before.get('host')}), which has ended; this run holds it now")
@@ -171,11 +174,20 @@ def _ancestors() -> set[int]:
 
 
 def release(directory: str | os.PathLike) -> None:
-    """Give up this process's lock of ``directory`` (a no-op if it holds none); exiting does the same."""
-    fd = _held.pop(Path(directory).resolve(), None)
+    """Give up this process's lock of ``directory`` (a no-op if it holds none), emptying its record: the next holder
+    then has no ended run to report. Exiting does the same; being killed only releases the lock."""
+    fd, pid = _held.pop(Path(directory).resolve(), (None, None))
     if fd is not None:
         with contextlib.suppress(OSError):
+            if pid == os.getpid():  # not a forked child's copy of the descriptor: the holder's own
+                os.ftruncate(fd, 0)
             os.close(fd)
+
+
+@atexit.register
+def _release_all() -> None:
+    for key in list(_held):
+        release(key)
 
 
 def holds(directory: str | os.PathLike) -> bool:
