@@ -15,8 +15,9 @@ from lightning.pytorch.cli import LightningArgumentParser, SaveConfigCallback
 CKPT_SUBCOMMANDS = ("validate", "test", "predict", "evaluate")
 # A logger name that means "not chosen": the experiment file's name is used instead.
 UNNAMED = (None, "", "lightning_logs")
-# Keys that say where a run ran, not what it is: left out of saved and printed configs.
-RUN_LOCATION = ("extends", "run_dir", "ckpt_path", "trainer.default_root_dir")
+# Keys that say where a run ran, not what it is: left out of saved and printed configs; and the one lnstab sets on a
+# resume (the run logged its hyperparameters when it started), which made every resumed leg write config-fit-1.yaml.
+RUN_LOCATION = ("extends", "run_dir", "ckpt_path", "trainer.default_root_dir", "trainer.enable_autolog_hparams")
 
 
 def choices_message(message: str) -> str | None:

@@ -178,8 +178,9 @@ def test_a_run_stopped_before_its_first_checkpoint_keeps_one_last_ckpt_that_resu
     assert any(line.startswith("lnstab: received SIGTERM") for line in shown), shown
     assert any(line.startswith(f"lnstab: saved {last} at step 1; resume with") for line in shown), shown
     assert lasts(run) == ["last.ckpt"] and ckpt_step(last) == read_summary(run)["interrupted_step"] == 1
-    fit("--config", str(cfg), "--run_dir", str(run), "--ckpt_path", "last")
+    fit("--config", str(cfg), "--run_dir", str(run), "--ckpt_path", "last", "--trainer.enable_progress_bar", "true")
     assert lasts(run) == ["last.ckpt"] and ckpt_step(last) == 8
+    assert not list(run.glob("config-*.yaml"))  # the same config: nothing beside config.yaml (config-fit-1.yaml before)
     straight = tmp_path / "straight"
     fit("--config", str(tiny_config(tmp_path, name="plain", **{"trainer.max_steps": 8})), "--run_dir", str(straight))
     resumed = torch.load(last, weights_only=True)["state_dict"]
@@ -235,6 +236,25 @@ def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path) -> None:
         assert runlock.holder(run)["pid"] == os.getpid()
     finally:
         runlock.release(run)
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("ending", ["return", "exit 130"])
+def test_a_lock_whose_holder_ended_by_itself_is_taken_over_without_a_word(tmp_path, ending) -> None:
+    """A completed run, or one a signal stopped (exit 130 after Ctrl-C), empties its record as it exits: the run that
+    resumes it said 'lnstab: …/.lnstab.lock was left by lnstab fit (pid …), which has ended' on every resume."""
+    run = tmp_path / "run"
+    end = "" if ending == "return" else "; raise SystemExit(130)"
+    done = subprocess.run([sys.executable, "-c", f"from lnstab import runlock; runlock.hold({str(run)!r}){end}"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == (0 if ending == "return" else 130), done.stderr
+    assert runlock.holder(run) == {}  # the file stays; its record is gone
+    note = runlock.hold(run)
+    try:
+        assert note is None and runlock.holder(run)["pid"] == os.getpid()
+    finally:
+        runlock.release(run)
+    assert (run / runlock.LOCK_FILE).read_text() == ""  # released by this process: emptied too
 
 
 def test_resuming_refuses_model_settings_from_a_config_file_that_contradict_the_checkpoint(tmp_path, capsys) -> None:
