@@ -67,7 +67,6 @@ def _own_last(trainer: pl.Trainer, path: Path) -> None:
             callback.last_model_path = str(path)
 
 
-
 class RunStatus(Callback):
     """Keeps ``summary.json``'s ``status`` and ends a signalled run at an optimizer-step boundary, resumably.
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -47,6 +48,18 @@ def _one_process(kwargs: dict[str, Any]) -> bool:
     devices = kwargs.get("devices", "auto")
     one_device = devices in (1, "1") or (devices == "auto" and kwargs.get("accelerator") == "cpu")
     return kwargs.get("num_nodes", 1) == 1 and one_device
+
+
+def _without_srun_hint(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``pl.Trainer``'s ``method`` (same signature) run under the trainer's ``_no_srun_hint``: Lightning looks for
+    SLURM again as each fit, validate, test or predict starts."""
+
+    @functools.wraps(method)
+    def run(self: LNStabTrainer, *args: Any, **kwargs: Any) -> Any:
+        with self._no_srun_hint():
+            return method(self, *args, **kwargs)
+
+    return run
 
 
 class LNStabTrainer(pl.Trainer):
@@ -108,25 +121,10 @@ class LNStabTrainer(pl.Trainer):
                 warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not")
             yield
 
-    @override
-    def fit(self, *args: Any, **kwargs: Any) -> None:
-        with self._no_srun_hint():
-            return super().fit(*args, **kwargs)
-
-    @override
-    def validate(self, *args: Any, **kwargs: Any) -> Any:
-        with self._no_srun_hint():
-            return super().validate(*args, **kwargs)
-
-    @override
-    def test(self, *args: Any, **kwargs: Any) -> Any:
-        with self._no_srun_hint():
-            return super().test(*args, **kwargs)
-
-    @override
-    def predict(self, *args: Any, **kwargs: Any) -> Any:
-        with self._no_srun_hint():
-            return super().predict(*args, **kwargs)
+    fit = _without_srun_hint(pl.Trainer.fit)
+    validate = _without_srun_hint(pl.Trainer.validate)
+    test = _without_srun_hint(pl.Trainer.test)
+    predict = _without_srun_hint(pl.Trainer.predict)
 
     def evaluate(
         self,

@@ -82,7 +82,6 @@ def test_the_instruments_measure_in_float32_under_either_precision(tmp_path, pre
             assert got[key] == pytest.approx(reference[key], rel=5e-2), key
 
 
-
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_the_model_summary_counts_fp32_weights_without_a_warning_under_either_precision(
     tmp_path, precision: str, caplog
