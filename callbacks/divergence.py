@@ -22,23 +22,7 @@ from ._sites import Site, auto_sites, no_sites
 from ._stat_checks import StatChecks
 from ._strategy import all_reduce_, count_nonfinite, distributed, params_sharded, require_strategy
 from ._tap_callback import TapCallback
-
-POLICIES = ("stop", "skip", "continue")
-KINDS = (
-    "nonfinite_loss",
-    "nonfinite_grad",
-    "nonfinite_param",
-    "nonfinite_activation",
-    "grad_explosion",
-    "loss_explosion",
-    "loss_spike",
-    "activation_overflow",
-    "attention_collapse",
-    "logit_drift",
-    "remote",
-)
-FATAL = ("nonfinite_loss", "nonfinite_grad", "nonfinite_param", "nonfinite_activation", "grad_explosion",
-         "loss_explosion", "remote")
+from .divergence_kinds import FATAL, KINDS, POLICIES
 
 
 class NonFiniteCheckpointError(RuntimeError):

@@ -13,6 +13,7 @@ import math
 import statistics
 from typing import Any
 
+from lnstab.callbacks.divergence_kinds import FATAL
 from lnstab.check.runspec import RunResult
 from lnstab.measures import best_rate, fit_line, growth_fit, jacobian_points, ladder_sensitivity, log_log_slope
 
@@ -70,8 +71,7 @@ def first_bad(run: RunResult) -> dict[str, Any] | None:
     """Step, kind and layer of the first fatal divergence event of a diverged run."""
     if not run.diverged:
         return None
-    fatal = [e for e in run.events
-             if e["kind"].startswith("nonfinite") or e["kind"] in ("grad_explosion", "loss_explosion", "remote")]
+    fatal = [e for e in run.events if e["kind"] in FATAL]
     if not fatal:
         step = next((i for i, v in enumerate(run.losses) if not math.isfinite(v)), run.diverged_step)
         return {"step": step, "kind": "nonfinite_loss", "layer": None}
