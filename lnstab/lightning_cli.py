@@ -33,6 +33,7 @@ from lnstab.configfiles import expand_extends, experiment_name
 from lnstab.distributed import end_gloo_group
 from lnstab.errors import ConfigError, exit_for_user_error, one_line
 from lnstab.module import GPTModule
+from lnstab.moduleargs import MODULE_ARGS, checked_config
 from lnstab.precision import precision_warning, resolve_precision
 from lnstab.runconfig import CKPT_SUBCOMMANDS, UNNAMED, LNStabArgumentParser, SaveRunConfig, logger_args
 from lnstab.rundir import CONFIG_FILE, check_writable
@@ -191,6 +192,7 @@ class LNStabCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         c = self.config[self.subcommand] if self.subcommand else self.config
+        _check_model_args(c.model.as_dict())  # a bad --model.* fails before the data and trainer say anything
         if c.trainer.precision == "auto":
             value, reason = resolve_precision("auto", str(c.trainer.accelerator))
             c.trainer.precision = value
@@ -233,6 +235,17 @@ class LNStabCLI(LightningCLI):
             note = runlock.hold(directory)
             if note:
                 rank_zero_info(note)
+
+
+def _check_model_args(model: dict[str, Any]) -> None:
+    """What ``GPTModule(**model)`` would refuse, refused now, named as the config key (``model.n_layer=0 …``)."""
+    try:
+        checked_config(model)
+    except ConfigError as exc:
+        message = str(exc)
+        if message.split("=", 1)[0] in MODULE_ARGS:
+            raise ConfigError(f"model.{message}") from None
+        raise
 
 
 def _default_config(argv: list[str]) -> list[str]:

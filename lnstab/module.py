@@ -13,13 +13,11 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
-from lnstab import validation as require
 from lnstab.callbacks.run_status import trained_steps
-from lnstab.errors import ConfigError
 from lnstab.evaluation.core import safe_exp
 from lnstab.flops import training_flops
 from lnstab.model import GPT
-from lnstab.moduleargs import MODEL_ARGS, WEIGHT_DECAY_MODES, gpt_config  # noqa: F401  (MODEL_ARGS: API)
+from lnstab.moduleargs import checked_config
 from lnstab.rundir import update_summary
 
 
@@ -103,23 +101,9 @@ class GPTModule(pl.LightningModule):
         compile: bool = False,
     ) -> None:
         super().__init__()
-        for name, value in (("learning_rate", learning_rate), ("min_lr", min_lr), ("weight_decay", weight_decay)):
-            require.number(name, value, 0.0)
-        if min_lr > learning_rate:
-            raise ConfigError(f"min_lr={min_lr!r} is not allowed; it must be <= learning_rate={learning_rate!r}")
-        require.integer("warmup_steps", warmup_steps, 0)
-        if lr_decay_steps is not None:
-            require.positive_int("lr_decay_steps", lr_decay_steps)
-        require.choice("weight_decay_mode", weight_decay_mode, WEIGHT_DECAY_MODES)
-        if weight_decay_mode == "independent" and weight_decay > 0 and learning_rate == 0:
-            raise ConfigError(
-                "weight_decay_mode='independent' is not allowed with learning_rate=0 and weight_decay > 0; it sets "
-                "AdamW's decay to weight_decay/learning_rate (use learning_rate > 0 or weight_decay 0)"
-            )
-        if not all(0.0 <= b < 1.0 for b in betas):
-            raise ConfigError(f"betas={tuple(betas)!r} is not allowed; each must be in [0, 1)")
+        config = checked_config(locals())
         self.save_hyperparameters()
-        self.config = gpt_config(self.hparams)
+        self.config = config
         self.model = GPT(self.config)
         # nan_strategy="disable": a NaN batch makes the mean NaN; the default would drop it with a warning, and a
         # divergence study must never average a NaN away.

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lnstab import validation as require
+from lnstab.errors import ConfigError
 from lnstab.model import GPTConfig
 
 # GPTModule's arguments that are GPTConfig fields, with GPTModule's defaults ("preset" first: the rest override it).
@@ -20,9 +22,12 @@ MODEL_DEFAULTS: dict[str, Any] = {
     "layerscale_init": None, "tie_embeddings": True, "init": "gpt2",
 }
 MODEL_ARGS = tuple(k for k in MODEL_DEFAULTS if k != "preset")
-# The rest of GPTModule's arguments: optimisation and compilation.
-TRAINING_ARGS = ("learning_rate", "min_lr", "warmup_steps", "lr_decay_steps", "weight_decay", "weight_decay_mode",
-                 "betas", "eps", "compile")
+# The rest of GPTModule's arguments, with its defaults: optimisation and compilation.
+TRAINING_DEFAULTS: dict[str, Any] = {
+    "learning_rate": 6e-4, "min_lr": 6e-5, "warmup_steps": 2000, "lr_decay_steps": None, "weight_decay": 0.1,
+    "weight_decay_mode": "coupled", "betas": (0.9, 0.95), "eps": 1e-8, "compile": False,
+}
+TRAINING_ARGS = tuple(TRAINING_DEFAULTS)
 # How AdamW's decay relates to the learning rate (GPTModule's weight_decay_mode).
 WEIGHT_DECAY_MODES = ("coupled", "independent")
 MODULE_ARGS = (*MODEL_DEFAULTS, *TRAINING_ARGS)
@@ -32,3 +37,26 @@ def gpt_config(hparams: dict[str, Any]) -> GPTConfig:
     """The :class:`GPTConfig` that ``GPTModule(**hparams)`` builds; missing arguments take the signature's defaults."""
     get = {k: hparams.get(k, default) for k, default in MODEL_DEFAULTS.items()}
     return GPTConfig.preset(get["preset"], **{k: get[k] for k in MODEL_ARGS})
+
+
+def checked_config(hparams: dict[str, Any]) -> GPTConfig:
+    """:func:`gpt_config` after GPTModule's checks of its training arguments: what ``GPTModule(**hparams)`` refuses,
+    refused here without building the model (the CLI checks a run's model before it builds the data and trainer)."""
+    get = {k: hparams.get(k, default) for k, default in TRAINING_DEFAULTS.items()}
+    learning_rate, min_lr, weight_decay = get["learning_rate"], get["min_lr"], get["weight_decay"]
+    for name, value in (("learning_rate", learning_rate), ("min_lr", min_lr), ("weight_decay", weight_decay)):
+        require.number(name, value, 0.0)
+    if min_lr > learning_rate:
+        raise ConfigError(f"min_lr={min_lr!r} is not allowed; it must be <= learning_rate={learning_rate!r}")
+    require.integer("warmup_steps", get["warmup_steps"], 0)
+    if get["lr_decay_steps"] is not None:
+        require.positive_int("lr_decay_steps", get["lr_decay_steps"])
+    require.choice("weight_decay_mode", get["weight_decay_mode"], WEIGHT_DECAY_MODES)
+    if get["weight_decay_mode"] == "independent" and weight_decay > 0 and learning_rate == 0:
+        raise ConfigError(
+            "weight_decay_mode='independent' is not allowed with learning_rate=0 and weight_decay > 0; it sets "
+            "AdamW's decay to weight_decay/learning_rate (use learning_rate > 0 or weight_decay 0)"
+        )
+    if not all(0.0 <= b < 1.0 for b in get["betas"]):
+        raise ConfigError(f"betas={tuple(get['betas'])!r} is not allowed; each must be in [0, 1)")
+    return gpt_config(hparams)

@@ -150,14 +150,12 @@ def check_against_checkpoint(ckpt: dict[str, Any], model: dict[str, Any], ckpt_p
     Raises:
         ConfigError: One line naming the first contradicting key, both values and where it was set.
     """
-    import inspect
-
-    from lnstab.module import MODEL_ARGS, GPTModule, gpt_config
+    from lnstab.moduleargs import MODEL_ARGS, MODEL_DEFAULTS, TRAINING_DEFAULTS, gpt_config
 
     hparams = dict(ckpt.get("hyper_parameters") or {})
     if "preset" not in hparams:
         return  # not a GPTModule checkpoint: nothing to compare with
-    defaults = {k: v.default for k, v in inspect.signature(GPTModule.__init__).parameters.items() if k != "self"}
+    defaults = {**MODEL_DEFAULTS, **TRAINING_DEFAULTS}  # GPTModule's signature (tests/test_model_options.py)
     mine, theirs = dict(model), {**defaults, **hparams}
     arch_mine, arch_theirs = gpt_config({**defaults, **mine}), gpt_config(theirs)
     for key in defaults:

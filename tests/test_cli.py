@@ -13,7 +13,7 @@ import yaml
 from lnstab.cli import cli_main, main
 from lnstab.configfiles import expand_extends
 from lnstab.errors import LNStabError
-from lnstab.module import gpt_config
+from lnstab.moduleargs import gpt_config
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = sorted((ROOT / "experiments").glob("*.yaml"))
@@ -95,17 +95,20 @@ def test_extends_chain_expands_base_first_and_refuses_cycles(tmp_path) -> None:
 @pytest.mark.parametrize(
     "args, expected",
     [
-        (["--model.norm_placement", "sideways"], "norm_placement='sideways' is not allowed; choose one of: pre, peri"),
-        (["--model.norm_type", "batchnorm"], "norm_type='batchnorm' is not allowed; choose one of: layernorm, rmsnorm"),
-        (["--model.preset", "gpt5"], "preset='gpt5' is not allowed"),
-        (["--model.residual_scale", "0"], "residual_scale=0.0 is not allowed; it must be a finite number > 0"),
-        (["--model.n_embd", "102"], "n_embd=102 is not allowed with n_head=4"),
+        (["--model.norm_placement", "sideways"], "model.norm_placement='sideways' is not allowed; choose one of: pre"),
+        (["--model.norm_type", "batchnorm"], "model.norm_type='batchnorm' is not allowed; choose one of: layernorm"),
+        (["--model.preset", "gpt5"], "model.preset='gpt5' is not allowed"),
+        (["--model.residual_scale", "0"], "model.residual_scale=0.0 is not allowed; it must be a finite number > 0"),
+        (["--model.n_embd", "102"], "model.n_embd=102 is not allowed with n_head=4"),
         (["--data.source", "nonsense"], "data.source='nonsense' is not allowed; choose one of: hf, files, prepared"),
         (["--model.residual_scale", "abc"], 'Parser key "model.residual_scale": Expected a <class \'float\'>'),
         (["--model.colour", "red"], "unrecognized arguments: --model.colour red"),
+        (["--model.min_lr", "1", "--model.learning_rate", "0.1"], "model.min_lr=1.0 is not allowed; it must be <="),
     ],
 )
-def test_bad_model_input_is_one_line_exit_2_and_writes_nothing(args, expected, tmp_path, capsys) -> None:
+def test_bad_model_input_is_one_line_exit_2_and_writes_nothing(args, expected, tmp_path, capsys, caplog) -> None:
+    """Refused in one line naming the config key, before the data or the trainer say anything (the data module
+    used to announce its source first)."""
     quickstart = str(ROOT / "experiments" / "quickstart.yaml")
     run_root = tmp_path / "runs"
     with pytest.raises(SystemExit) as info:
@@ -114,6 +117,9 @@ def test_bad_model_input_is_one_line_exit_2_and_writes_nothing(args, expected, t
     err = capsys.readouterr().err.strip()
     assert err.startswith("lnstab: error: ") and expected in err and "\n" not in err
     assert not run_root.exists()
+    assert "lnstab data:" not in caplog.text
+    if args[0].startswith("--model."):
+        assert "precision auto" not in caplog.text
 
 
 @pytest.mark.slow

@@ -17,8 +17,8 @@ from lnstab.errors import ConfigError
 from lnstab.layers import DyT, Gate, cait_layerscale_init
 from lnstab.memory import estimate_memory, total_params
 from lnstab.model import GPT, PLACEMENTS, GPTConfig
-from lnstab.module import MODEL_ARGS, GPTModule, gpt_config
-from lnstab.moduleargs import MODEL_DEFAULTS, MODULE_ARGS
+from lnstab.module import GPTModule
+from lnstab.moduleargs import MODEL_ARGS, MODEL_DEFAULTS, MODULE_ARGS, TRAINING_DEFAULTS, gpt_config
 
 VOCAB = 97
 
@@ -312,6 +312,7 @@ def test_the_lightning_free_copy_of_the_modules_arguments_is_its_signature() -> 
     params = {k: p.default for k, p in inspect.signature(GPTModule.__init__).parameters.items() if k != "self"}
     assert tuple(params) == MODULE_ARGS
     assert {k: params[k] for k in MODEL_DEFAULTS} == MODEL_DEFAULTS
+    assert {k: params[k] for k in TRAINING_DEFAULTS} == TRAINING_DEFAULTS
     assert set(MODEL_ARGS) == {f.name for f in dataclasses.fields(GPTConfig)} & set(params)
 
 

@@ -63,7 +63,7 @@ def initial_loss(run: RunRecord) -> float | None:
 
 
 def _preset_vocab(config: dict[str, Any]) -> int | None:
-    from lnstab.module import gpt_config
+    from lnstab.moduleargs import gpt_config
 
     model = {k.removeprefix("model."): v for k, v in config.items() if k.startswith("model.")}
     try:
