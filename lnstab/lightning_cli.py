@@ -49,6 +49,7 @@ class LNStabCLI(LightningCLI):
     argv: list[str] = []
     run_status: RunStatus | None = None  # the RunStatus of the trainer being run
     created_run_dir: Path | None = None  # the fit's run directory, when this fit created it
+    created_root: Path | None = None  # the outermost directory this fit created on the way to it
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -231,7 +232,12 @@ class LNStabCLI(LightningCLI):
             # by now, leaving nothing behind) and before the trainer's setup, where the logger creates its event
             # file (RunStatus.setup takes it too, for Trainers used without this CLI)
             directory = Path(trainer_run_dir(self.trainer))
-            LNStabCLI.created_run_dir = None if directory.exists() else directory
+            LNStabCLI.created_run_dir = LNStabCLI.created_root = None
+            if not directory.exists():
+                root = directory
+                while not root.parent.exists():
+                    root = root.parent
+                LNStabCLI.created_run_dir, LNStabCLI.created_root = directory, root
             note = runlock.hold(directory)
             if note:
                 rank_zero_info(note)
@@ -270,7 +276,7 @@ def cli_main(args: list[str] | None = None, run: bool = True) -> LNStabCLI:
     expanded = expand_extends(raw)
     LNStabCLI.experiment, LNStabCLI.argv = experiment_name(raw), raw
     LNStabArgumentParser.experiment = LNStabCLI.experiment
-    LNStabCLI.run_status = LNStabCLI.created_run_dir = None
+    LNStabCLI.run_status = LNStabCLI.created_run_dir = LNStabCLI.created_root = None
     return LNStabCLI(
         GPTModule,
         LightningDataModule,
@@ -297,7 +303,8 @@ def run(argv: list[str]) -> None:
             cli = cli_main(argv)
         except BaseException:  # refused or stopped before the run began: the directory it made goes with it
             if LNStabCLI.created_run_dir is not None:
-                runs.discard_unbegun(LNStabCLI.created_run_dir)  # never one holding a summary: the run began
+                # never one holding a summary: the run began
+                runs.discard_unbegun(LNStabCLI.created_run_dir, LNStabCLI.created_root)
             raise
     except RunInterrupted as exc:  # a signal during the final evaluation, or a second Ctrl-C
         raise SystemExit(128 + exc.signum) from None

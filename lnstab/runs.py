@@ -98,11 +98,12 @@ UNBEGUN = (runlock.LOCK_FILE, "hparams.yaml")
 EVENT_FILE_PREFIX = "events.out.tfevents."
 
 
-def discard_unbegun(run_dir: str | os.PathLike) -> bool:
+def discard_unbegun(run_dir: str | os.PathLike, created: str | os.PathLike | None = None) -> bool:
     """Remove a run directory that this fit created and that was refused before the run began (``--data.path``
     missing, a vocabulary the data module refuses): left, it would take a version number and be refused by
     ``lnstab report`` as not a run. Only a directory holding nothing but :data:`UNBEGUN` files and event files is
-    removed; True if it was."""
+    removed; True if it was. ``created``: the outermost directory the fit made on the way (``runs/`` of
+    ``runs/<experiment>/version_0``), removed too, with those between, where nothing else has appeared in them."""
     path = Path(run_dir)
     try:
         entries = list(path.iterdir())
@@ -115,6 +116,14 @@ def discard_unbegun(run_dir: str | os.PathLike) -> bool:
         path.rmdir()
     except OSError:  # gone already, or not ours to remove: leave what is left
         return False
+    if created is not None and path.is_relative_to(created):
+        for parent in path.parents:
+            if not parent.is_relative_to(created):
+                break
+            try:
+                parent.rmdir()  # only an empty one
+            except OSError:
+                break
     return True
 
 

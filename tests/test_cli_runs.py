@@ -141,9 +141,12 @@ def test_a_fit_refused_before_it_began_leaves_no_run_directory(tmp_path, capsys)
     cfg = tiny_config(tmp_path, **{"model.vocab_size": 50257, "model.pad_vocab_multiple": 64})  # GPT-2's ids
     missing = ["--data.source", "files", "--data.path", str(tmp_path / "nowhere.txt")]
     err = one_line_error(capsys, "fit", "--config", str(cfg), *missing)
-    assert "--data.path" in err and not (tmp_path / "runs" / "tiny" / "version_0").exists()
-    one_line_error(capsys, "fit", "--config", str(cfg), "--run_dir", str(tmp_path / "fresh"), *missing)
+    assert "--data.path" in err and not (tmp_path / "runs").exists()  # nor runs/tiny, which it made on the way
+    one_line_error(capsys, "fit", "--config", str(cfg), "--run_dir", str(tmp_path / "fresh" / "a"), *missing)
     assert not (tmp_path / "fresh").exists()
+    (tmp_path / "runs" / "tiny").mkdir(parents=True)
+    one_line_error(capsys, "fit", "--config", str(cfg), *missing)
+    assert (tmp_path / "runs" / "tiny").is_dir() and not any((tmp_path / "runs" / "tiny").iterdir())
     (tmp_path / "mine").mkdir()
     one_line_error(capsys, "fit", "--config", str(cfg), "--run_dir", str(tmp_path / "mine"), *missing)
     assert (tmp_path / "mine").is_dir()
