@@ -179,10 +179,16 @@ class SizedLM(EncoderLM):
 
 
 MODES: list[bool] = []  # ModeLM's forward appends whether it runs in train mode
+FLUSHED: list[tuple[bool, bool]] = []  # and (train mode, whether denormal floats are flushed to zero)
+
+
+def denormals_flushed() -> bool:
+    return (torch.tensor([1e-40]) * 2).item() == 0.0
 
 
 class ModeLM(EncoderLM):
-    """Records ``self.training`` on every forward and holds a dropout module with p = 0.3."""
+    """Records ``self.training`` (and whether denormals are flushed) on every forward and holds a dropout module with
+    p = 0.3."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -190,6 +196,7 @@ class ModeLM(EncoderLM):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         MODES.append(self.training)
+        FLUSHED.append((self.training, denormals_flushed()))
         return super().forward(idx)
 
 

@@ -341,10 +341,17 @@ def test_stress_runs_train_in_train_mode_with_dropout_off(tmp_path) -> None:
     import check_factories
 
     check_factories.MODES.clear()
+    check_factories.FLUSHED.clear()
+    assert not check_factories.denormals_flushed()  # the premise: this CPU keeps denormals unless told not to
     code, report = check(tmp_path / "card", "--factory", "check_factories:mode_lm", "--layer-pattern",
                          r"layers\.(\d+)$", "--lrs", "1e-2", *TINY, "--no-reference")
     assert check_factories.MODES.count(True) == 7  # the 7 training steps (6 updates and the measured step after)
     assert "1 nn.Dropout module set to p=0" in report["model"]["training"]
+    # Denormals are flushed while a stress run trains (a speed-up, lnstab.check.training.denormals_flushed), in the
+    # stress run only: not in the check's shape probes before it, nor in this process after it
+    assert [flushed for training, flushed in check_factories.FLUSHED if training] == [True] * 7
+    assert check_factories.FLUSHED[0] == (False, False)  # the check's first shape probe, before any stress run
+    assert not check_factories.denormals_flushed()
 
 
 @pytest.mark.slow

@@ -167,6 +167,21 @@ def batches(tokens: torch.Tensor, seed: int, batch_size: int) -> DataLoader:
     return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=batch_size, shuffle=False, drop_last=True)
 
 
+@contextlib.contextmanager
+def denormals_flushed(on: bool = True) -> Iterator[None]:
+    """Denormal floats flushed to zero on this thread (the CPU's FTZ/DAZ) while a stress run trains, then not. A run
+    at a high learning rate makes them (collapsed attention rows' probabilities and their gradients), and each costs
+    the CPU a slow path: a proxy-tier run at lr 0.3 took 71 s with them and 54 s without on an AMX Xeon, with every
+    loss and measurement bit for bit the same (benchmarks/README.md). Only the calling thread's setting changes, so
+    ``--threads`` above 1 per worker flushes in its first thread only."""
+    flushed = on and torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        if flushed:
+            torch.set_flush_denormal(False)
+
+
 def stress_run(
     subject: str,
     model: nn.Module,
@@ -266,7 +281,7 @@ def stress_run(
         deterministic=False,
     )
     module = StressModule(model, lr, optimisation, z_loss)
-    with event_writer_errors() as held:
+    with event_writer_errors() as held, denormals_flushed(accelerator == "cpu"):
         try:
             trainer.fit(module, train_dataloaders=batches(tokens, seed, batch_size))
             logger.experiment.flush()
