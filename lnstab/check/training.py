@@ -171,9 +171,10 @@ def batches(tokens: torch.Tensor, seed: int, batch_size: int) -> DataLoader:
 def denormals_flushed(on: bool = True) -> Iterator[None]:
     """Denormal floats flushed to zero on this thread (the CPU's FTZ/DAZ) while a stress run trains, then not. A run
     at a high learning rate makes them (collapsed attention rows' probabilities and their gradients), and each costs
-    the CPU a slow path: a proxy-tier run at lr 0.3 took 71 s with them and 54 s without on an AMX Xeon, with every
-    loss and measurement bit for bit the same (benchmarks/README.md). Only the calling thread's setting changes, so
-    ``--threads`` above 1 per worker flushes in its first thread only."""
+    the CPU a slow path: a proxy-tier run at lr 0.3 took 71 s with them and 54 s without on an AMX Xeon. Part of the
+    protocol, not a no-op: the runs compared came out bit for bit the same, but a value flushed can move a chaotic run
+    (an ``lnstab fit`` of the proxy at lr 0.3 ends 0.014 nats apart; benchmarks/README.md). Only the calling thread's
+    setting changes, so ``--threads`` above 1 per worker flushes in its first thread only."""
     flushed = on and torch.set_flush_denormal(True)
     try:
         yield
