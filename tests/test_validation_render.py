@@ -64,16 +64,12 @@ def test_a_changed_verdict_shows_in_the_rendered_readme(tmp_path) -> None:
     card = json.loads((copy / "peri-ln" / "report.json").read_text())
     assert card["status"] == "pass"
     (copy / "peri-ln" / "report.json").write_text(json.dumps({**card, "status": "warn"}))
-    text = rerender(copy)
-    assert text != (VALIDATION / "README.md").read_text(encoding="utf-8")
-    assert verdict_lines(text) != verdict_lines((VALIDATION / "README.md").read_text(encoding="utf-8"))
-    agree, rows = re.search(r"\*\*Agreement over all rows: (\d+) of (\d+) rows", committed_text()).groups()
+    text, committed = rerender(copy), (VALIDATION / "README.md").read_text(encoding="utf-8")
+    assert text != committed
+    assert verdict_lines(text) != verdict_lines(committed)
+    agree, rows = re.search(r"\*\*Agreement over all rows: (\d+) of (\d+) rows", committed).groups()
     assert f"**Agreement over all rows: {int(agree) - 1} of {rows} rows" in text  # peri-ln agreed; now it does not
-    assert headline(text) != headline((VALIDATION / "README.md").read_text(encoding="utf-8"))  # peri-ln is scored
-
-
-def committed_text() -> str:
-    return (VALIDATION / "README.md").read_text(encoding="utf-8")
+    assert headline(text) != headline(committed)  # peri-ln is scored
 
 
 def headline(text: str) -> str:
