@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -140,6 +141,8 @@ def prepare(
     if split_method == "nanogpt" and not 0 < test_size < 1:
         raise DataError(f"test_size={test_size} is not allowed; it must be in (0, 1)")
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {out} is not a directory; give a new directory, or one prepared before")
     split = {"method": split_method}
     split.update({"val_tokens": val_tokens} if split_method == "head" else {"test_size": test_size, "seed": split_seed})
     options = {"source": dataclasses.asdict(spec), "split": split, "tokenizer": tokenizer}
@@ -162,8 +165,15 @@ def prepare(
     tok = DocTokenizer(tokenizer, num_threads or os.cpu_count() or 1)
     # open the source before creating anything under out, so bad input leaves no trace
     ds = open_text_stream(spec, streaming=split_method == "head", cache_dir=cache_dir)
+    if split_method == "nanogpt" and len(ds) - math.ceil(test_size * len(ds)) < 1:  # datasets' own rule
+        n = len(ds)
+        raise DataError(f"test_size={test_size} is not allowed with {n} document{'s' * (n != 1)} in --path: it holds "
+                        "out every one and leaves none to train on; give more documents or --split_method head")
     created = not out.exists(), not partial.exists()
-    partial.mkdir(parents=True, exist_ok=True)
+    try:
+        partial.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file on the way, a read-only or full disk: the path's fault, said in one line
+        raise DataError(f"--out {out} cannot be created: {exc.strerror or exc}") from None
     try:
         stats = DocStats()
         if split_method == "nanogpt":
@@ -304,16 +314,14 @@ def _main(argv: list[str]) -> None:
     spec = TextSpec(
         a.source, a.path, a.dataset, a.dataset_config or None, a.revision or None, data_files, a.text_field, a.split
     )
-    prepare(
-        spec,
-        a.out,
-        a.split_method,
-        a.val_tokens,
-        a.test_size,
-        a.split_seed,
-        a.tokenizer,
-        a.num_threads,
-        a.batch_docs,
-        show=not a.no_progress,
-        cache_dir=a.cache_dir,
-    )
+    import datasets  # lazily, as text.py imports it
+
+    quiet = a.no_progress and not datasets.are_progress_bars_disabled()
+    if quiet:  # --no_progress silences datasets' "Generating train split" bars too
+        datasets.disable_progress_bars()
+    try:
+        prepare(spec, a.out, a.split_method, a.val_tokens, a.test_size, a.split_seed, a.tokenizer, a.num_threads,
+                a.batch_docs, show=not a.no_progress, cache_dir=a.cache_dir)
+    finally:
+        if quiet:
+            datasets.enable_progress_bars()

@@ -214,6 +214,8 @@ def test_cli_prepare_bad_input_exits_2_with_one_line(tmp_path, capsys):
         (["--path", "{doc}", "--split_method", "random"], "argument --split_method: invalid choice"),
         (["--data.path", "{doc}"], "unrecognized arguments: --data.path {doc}; prepare's flags have no data. prefix: "
                                    "--path"),  # fit's spelling, said as typed, with prepare's
+        # one document: nanoGPT's split would hold it out and leave none to train on (datasets' ValueError before)
+        (["--path", "{doc}", "--no_progress"], "test_size=0.0005 is not allowed with 1 document in --path"),
     ],
 )
 def test_prepare_errors_are_one_line_name_its_flags_and_leave_no_partial(tmp_path, capsys, args, expected):
@@ -227,3 +229,17 @@ def test_prepare_errors_are_one_line_name_its_flags_and_leave_no_partial(tmp_pat
     assert e.value.code == 2 and err.startswith("lnstab: error:") and "\n" not in err
     assert expected.format(**fill) in err and ("--data." not in err or args[0].startswith("--data."))
     assert not out.exists()  # no empty .partial/ left behind
+
+
+@pytest.mark.parametrize("under", [False, True])
+def test_prepare_out_on_a_file_is_a_one_line_error_and_the_file_is_kept(docs_file, tmp_path, capsys, under):
+    path, _ = docs_file
+    existing = tmp_path / "notes.txt"
+    existing.write_text("a user's file\n")
+    out = existing / "sub" if under else existing
+    with pytest.raises(SystemExit) as e:  # was a NotADirectoryError traceback, exit status 1
+        cli_main(["prepare", "--source", "files", "--path", str(path), "--out", str(out), "--no_progress"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith("lnstab: error: --out ") and "\n" not in err
+    assert ("is not a directory" if not under else "cannot be created") in err
+    assert existing.read_text() == "a user's file\n"
