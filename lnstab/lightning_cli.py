@@ -42,6 +42,33 @@ from lnstab.safeload import load_yaml
 from lnstab.trainer import LNStabTrainer
 
 
+def _check_run_numbers(c: Any, sub: str) -> None:
+    """Refuse the values Lightning takes without a word and then divides by, ignores or trains 0 steps on."""
+    seed = c.get("seed_everything")
+    if isinstance(seed, int) and not isinstance(seed, bool) and not 0 <= seed <= 2**32 - 1:
+        raise ConfigError(f"seed_everything={seed} is not allowed; it must be an integer in [0, {2**32 - 1}], or "
+                          "true/false")
+    if sub != "fit":
+        return
+    t = c.trainer
+    for key, value, other in (
+        ("max_steps", t.max_steps, ", or -1 for no step limit"),
+        ("max_epochs", t.max_epochs, ", or -1 or null"),
+        ("accumulate_grad_batches", t.accumulate_grad_batches, ""),
+        ("check_val_every_n_epoch", t.check_val_every_n_epoch, ", or null"),
+    ):
+        if value is not None and value < 1 and not (value == -1 and other.startswith(", or -1")):
+            raise ConfigError(f"trainer.{key}={value} is not allowed; it must be an integer >= 1{other}")
+    interval = t.val_check_interval
+    if isinstance(interval, int | float) and not isinstance(interval, bool) and interval <= 0:
+        raise ConfigError(f"trainer.val_check_interval={interval} is not allowed; it must be > 0 (a fraction of an "
+                          "epoch, a number of batches or a duration), or null")
+    clip = t.gradient_clip_val
+    if clip is not None and clip < 0:
+        raise ConfigError(f"trainer.gradient_clip_val={float(clip)} is not allowed; it must be > 0, or 0 or null "
+                          "for no clipping")
+
+
 class LNStabCLI(LightningCLI):
     """LightningCLI with lnstab's trainer, config groups, run directories and strict resumption (module docstring)."""
 
@@ -78,9 +105,7 @@ class LNStabCLI(LightningCLI):
         for logger in loggers:
             if logger.get("name") in UNNAMED and not c.run_dir:
                 logger["name"] = self.experiment or "lnstab"
-        if sub == "fit" and (c.trainer.max_steps == 0 or c.trainer.max_steps < -1):
-            raise ConfigError(f"trainer.max_steps={c.trainer.max_steps} is not allowed; it must be >= 1, or -1 "
-                              f"for no step limit")
+        _check_run_numbers(c, sub)
         run_dir, ckpt = c.run_dir, c.get("ckpt_path")
         if ckpt in runs.RESUME_KEYWORDS:
             root = None

@@ -232,9 +232,8 @@ class GPTModule(pl.LightningModule):
     ) -> None:
         """Clip by the global norm; under FSDP through the sharded root's ``clip_grad_norm_`` (Lightning's FSDP
         precision plugin refuses norm clipping, since the per-shard ``torch.nn.utils.clip_grad_norm_`` is wrong)."""
-        if gradient_clip_val and gradient_clip_algorithm in (None, "norm") and isinstance(
-            self.trainer.strategy, FSDPStrategy
-        ):
+        clips = gradient_clip_val is not None and gradient_clip_val > 0  # <= 0: none, as Lightning reads it
+        if clips and gradient_clip_algorithm in (None, "norm") and isinstance(self.trainer.strategy, FSDPStrategy):
             self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)
             return
         self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)

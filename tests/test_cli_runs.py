@@ -186,7 +186,7 @@ def test_validate_and_evaluate_use_the_run_and_its_data(tmp_path, caplog) -> Non
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["--trainer.max_steps", "-5"], "trainer.max_steps=-5 is not allowed; it must be >= 1, or -1"),
+        (["--trainer.max_steps", "-5"], "trainer.max_steps=-5 is not allowed; it must be an integer >= 1, or -1"),
         (["--trainer.max_steps", "0"], "trainer.max_steps=0 is not allowed"),
         (["--model.vocab_size", "32"], "model.vocab_size=32 is not allowed with this data: its token ids go up to 63"),
         (["--instruments.every_n_steps", "0"], "instruments.every_n_steps=0 is not allowed"),
@@ -201,6 +201,20 @@ def test_validate_and_evaluate_use_the_run_and_its_data(tmp_path, caplog) -> Non
         # before: Lightning's ValueError as a traceback, exit 1
         (["--trainer.accelerator", "tpu9"], "trainer: You selected an invalid accelerator name: `accelerator='tpu9'`"),
         (["--trainer.num_nodes", "0"], "trainer: `num_nodes` must be a positive integer, but got 0"),
+        # before: ZeroDivisionError inside Lightning's loops, a traceback and exit 1
+        (["--trainer.accumulate_grad_batches", "0"], "trainer.accumulate_grad_batches=0 is not allowed; it must be "
+                                                      "an integer >= 1"),
+        (["--trainer.check_val_every_n_epoch", "0"], "trainer.check_val_every_n_epoch=0 is not allowed; it must be "
+                                                      "an integer >= 1, or null"),
+        (["--trainer.val_check_interval", "0"], "trainer.val_check_interval=0 is not allowed; it must be > 0"),
+        # before: Lightning's bounds ValueError as a traceback, exit 1
+        (["--seed_everything", "-5"], "seed_everything=-5 is not allowed; it must be an integer in [0, 4294967295]"),
+        # before: accepted, and Lightning then clipped nothing (FSDP's clip_grad_norm_ would flip the gradients)
+        (["--trainer.gradient_clip_val", "-1"], "trainer.gradient_clip_val=-1.0 is not allowed; it must be > 0, or "
+                                                 "0 or null for no clipping"),
+        # before: a "completed" run of 0 steps
+        (["--trainer.max_epochs", "0"], "trainer.max_epochs=0 is not allowed; it must be an integer >= 1, or -1 "
+                                        "or null"),
     ],
 )
 def test_bad_run_options_are_one_line(tmp_path, capsys, args, expected) -> None:
