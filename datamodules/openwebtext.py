@@ -3,6 +3,7 @@ synthetic stream, packed into ``block_size + 1`` windows, sharded over ranks x w
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import os
@@ -135,27 +136,7 @@ class OpenWebTextDataModule(pl.LightningDataModule):
     ) -> None:
         args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__()
-        require.choice("data.source", source, SOURCES, error=DataError)
-        for name, value, low in (
-            ("block_size", block_size, 1),
-            ("batch_size", batch_size, 1),
-            ("num_workers", num_workers, 0),
-            ("tokenizer_threads", tokenizer_threads, 1),
-            ("synthetic_tokens", synthetic_tokens, 2),
-            ("synthetic_vocab_size", synthetic_vocab_size, 2),
-        ):
-            require.integer(f"data.{name}", value, low, error=DataError)
-        if val_tokens is not None:
-            require.positive_int("data.val_tokens", val_tokens, error=DataError)
-        if source in ("files", "prepared") and not path:
-            raise DataError(f"--data.path is required with --data.source {source}")
-        if isinstance(val_documents, float) and val_documents >= 1 and val_documents.is_integer():
-            # jsonargparse on Python 3.12 reads `90` for `int | float` as 90.0: a whole number >= 1 is a count
-            val_documents = args["val_documents"] = int(val_documents)
-        self._check_split_and_vocab(source, path, val_split, val_documents, vocab, vocab_top_k)
-        if source in ("sample", "synthetic") and path:
-            raise DataError(f"--data.path {path} is not used with --data.source {source}; drop one (a file of your "
-                            f"own: --data.source files)")
+        args = self.check_args(**args)
         args["resolved_source"] = source
         if source == "auto":  # decided here so the logged hyperparameters name the source actually used
             args.update(self.resolve_auto(path))
@@ -167,6 +148,37 @@ class OpenWebTextDataModule(pl.LightningDataModule):
         self._train: IterableDataset | None = None
         self._train_array: np.ndarray | None = None  # val_split documents: the training documents' tokens
         self.vocab_map: VocabMap | None = None  # vocab compact/top_k, after setup
+
+    @staticmethod
+    def check_args(**kwargs: Any) -> dict[str, Any]:
+        """Every argument, as ``__init__`` takes them (defaults filled in), after the checks it makes before it reads
+        any data; the CLI calls it first, so a bad ``--data.*`` is refused before anything else is said.
+
+        Raises:
+            DataError: One line naming the field and what is allowed.
+        """
+        bound = inspect.signature(OpenWebTextDataModule.__init__).bind(None, **kwargs)  # this class's, not a subclass's
+        bound.apply_defaults()
+        args = dict(bound.arguments)
+        del args["self"]
+        source, path, val_documents = args["source"], args["path"], args["val_documents"]
+        require.choice("data.source", source, SOURCES, error=DataError)
+        for name, low in (("block_size", 1), ("batch_size", 1), ("num_workers", 0), ("tokenizer_threads", 1),
+                          ("synthetic_tokens", 2), ("synthetic_vocab_size", 2)):
+            require.integer(f"data.{name}", args[name], low, error=DataError)
+        if args["val_tokens"] is not None:
+            require.positive_int("data.val_tokens", args["val_tokens"], error=DataError)
+        if source in ("files", "prepared") and not path:
+            raise DataError(f"--data.path is required with --data.source {source}")
+        if isinstance(val_documents, float) and val_documents >= 1 and val_documents.is_integer():
+            # jsonargparse on Python 3.12 reads `90` for `int | float` as 90.0: a whole number >= 1 is a count
+            val_documents = args["val_documents"] = int(val_documents)
+        OpenWebTextDataModule._check_split_and_vocab(source, path, args["val_split"], val_documents, args["vocab"],
+                                                     args["vocab_top_k"])
+        if source in ("sample", "synthetic") and path:
+            raise DataError(f"--data.path {path} is not used with --data.source {source}; drop one (a file of your "
+                            f"own: --data.source files)")
+        return args
 
     @staticmethod
     def _check_split_and_vocab(source: str, path: str | None, val_split: str, val_documents: int | float | None,

@@ -30,6 +30,7 @@ from lnstab.callbacks import FinalEvaluation, Instruments, RunCheckpoint, RunSta
 from lnstab.callbacks.run_status import RunInterrupted
 from lnstab.checkpoint import load_checkpoint
 from lnstab.configfiles import expand_extends, experiment_name
+from lnstab.datamodules import OpenWebTextDataModule
 from lnstab.distributed import end_gloo_group
 from lnstab.errors import ConfigError, exit_for_user_error, one_line
 from lnstab.module import GPTModule
@@ -219,6 +220,9 @@ class LNStabCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         c = self.config[self.subcommand] if self.subcommand else self.config
         _check_model_args(c.model.as_dict())  # a bad --model.* fails before the data and trainer say anything
+        data = c.get("data")
+        if data is not None and _named_class(data.get("class_path")) is OpenWebTextDataModule:  # and a bad --data.*
+            OpenWebTextDataModule.check_args(**data.init_args.as_dict())
         if c.trainer.precision == "auto":
             value, reason = resolve_precision("auto", str(c.trainer.accelerator))
             c.trainer.precision = value
@@ -266,6 +270,12 @@ class LNStabCLI(LightningCLI):
             note = runlock.hold(directory)
             if note:
                 rank_zero_info(note)
+
+
+def _named_class(class_path: Any) -> Any:
+    """The class a parsed ``class_path`` names (jsonargparse has imported it already), else ``None``."""
+    module, _, name = str(class_path).rpartition(".")
+    return getattr(sys.modules.get(module), name, None)
 
 
 def _check_model_args(model: dict[str, Any]) -> None:

@@ -104,11 +104,13 @@ def test_extends_chain_expands_base_first_and_refuses_cycles(tmp_path) -> None:
         (["--model.residual_scale", "abc"], 'Parser key "model.residual_scale": Expected a <class \'float\'>'),
         (["--model.colour", "red"], "unrecognized arguments: --model.colour red"),
         (["--model.min_lr", "1", "--model.learning_rate", "0.1"], "model.min_lr=1.0 is not allowed; it must be <="),
+        (["--data.batch_size", "0"], "data.batch_size=0 is not allowed; it must be an integer >= 1"),
+        (["--data.val_documents", "5"], "--data.val_documents 5 is not used with --data.val_split head"),
     ],
 )
 def test_bad_model_input_is_one_line_exit_2_and_writes_nothing(args, expected, tmp_path, capsys, caplog) -> None:
     """Refused in one line naming the config key, before the data or the trainer say anything (the data module
-    used to announce its source first)."""
+    used to announce its source first, and a bad --data.* came after the precision line)."""
     quickstart = str(ROOT / "experiments" / "quickstart.yaml")
     run_root = tmp_path / "runs"
     with pytest.raises(SystemExit) as info:
@@ -117,9 +119,7 @@ def test_bad_model_input_is_one_line_exit_2_and_writes_nothing(args, expected, t
     err = capsys.readouterr().err.strip()
     assert err.startswith("lnstab: error: ") and expected in err and "\n" not in err
     assert not run_root.exists()
-    assert "lnstab data:" not in caplog.text
-    if args[0].startswith("--model."):
-        assert "precision auto" not in caplog.text
+    assert "lnstab data:" not in caplog.text and "precision auto" not in caplog.text
 
 
 @pytest.mark.slow
