@@ -1,4 +1,4 @@
-"""The ``lnstab`` command: LightningCLI's fit/validate/test/predict/evaluate (:mod:`lnstab.lightning_cli`) and lnstab's
+"""The ``lnstab`` command: fit/validate/test/evaluate through LightningCLI (:mod:`lnstab.lightning_cli`) and lnstab's
 own subcommands (``prepare``, ``sweep``, ``report``, ``check``), each imported only when it is run.
 
 Lightning is imported by the trainer subcommands only: ``lnstab check`` (whose parent process never trains),
@@ -25,7 +25,6 @@ COMMAND_HELP = {
     "fit": "Train an experiment (resume with --ckpt_path last)",
     "validate": "Validation loss of a checkpoint",
     "test": "Test loss and the final evaluation of a checkpoint",
-    "predict": "Run the model's predict step",
     "evaluate": "Final evaluation of a checkpoint: loss, perplexities, ROUGE, BERTScore into eval.json",
     "prepare": "Tokenize OpenWebText (hub or files) once into uint16 bins with nanoGPT's split",
 }
@@ -36,7 +35,7 @@ def print_help() -> None:
     lines = ["usage: lnstab <command> [options]   (lnstab <command> --help lists a command's options)", "",
              "Stability of Transformers under Layer Normalization: experiments, instruments, evaluation, reports.", "",
              "Training and evaluation (LightningCLI: --config FILE, --key value):"]
-    lines += [f"  {name:<10} {COMMAND_HELP[name]}" for name in ("fit", "validate", "test", "predict", "evaluate")]
+    lines += [f"  {name:<10} {COMMAND_HELP[name]}" for name in ("fit", "validate", "test", "evaluate")]
     lines += ["", "Data, grids, reports and checks:"]
     for name, target in EXTRA_COMMANDS.items():
         lines.append(f"  {name:<10} {COMMAND_HELP.get(name) or _doc_line(target)}")

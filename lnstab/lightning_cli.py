@@ -1,4 +1,4 @@
-"""``lnstab fit|validate|test|predict|evaluate``: LightningCLI with lnstab's trainer, config groups and run
+"""``lnstab fit|validate|test|evaluate``: LightningCLI with lnstab's trainer, config groups and run
 directories (the ``lnstab`` command itself and its other subcommands: :mod:`lnstab.cli`).
 
 ``lnstab fit --config experiments/gpt2_peri_dt1.yaml`` trains one paper experiment. An experiment YAML names the file
@@ -81,7 +81,10 @@ class LNStabCLI(LightningCLI):
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
-        return {**LightningCLI.subcommands(), "evaluate": {"model", "datamodule"}}
+        # no predict: GPTModule has no predict step and lnstab's data no predict set (it could only fail); scoring a
+        # checkpoint is evaluate's
+        commands = {k: v for k, v in LightningCLI.subcommands().items() if k != "predict"}
+        return {**commands, "evaluate": {"model", "datamodule"}}
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--extends", type=str | None, default=None, help="Base YAML this config builds on.")
@@ -290,7 +293,7 @@ def _check_model_args(model: dict[str, Any]) -> None:
 
 
 def _default_config(argv: list[str]) -> list[str]:
-    """``validate|test|predict|evaluate --ckpt_path FILE`` without ``--config``: the checkpoint's run config."""
+    """``validate|test|evaluate --ckpt_path FILE`` without ``--config``: the checkpoint's run config."""
     if not argv or argv[0] not in CKPT_SUBCOMMANDS or any(a == "--config" or a.startswith("--config=") for a in argv):
         return argv
     values = dict(zip(argv, argv[1:], strict=False))
@@ -326,7 +329,7 @@ def cli_main(args: list[str] | None = None, run: bool = True) -> LNStabCLI:
 
 
 def run(argv: list[str]) -> None:
-    """``lnstab fit|validate|test|predict|evaluate ...`` (``argv`` without the program name): one line on stderr and
+    """``lnstab fit|validate|test|evaluate ...`` (``argv`` without the program name): one line on stderr and
     exit status 2 for a user's mistake (1 for the machine's), ``128 + signal`` for an interrupted run, and the run's
     own exit status (:class:`~lnstab.callbacks.RunStatus`) otherwise."""
     if argv[0] == "fit":

@@ -12,7 +12,7 @@ from typing import Any
 
 from lightning.pytorch.cli import LightningArgumentParser, SaveConfigCallback
 
-CKPT_SUBCOMMANDS = ("validate", "test", "predict", "evaluate")
+CKPT_SUBCOMMANDS = ("validate", "test", "evaluate")
 # A logger name that means "not chosen": the experiment file's name is used instead.
 UNNAMED = (None, "", "lightning_logs")
 # Keys that say where a run ran, not what it is: left out of saved and printed configs; and the one lnstab sets on a

@@ -238,11 +238,18 @@ def test_bad_config_files_are_one_line_with_the_line_number(tmp_path, capsys, te
     assert expected in one_line_error(capsys, "fit", "--config", str(path))
 
 
-def test_help_lists_every_subcommand(capsys) -> None:
+def test_help_lists_every_subcommand_and_predict_is_not_one(tmp_path, capsys) -> None:
     main(["--help"])
     out = capsys.readouterr().out
-    for name in ("fit", "validate", "test", "predict", "evaluate", "prepare"):
+    for name in ("fit", "validate", "test", "evaluate", "prepare", "sweep", "report", "check"):
         assert f"  {name} " in out, name
+    # predict was listed, and could only fail after writing into the run (no predict step, no predict data)
+    assert "predict" not in out
+    fit("--config", str(tiny_config(tmp_path)), "--run_dir", str(tmp_path / "r"))
+    before = sorted(p.name for p in (tmp_path / "r").iterdir())
+    err = one_line_error(capsys, "predict", "--ckpt_path", str(tmp_path / "r" / "checkpoints" / "last.ckpt"))
+    assert "invalid choice: 'predict' (choose from 'fit', 'validate', 'test', 'evaluate')" in err
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == before
 
 
 def test_a_diverged_run_is_a_result_exit_0_with_nonfinite_metrics_marked(tmp_path) -> None:
