@@ -122,6 +122,7 @@ class LNStabCLI(LightningCLI):
             ckpt = str(found) if found is not None else None
             run_dir = run_dir or (str(runs.run_of_checkpoint(found)) if found is not None else None)
         elif ckpt:
+            _refuse_run_dir_as_checkpoint(ckpt)
             if not Path(ckpt).is_dir():
                 load_checkpoint(ckpt, field="--ckpt_path", mmap=True)  # missing, truncated or unsafe: one line
             owner = runs.run_of_checkpoint(ckpt)
@@ -292,6 +293,13 @@ def _check_model_args(model: dict[str, Any]) -> None:
         raise
 
 
+def _refuse_run_dir_as_checkpoint(ckpt: str) -> None:
+    """A run directory given as ``--ckpt_path`` (a sharded checkpoint is a directory too, but holds no run config)."""
+    if Path(ckpt).is_dir() and (Path(ckpt) / CONFIG_FILE).is_file():
+        raise ConfigError(f"--ckpt_path {ckpt} is a run directory, not a checkpoint; give --run_dir {ckpt} --ckpt_path "
+                          "last, or one of its checkpoints/*.ckpt")
+
+
 def _default_config(argv: list[str]) -> list[str]:
     """``validate|test|evaluate --ckpt_path FILE`` without ``--config``: the checkpoint's run config."""
     if not argv or argv[0] not in CKPT_SUBCOMMANDS or any(a == "--config" or a.startswith("--config=") for a in argv):
@@ -300,6 +308,7 @@ def _default_config(argv: list[str]) -> list[str]:
     run_dir = values.get("--run_dir")
     ckpt = values.get("--ckpt_path")
     if run_dir is None and ckpt and ckpt not in runs.RESUME_KEYWORDS:
+        _refuse_run_dir_as_checkpoint(ckpt)
         run_dir = runs.run_of_checkpoint(ckpt)
     if run_dir is None or not (Path(run_dir) / CONFIG_FILE).is_file():
         raise ConfigError(f"lnstab {argv[0]} needs --config, or a --ckpt_path/--run_dir inside a run directory that "

@@ -334,3 +334,15 @@ def test_run_files_are_readable_by_others(tmp_path) -> None:
     fit("--config", str(tiny_config(tmp_path)), "--run_dir", str(tmp_path / "r"), "--trainer.max_steps", "2")
     for name in ("summary.json", "eval.json", "hidden_stats.json", "config.yaml", "checkpoints/last.ckpt"):
         assert (tmp_path / "r" / name).stat().st_mode & 0o044 == 0o044, name  # mkstemp's 0600 used to leak out
+
+
+def test_a_run_directory_as_ckpt_path_is_named_as_such(tmp_path, capsys) -> None:
+    cfg = str(tiny_config(tmp_path))
+    run = tmp_path / "r"
+    fit("--config", cfg, "--run_dir", str(run))
+    before = sorted(p.name for p in run.iterdir())
+    expected = f"--ckpt_path {run} is a run directory, not a checkpoint; give --run_dir {run} --ckpt_path last"
+    # evaluate/validate said they needed "a --ckpt_path inside a run directory that holds config.yaml" (it does)
+    for args in (["evaluate"], ["validate"], ["fit", "--config", cfg]):
+        assert expected in one_line_error(capsys, *args, "--ckpt_path", str(run))
+    assert sorted(p.name for p in run.iterdir()) == before
