@@ -128,14 +128,18 @@ def lm_head_losses(
     if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
-    return HeadLoss(*_ChunkedHeadLoss.apply(hidden.reshape(-1, hidden.size(-1)), weight, targets.reshape(-1),
-                                            vocab_size, chunk_rows, float(z_loss)))
+    loss, parts = _ChunkedHeadLoss.apply(hidden.reshape(-1, hidden.size(-1)), weight, targets.reshape(-1), vocab_size,
+                                         chunk_rows, float(z_loss))
+    return HeadLoss(loss, parts[0], parts[1])
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
     """Loss and both gradients in one pass over row chunks; backward scales the stored gradients.
 
-    Returns ``(objective, cross_entropy, z_term)``; only the objective is differentiable.
+    Returns ``(objective, [cross_entropy, z_term])``; only the objective is differentiable. The two parts are one
+    stacked tensor, never a tensor of their own: ``mark_non_differentiable`` is keyed on the tensor object, and under
+    ``torch.compile`` (torch 2.13) Inductor folds ``ce + 0·Σ0`` (no z-loss) into ``ce`` itself, so marking ``ce``
+    marked the objective too and the compiled training step had no gradient at all.
     """
 
     @staticmethod
@@ -184,11 +188,12 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         ctx.save_for_backward(grad_h, grad_w)
         ctx.w_dtype = w.dtype
         ce, z_term = total / n, total_z * (z_coef / n)
-        ctx.mark_non_differentiable(ce, z_term)
-        return ce + z_term, ce, z_term
+        parts = torch.stack([ce, z_term])  # (2,)
+        ctx.mark_non_differentiable(parts)
+        return ce + z_term, parts
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor, _grad_ce: torch.Tensor, _grad_z: torch.Tensor):
+    def backward(ctx, grad_out: torch.Tensor, _grad_parts: torch.Tensor):
         grad_h, grad_w = ctx.saved_tensors
         gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
         gw = (grad_w * grad_out).to(ctx.w_dtype) if grad_w is not None else None
