@@ -53,7 +53,7 @@ def test_callback_writes_eval_json_after_fit_and_test(run) -> None:
     assert rec["n_samples"] == 4 and len(rec["samples"]) == 4
     assert set(rec["metrics"]) == set(METRICS)
     assert list(rec) == ["schema", "protocol", "n_samples", "metrics", "nonfinite", "bertscore", "rouge", "tokenizer",
-                         "settings", "samples", "stage", "global_step"]
+                         "copying", "settings", "samples", "stage", "global_step"]
     assert rec["nonfinite"] == []
     assert rec["rouge"]["use_stemmer"] is True and rec["settings"]["seed"] == 1337
     assert rec["bertscore"]["num_layers"] == 6 and "minilm" in rec["bertscore"]["name"]

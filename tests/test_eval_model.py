@@ -65,13 +65,19 @@ def test_teacher_forced_on_a_memorised_text_gives_rouge_one(memorised) -> None:
     assert m["bertscore_f1"] >= 0.95
     assert m["loss"] < 0.1 and m["ppl_exp_mean_loss"] < 1.2
     assert all(s["prediction"] == s["reference"] for s in res["samples"])
-    # An untrained model on the same windows: high loss and wrong tokens. (Its ROUGE is high all the same: a
-    # random tied-embedding GPT predicts its input token, i.e. the reference shifted by one; a known property of
-    # the teacher-forced protocol.)
+    assert res["copying"]["rate"] == 0  # it predicts the next word of the text, never the word it reads
+    # An untrained model on the same windows: high loss and wrong tokens, and its ROUGE is high all the same: a
+    # random tied-embedding GPT predicts its input token, i.e. the reference shifted by one. eval.json says so.
     torch.manual_seed(1)
     fresh = GPT(GPTConfig.preset("tiny", vocab_size=VOCAB, block_size=BLOCK))
     other = evaluate_model(fresh, stream, n_samples=8, seed=0, batch_size=4)
     assert other["metrics"]["loss"] > 5 and not any(s["prediction"] == s["reference"] for s in other["samples"])
+    copying = other["copying"]
+    assert copying["rate"] > 0.9 and other["metrics"]["rouge1"] > 0.5
+    # the rule's own ROUGE, from the windows alone: the same for both models, below 1 only at the window's two ends
+    assert copying["baseline"] == res["copying"]["baseline"] and 0.9 < copying["baseline"]["rouge1"] < 1
+    assert evaluate_model(model, stream, protocol="generation", n_samples=2, prompt_tokens=8, new_tokens=4,
+                          eot_token=EOT)["copying"] is None
 
 
 def test_generation_continues_a_memorised_text(memorised) -> None:

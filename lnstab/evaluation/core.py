@@ -7,7 +7,9 @@ Plain torch (no Lightning); :class:`lnstab.eval_callback.FinalEvaluation` and ``
   seeded random offsets of the validation stream (``torch.randint(len - block_size, …)`` as nanoGPT's
   ``get_batch``); one forward pass per window; the prediction at every position is the argmax of the logits; the
   predicted ids and the shifted targets are decoded with GPT-2's BPE and scored. Loss: mean next-token
-  cross-entropy of the window.
+  cross-entropy of the window. The protocol credits copying: predicting each position's input token scores
+  ROUGE ≈ 1 (the prediction is the reference shifted by one token), and a random GPT with tied embeddings nearly
+  does that; ``copying`` in ``eval.json`` gives the model's copy rate and that rule's ROUGE on the same windows.
 * ``generation``: windows of ``prompt_tokens + new_tokens`` tokens at seeded random offsets that contain no
   end-of-text token (so prompt and continuation lie inside one document); the model continues the prompt by
   ``new_tokens`` tokens through its KV cache (greedy, or sampling with a generator seeded per batch); prediction
@@ -32,6 +34,7 @@ scores the texts in sample order, then broadcasts the result: a DDP run returns 
     bertscore: {model: directory or hub name, name: short name, num_layers}
     rouge:     {types: [rouge1, rouge2, rougeL], measure: fmeasure, use_stemmer: true}
     tokenizer: "gpt2"
+    copying:   {rate, baseline: {rouge1, rouge2, rougeL}}      (teacher_forced; null for generation)
     settings:  {n_samples, seed, batch_size, world_size, window_tokens, block_size, prompt_tokens,
                 new_tokens, greedy, temperature, top_k}                          (null where not used)
     samples:   [{index, start, loss, prompt (generation only), prediction, reference,
@@ -144,14 +147,14 @@ def _run_batches(
                 x, y = w[:, :-1], w[:, 1:]  # (B, T), (B, T)
                 logits = model(x).float()  # (B, T, V)
                 pred = logits.argmax(-1)  # (B, T)
-                ref, prompt = y, None
+                ref, prompt, inp = y, None, x
             else:
                 k = prompt_tokens
                 logits = model(w[:, :-1])[:, k - 1 :].float()  # (B, m, V): predictions of the continuation
                 y = ref = w[:, k:]  # (B, m)
                 g = torch.Generator(device=device).manual_seed(int(seed) + 1 + b)
                 pred = model.generate(w[:, :k], ref.size(1), generator=g, **gen)[:, k:]  # (B, m)
-                prompt = w[:, :k]
+                prompt, inp = w[:, :k], None
             loss = F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(1)  # (B,)
         if not real:
             continue
@@ -163,6 +166,7 @@ def _run_batches(
                     "pred": pred[j].tolist(),
                     "ref": ref[j].tolist(),
                     "prompt": None if prompt is None else prompt[j].tolist(),
+                    "input": None if inp is None else inp[j].tolist(),
                 }
             )
     return out
@@ -316,8 +320,20 @@ def _score(
         "bertscore": text_metrics.bertscore_model_id(bs_model, layers),
         "rouge": {"types": list(text_metrics.ROUGE_TYPES), "measure": "fmeasure", "use_stemmer": True},
         "tokenizer": "gpt2",
+        "copying": _copying(samples, refs) if protocol == "teacher_forced" else None,
         "samples": records,
     }
+
+
+def _copying(samples: list[dict[str, Any]], refs: list[str]) -> dict[str, Any]:
+    """How much teacher-forced ROUGE a model gets for predicting its input token: ``rate``, the fraction of positions
+    whose argmax is the input token there; ``baseline``, the ROUGE of that rule itself (the input as the prediction:
+    the reference shifted by one token, ≈ 0.98 at 64 tokens), on these windows. A random GPT with tied embeddings
+    follows the rule, so its ROUGE is high; read a model's ROUGE against these two numbers."""
+    same = sum(sum(p == i for p, i in zip(s["pred"], s["input"], strict=True)) for s in samples)
+    baseline = text_metrics.rouge_scores([_decode(s["input"]) for s in samples], refs)
+    return {"rate": same / sum(len(s["pred"]) for s in samples),
+            "baseline": {k: text_metrics.mean(v) for k, v in baseline.items()}}
 
 
 def safe_exp(x: float) -> float:
