@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
@@ -45,9 +46,10 @@ def _one_process(kwargs: dict[str, Any]) -> bool:
     """Whether these Trainer arguments start one process (one node, one device). Lightning's hint on a SLURM host
     ("prepend your python command with srun", against multi-process runs that hang) then only adds noise to every fit
     on a login node or in an allocation; lnstab's own way onto SLURM, ``lnstab sweep --slurm``, runs fits under srun."""
-    devices = kwargs.get("devices", "auto")
-    one_device = devices in (1, "1") or (devices == "auto" and kwargs.get("accelerator") == "cpu")
-    return kwargs.get("num_nodes", 1) == 1 and one_device
+    devices, accelerator = kwargs.get("devices", "auto"), kwargs.get("accelerator", "auto")
+    # devices "auto" is one CPU, or every GPU: one where there is at most one (the paper's configs on a CPU machine)
+    auto_one = accelerator == "cpu" or (accelerator in ("auto", "gpu", "cuda") and torch.cuda.device_count() <= 1)
+    return kwargs.get("num_nodes", 1) == 1 and (devices in (1, "1") or (devices == "auto" and auto_one))
 
 
 def _without_srun_hint(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -12,6 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before anything imports huggingf
 
 import lightning.pytorch as pl  # noqa: E402
 import pytest  # noqa: E402
+import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from lnstab.datamodules.synthetic import SyntheticDataModule  # noqa: E402
@@ -74,10 +75,13 @@ def test_a_one_process_fit_on_a_slurm_host_shows_no_srun_hint_and_a_multi_proces
         assert not os.environ.get("LNSTAB_REQUIRE_SLURM"), "srun is not on PATH (.ci/run installs SLURM)"
         pytest.skip("srun is not installed here, so Lightning has no hint to give")
     said = {}
-    for name, kwargs in (("one", {"devices": 1}), ("cpu-auto", {}), ("two", {"devices": 2, "strategy": "ddp"})):
+    cases = (("one", {"devices": 1}), ("cpu-auto", {}), ("two", {"devices": 2, "strategy": "ddp"}),
+             ("auto-auto", {"accelerator": "auto", "strategy": "ddp"}))  # base.yaml's (the hint said it twice here)
+    for name, kwargs in cases:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            trainer = LNStabTrainer(accelerator="cpu", logger=False, enable_checkpointing=False, max_steps=1,
+            kwargs = {"accelerator": "cpu", **kwargs}
+            trainer = LNStabTrainer(logger=False, enable_checkpointing=False, max_steps=1,
                                     enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1,
                                     num_sanity_val_steps=0, **kwargs)
             if name != "two":  # Lightning looks again as a fit starts (the second process would be launched there)
@@ -87,3 +91,4 @@ def test_a_one_process_fit_on_a_slurm_host_shows_no_srun_hint_and_a_multi_proces
                 assert trainer.global_step == 1
         said[name] = [str(w.message) for w in caught if "`srun` command is available" in str(w.message)]
     assert said["one"] == said["cpu-auto"] == [] and len(said["two"]) == 1, said
+    assert said["auto-auto"] == [] or torch.cuda.device_count() > 1, said  # auto on a GPU node is every GPU
