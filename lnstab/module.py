@@ -168,8 +168,11 @@ class GPTModule(pl.LightningModule):
     def _log_eval(self, prefix: str, metric: MeanMetric) -> float:
         loss = metric.compute()  # token-weighted mean over every batch of every rank
         metric.reset()
-        self.log(f"{prefix}/loss", loss, prog_bar=True)
-        self.log(f"{prefix}/ppl", torch.exp(loss))
+        # Every rank holds this same value already; a max over ranks leaves it as it is, bit for bit, where
+        # Lightning's default (no sync) made it ask for sync_dist=True on every run with a distributed strategy
+        same = {"sync_dist": True, "reduce_fx": "max"}
+        self.log(f"{prefix}/loss", loss, prog_bar=True, **same)
+        self.log(f"{prefix}/ppl", torch.exp(loss), **same)
         return loss.item()
 
     @override
