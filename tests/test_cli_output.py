@@ -76,7 +76,7 @@ def test_a_one_process_fit_on_a_slurm_host_shows_no_srun_hint_and_a_multi_proces
         pytest.skip("srun is not installed here, so Lightning has no hint to give")
     said = {}
     cases = (("one", {"devices": 1}), ("cpu-auto", {}), ("two", {"devices": 2, "strategy": "ddp"}),
-             ("auto-auto", {"accelerator": "auto", "strategy": "ddp"}))  # base.yaml's (the hint said it twice here)
+             ("auto-auto", {"accelerator": "auto"}))  # base.yaml's devices and accelerator (it said the hint twice)
     for name, kwargs in cases:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
