@@ -51,20 +51,21 @@ def _check_run_numbers(c: Any, sub: str) -> None:
                           "true/false")
     if sub != "fit":
         return
-    t = c.trainer
-    for key, value, other in (
-        ("max_steps", t.max_steps, ", or -1 for no step limit"),
-        ("max_epochs", t.max_epochs, ", or -1 or null"),
-        ("accumulate_grad_batches", t.accumulate_grad_batches, ""),
-        ("check_val_every_n_epoch", t.check_val_every_n_epoch, ", or null"),
+    t = c["trainer"]  # a parsed config (jsonargparse's Namespace) or the dict of a printed one
+    for key, other in (
+        ("max_steps", ", or -1 for no step limit"),
+        ("max_epochs", ", or -1 or null"),
+        ("accumulate_grad_batches", ""),
+        ("check_val_every_n_epoch", ", or null"),
     ):
+        value = t.get(key)
         if value is not None and value < 1 and not (value == -1 and other.startswith(", or -1")):
             raise ConfigError(f"trainer.{key}={value} is not allowed; it must be an integer >= 1{other}")
-    interval = t.val_check_interval
+    interval = t.get("val_check_interval")
     if isinstance(interval, int | float) and not isinstance(interval, bool) and interval <= 0:
         raise ConfigError(f"trainer.val_check_interval={interval} is not allowed; it must be > 0 (a fraction of an "
                           "epoch, a number of batches or a duration), or null")
-    clip = t.gradient_clip_val
+    clip = t.get("gradient_clip_val")
     if clip is not None and clip < 0:
         raise ConfigError(f"trainer.gradient_clip_val={float(clip)} is not allowed; it must be > 0, or 0 or null "
                           "for no clipping")
@@ -223,10 +224,7 @@ class LNStabCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         c = self.config[self.subcommand] if self.subcommand else self.config
-        _check_model_args(c.model.as_dict())  # a bad --model.* fails before the data and trainer say anything
-        data = c.get("data")
-        if data is not None and _named_class(data.get("class_path")) is OpenWebTextDataModule:  # and a bad --data.*
-            OpenWebTextDataModule.check_args(**data.init_args.as_dict())
+        _check_model_and_data(c)  # a bad --model.* or --data.* fails before the trainer says anything
         if c.trainer.precision == "auto":
             value, reason = resolve_precision("auto", str(c.trainer.accelerator))
             c.trainer.precision = value
@@ -274,6 +272,29 @@ class LNStabCLI(LightningCLI):
             note = runlock.hold(directory)
             if note:
                 rank_zero_info(note)
+
+
+def check_fit_config(config: Any) -> None:
+    """What ``lnstab fit`` refuses in a whole config before it builds anything, for a config it has only printed
+    (``--print_config``, as ``lnstab sweep`` validates a grid's runs): the trainer's numbers, the model's arguments
+    and lnstab's data module's. The run's directory and checkpoint are not looked at.
+
+    Raises:
+        ConfigError: One line naming the key, as ``lnstab fit`` says it.
+    """
+    _check_run_numbers(config, "fit")
+    _check_model_and_data(config)
+
+
+def _check_model_and_data(c: Any) -> None:
+    _check_model_args(_plain(c["model"]))
+    data = c.get("data")
+    if data is not None and _named_class(data.get("class_path")) is OpenWebTextDataModule:
+        OpenWebTextDataModule.check_args(**_plain(data.get("init_args") or {}))
+
+
+def _plain(group: Any) -> dict[str, Any]:
+    return group.as_dict() if hasattr(group, "as_dict") else dict(group)
 
 
 def _named_class(class_path: Any) -> Any:

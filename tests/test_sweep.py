@@ -96,6 +96,12 @@ def test_cli_values_read_back_as_the_same_yaml() -> None:
 # ----------------------------------------------------------------------------------------------- bad grids
 BAD = [
     ({"axes": {"model.colour": ["red"]}}, "run 'red': lnstab fit refuses it: unrecognized arguments: --model.colour"),
+    # values lnstab fit refuses only after parsing: before, the grid validated and every run then failed at its start
+    ({"axes": {"model.n_layer": [2, 0]}}, "run 'n_layer0': lnstab fit refuses it: model.n_layer=0 is not allowed"),
+    ({"axes": {"trainer.accumulate_grad_batches": [0]}}, "run 'accumulate_grad_batches0': lnstab fit refuses it: "
+                                                          "trainer.accumulate_grad_batches=0 is not allowed"),
+    ({"axes": {"data.init_args.batch_size": [0]}}, "run 'batch_size0': lnstab fit refuses it: data.batch_size=0 is "
+                                                    "not allowed"),
     ({"axes": {"model.residual_scale": ["abc"]}}, 'Parser key "model.residual_scale"'),
     ({"axes": {"model.norm_placement": []}}, "axis 'model.norm_placement' values=[] is not allowed"),
     ({"axes": {}}, "axes={} is not allowed"),

@@ -119,13 +119,16 @@ def with_sets(grid: Grid, sets: dict[str, Any]) -> Grid:
 
 
 def validate_with_cli(grid: Grid, runs: list[Run]) -> None:
-    """Parse runs as ``lnstab fit --config BASE <overrides> --print_config`` does: every key must exist and every
-    value have the right type. Each axis value is checked in at least one run (a covering set, not every run).
+    """Parse runs as ``lnstab fit --config BASE <overrides> --print_config`` does (every key must exist and every
+    value have the right type), then check the printed config's values as ``lnstab fit`` does before it builds
+    anything (:func:`lnstab.lightning_cli.check_fit_config`). Each axis value is checked in at least one run (a
+    covering set, not every run).
 
     Raises:
         GridError: One line naming the grid, the run and what ``lnstab fit`` refused.
     """
     from lnstab.cli import cli_main
+    from lnstab.lightning_cli import check_fit_config
 
     pairs = {run.name: {(k, repr(v)) for k, v in run.overrides.items()} for run in runs}
     uncovered = set().union(*pairs.values()) if pairs else set()
@@ -144,6 +147,11 @@ def validate_with_cli(grid: Grid, runs: list[Run]) -> None:
                 cli_main(args)
             except SystemExit as exc:
                 code = exc.code
+            except LNStabError as exc:
+                code, err = 2, io.StringIO(f"lnstab: error: {exc}")
+        if code in (0, None):  # parsed; the values lnstab fit refuses before it builds anything
+            try:
+                check_fit_config(yaml.safe_load(out.getvalue()))
             except LNStabError as exc:
                 code, err = 2, io.StringIO(f"lnstab: error: {exc}")
         if code not in (0, None):
