@@ -165,6 +165,9 @@ def read_run(directory: Path) -> RunRecord:
     for key, value in (scores.items() if isinstance(scores, dict) else []):
         if _finite(value) is not None:
             metrics[f"eval_{key}" if key == "loss" else key] = float(value)
+    copying = (record or {}).get("copying")  # teacher-forced evaluations since eval.json has it
+    if isinstance(copying, dict) and _finite(copying.get("rate")) is not None:
+        metrics["copy_rate"] = float(copying["rate"])
     return RunRecord(name=directory.name, path=directory, status=status, config=config, summary=summary,
                      metrics=metrics, hidden=hidden, events=events)
 

@@ -233,8 +233,16 @@ def first_event_step(run: RunRecord, kind: str) -> int | None:
 
 
 def performance_table(records: list[RunRecord]) -> Table:
-    """Val loss, both perplexities, ROUGE-1/2/L, BERTScore P/R/F1: mean ± std over the completed runs."""
-    return _metric_table(records, PERFORMANCE_METRICS, lambda r: r.metrics if r.status == "completed" else {})[0]
+    """Val loss, both perplexities, ROUGE-1/2/L, BERTScore P/R/F1: mean ± std over the completed runs; and where
+    the runs' ``eval.json`` give it, ``copy_rate``, the fraction of teacher-forced predictions that repeat their
+    input token (such a prediction scores ROUGE ≈ 1: read ROUGE beside it)."""
+    return _metric_table(records, performance_metrics(records), lambda r: r.metrics if r.status == "completed" else {}
+                         )[0]
+
+
+def performance_metrics(records: list[RunRecord]) -> tuple[str, ...]:
+    """:data:`PERFORMANCE_METRICS`, and ``copy_rate`` where a run has it (reports of older runs keep their columns)."""
+    return PERFORMANCE_METRICS + (("copy_rate",) if any("copy_rate" in r.metrics for r in records) else ())
 
 
 def stability_table(records: list[RunRecord]) -> Table:
@@ -338,7 +346,7 @@ def runs_table(records: list[RunRecord]) -> Table:
     keys = varying_keys(records)
     names = short_names(keys)
     seeds = sorted({k for r in records for k in r.config if is_seed(k)})
-    metric_cols = [*PERFORMANCE_METRICS, *STABILITY_METRICS]
+    metric_cols = [*performance_metrics(records), *STABILITY_METRICS]
     rows, md = [], []
     for r in records:
         values = {**r.metrics, **stability_metrics(r)} if r.status != "missing" else {}
