@@ -42,7 +42,7 @@ FAMILIES = (
     {"bound/var_final", "bound/var_bound"},
     {"growth/linear_r2", "growth/exp_r2"},
     {"eval/ppl_exp_mean_loss", "eval/ppl_mean_seq"},
-    {"eval/rouge1", "eval/rouge2", "eval/rougeL"},
+    {"eval/rouge1", "eval/rouge2", "eval/rougeL", "eval/copy_rate"},  # fractions in [0, 1], read together
     {"eval/bertscore_precision", "eval/bertscore_recall", "eval/bertscore_f1"},
 )
 

@@ -70,6 +70,7 @@ def test_callback_logs_eval_scalars_and_text_to_tensorboard(run) -> None:
     scalars = set(acc.Tags()["scalars"])
     assert {f"eval/{m}" for m in METRICS} <= scalars
     assert acc.Scalars("eval/rouge1")[0].value == pytest.approx(run["fit"]["metrics"]["rouge1"], abs=1e-6)
+    assert acc.Scalars("eval/copy_rate")[0].value == pytest.approx(run["fit"]["copying"]["rate"], abs=1e-6)
     assert {"eval/sample_00/text_summary", "eval/sample_01/text_summary"} <= set(acc.Tags()["tensors"])
 
 

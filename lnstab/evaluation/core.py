@@ -342,8 +342,12 @@ def safe_exp(x: float) -> float:
 
 
 def eval_scalars(result: dict[str, Any], prefix: str = "eval") -> dict[str, float]:
-    """The TensorBoard scalars of a result: ``{f"{prefix}/{metric}": value}`` for every metric."""
-    return {f"{prefix}/{k}": float(v) for k, v in result["metrics"].items()}
+    """The TensorBoard scalars of a result: ``{f"{prefix}/{metric}": value}`` for every metric, and
+    ``{prefix}/copy_rate`` for a teacher-forced one (``copying``: read ROUGE beside it)."""
+    scalars = {f"{prefix}/{k}": float(v) for k, v in result["metrics"].items()}
+    if result.get("copying"):
+        scalars[f"{prefix}/copy_rate"] = float(result["copying"]["rate"])
+    return scalars
 
 
 def write_eval_json(directory: str | os.PathLike, result: dict[str, Any], **extra: Any) -> Path:
