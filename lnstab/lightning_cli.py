@@ -280,7 +280,7 @@ def check_fit_config(config: Any) -> None:
     and lnstab's data module's. The run's directory and checkpoint are not looked at.
 
     Raises:
-        ConfigError: One line naming the key, as ``lnstab fit`` says it.
+        LNStabError: One line naming the key, as ``lnstab fit`` says it (``ConfigError``; ``DataError`` for data).
     """
     _check_run_numbers(config, "fit")
     _check_model_and_data(config)
