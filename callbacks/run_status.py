@@ -77,20 +77,20 @@ class RunStatus(Callback):
     ``ended_at`` and ``wall_s`` (summed over resumptions) go beside it. This callback is the only writer of
     ``status``.
 
-    **Signals.** From ``on_train_start`` to ``teardown`` the handled signals (SIGINT = Ctrl-C, SIGTERM = a
-    scheduler's or ``kill``'s stop, SIGUSR1 = SLURM's requeue signal, SIGHUP = a closed terminal or ssh session) only
-    set a flag; at the end of the next
-    optimizer step (every rank agrees through ``trainer.strategy.reduce_boolean_decision``) the run saves
-    ``checkpoints/last.ckpt`` — resumable exactly, like any step checkpoint — records ``status: interrupted``,
-    ``interrupted_step`` and ``signal``, skips the validation Lightning would run on stopping and the final
-    evaluation, and stops. Under SLURM, SLURM's requeue signal is
-    then passed on to Lightning's own handler, which requeues the job (``scontrol requeue``). A second Ctrl-C stops
-    at once (:class:`RunInterrupted`, no checkpoint of that step). Work after the last step that runs inside
-    :func:`stop_at_once_on_signal` (the final evaluation) has no step boundary to wait for: a signal there ends the
-    run at once, ``interrupted`` at the final step, whose ``last.ckpt`` a resume evaluates. After SIGHUP the
-    process's output, if it went to the closed terminal, goes to ``/dev/null``. A run a signal stopped is recorded
-    ``interrupted`` even when an error follows the signal (a worker killed by the same signal, say), never
-    ``failed``. ``lnstab fit`` exits with ``128 + signal number`` after an interruption.
+    **Signals.** In a validate or test of its own (``lnstab validate``, ``test``, ``evaluate``) a handled signal ends it
+    at once, with nothing written. In a fit, from ``on_train_start`` to ``teardown`` the handled signals (SIGINT =
+    Ctrl-C, SIGTERM = a scheduler's or ``kill``'s stop, SIGUSR1 = SLURM's requeue signal, SIGHUP = a closed terminal or
+    ssh session) only set a flag; at the end of the next optimizer step (every rank agrees through
+    ``trainer.strategy.reduce_boolean_decision``) the run saves ``checkpoints/last.ckpt`` — resumable exactly, like any
+    step checkpoint — records ``status: interrupted``, ``interrupted_step`` and ``signal``, skips the validation
+    Lightning would run on stopping and the final evaluation, and stops. Under SLURM, SLURM's requeue signal is then
+    passed on to Lightning's own handler, which requeues the job (``scontrol requeue``). A second Ctrl-C stops at once
+    (:class:`RunInterrupted`, no checkpoint of that step). Work after the last step that runs inside
+    :func:`stop_at_once_on_signal` (the final evaluation) has no step boundary to wait for: a signal there ends the run
+    at once, ``interrupted`` at the final step, whose ``last.ckpt`` a resume evaluates. After SIGHUP the process's
+    output, if it went to the closed terminal, goes to ``/dev/null``. A run a signal stopped is recorded ``interrupted``
+    even when an error follows the signal (a worker killed by the same signal, say), never ``failed``. ``lnstab fit``
+    exits with ``128 + signal number`` after an interruption.
 
     **One owner per run directory.** On global rank zero ``setup`` takes the run directory's lock
     (:mod:`lnstab.runlock`) for the rest of the process: a second fit into a directory a live run holds is refused
@@ -123,6 +123,7 @@ class RunStatus(Callback):
         self._step_at_batch_start = 0
         self._at_boundary = True  # between optimizer steps (no micro-batch of a step started and unfinished)
         self._urgent = 0  # inside stop_at_once_on_signal
+        self._evaluating = False  # a validate or test of its own (no optimizer step to wait for): signals stop it now
         self._val_limit: int | float | None = None
         self._owns_dir = False
         self._before: dict[str, Any] = {}  # the run's summary before this fit
@@ -229,6 +230,27 @@ class RunStatus(Callback):
     # ------------------------------------------------------------------ signals
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install_handlers(trainer)
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.VALIDATING:  # not a fit's validation: that one waits for a step boundary
+            self._stop_at_once(trainer)
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop_at_once(trainer)  # lnstab test and evaluate (its final evaluation runs at the test's end)
+
+    def _stop_at_once(self, trainer: pl.Trainer) -> None:
+        """A validate or test has no step to stop after: a signal ends it now (:class:`RunInterrupted`), with no
+        result written and the run's summary untouched (``lnstab`` exits ``128 + signal``). Before, Lightning's own
+        handler took SIGTERM, printed a line and let the evaluation run to its end, exit status 0."""
+        self.requested = self.signal = None
+        self._evaluating = True
+        if not self._previous:
+            self._install_handlers(trainer)
+
+    def _install_handlers(self, trainer: pl.Trainer) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
         bar = trainer.progress_bar_callback
@@ -247,7 +269,7 @@ class RunStatus(Callback):
             signal.signal(signal.SIGINT, signal.default_int_handler)
             raise RunInterrupted(signum, at_once=True)  # a second Ctrl-C: stop now
         self.requested = signum
-        if self._urgent:
+        if self._urgent or self._evaluating:
             raise RunInterrupted(signum)
         own_line = "\n" if self._bar_line else ""  # not after the bar's text on its line
         rank_zero_info(
@@ -313,6 +335,7 @@ class RunStatus(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._restore_signals()
+        self._evaluating = False
 
     def raise_if_requested(self) -> None:
         """Raise :class:`RunInterrupted` if a handled signal arrived and was not acted on yet."""

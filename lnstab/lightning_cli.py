@@ -374,7 +374,10 @@ def run(argv: list[str]) -> None:
                 # never one holding a summary: the run began
                 runs.discard_unbegun(LNStabCLI.created_run_dir, LNStabCLI.created_root)
             raise
-    except RunInterrupted as exc:  # a signal during the final evaluation, or a second Ctrl-C
+    except RunInterrupted as exc:  # a signal during the final evaluation, a validate or test, or a second Ctrl-C
+        if argv[0] != "fit":
+            print(f"lnstab: lnstab {argv[0]} stopped by {signal.Signals(exc.signum).name} before it wrote its result",
+                  file=sys.stderr)
         raise SystemExit(128 + exc.signum) from None
     except Exception as exc:
         status = LNStabCLI.run_status

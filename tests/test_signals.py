@@ -65,6 +65,42 @@ def test_a_signal_during_the_final_evaluation_ends_the_run_interrupted_and_a_res
     assert summary["status"] == "completed" and summary["final_step"] == 4 and (run / "eval.json").is_file()
 
 
+@pytest.mark.system
+@pytest.mark.parametrize(("command", "signame"), [("evaluate", "SIGTERM"), ("test", "SIGINT"), ("validate", "SIGTERM")])
+def test_a_signal_during_validate_test_or_evaluate_stops_it_at_once_with_nothing_written(
+        command, signame, tmp_path, monkeypatch, capsys) -> None:
+    """Before: Lightning's handler took SIGTERM ("[rank: 0] Received SIGTERM"), the evaluation ran to its end
+    (145 s more for 2,000 samples), wrote its eval file and exited 0."""
+    import lnstab.evaluation.callback as callback
+    from lnstab.module import GPTModule
+
+    signum = getattr(signal, signame)
+    run = tmp_path / "run"
+    fit("--config", str(tiny_config(tmp_path)), "--run_dir", str(run))
+    before = read_summary(run)
+    files = sorted(p.name for p in run.iterdir() if not p.name.startswith(("events.", "config-")))
+
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), signum)  # what a scheduler or a terminal does while it runs
+        for _ in range(100):
+            time.sleep(0.05)
+        raise AssertionError("the signal did not stop it")
+
+    if command == "validate":
+        monkeypatch.setattr(GPTModule, "validation_step", signalled)
+    else:
+        monkeypatch.setattr(callback, "evaluate_model", signalled)
+    capsys.readouterr()
+    handler = signal.getsignal(signum)
+    with pytest.raises(SystemExit) as info:
+        main([command, "--ckpt_path", str(run / "checkpoints" / "last.ckpt")])
+    assert info.value.code == 128 + signum
+    assert f"lnstab: lnstab {command} stopped by {signame} before it wrote its result" in capsys.readouterr().err
+    assert read_summary(run) == before  # the run is as it was: no eval, no val, its status
+    assert sorted(p.name for p in run.iterdir() if not p.name.startswith(("events.", "config-"))) == files
+    assert signal.getsignal(signum) is handler  # the process's own handler again
+
+
 SIGNAL_HELPERS = '''
 import os
 from lightning.pytorch.callbacks import Callback
