@@ -337,6 +337,11 @@ class RunStatus(Callback):
         self._restore_signals()
         self._evaluating = False
 
+    @property
+    def bar_drawing(self) -> bool:
+        """Whether a progress bar was drawing when the handlers went in (it may hold the terminal's line)."""
+        return self._bar_line
+
     def raise_if_requested(self) -> None:
         """Raise :class:`RunInterrupted` if a handled signal arrived and was not acted on yet."""
         if self.requested is not None and self.signal is None:

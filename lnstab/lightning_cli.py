@@ -376,8 +376,10 @@ def run(argv: list[str]) -> None:
             raise
     except RunInterrupted as exc:  # a signal during the final evaluation, a validate or test, or a second Ctrl-C
         if argv[0] != "fit":
-            print(f"lnstab: lnstab {argv[0]} stopped by {signal.Signals(exc.signum).name} before it wrote its result",
-                  file=sys.stderr)
+            status = LNStabCLI.run_status
+            own_line = "\n" if status is not None and status.bar_drawing else ""  # not after a progress bar's text
+            print(f"{own_line}lnstab: lnstab {argv[0]} stopped by {signal.Signals(exc.signum).name} before it wrote "
+                  "its result", file=sys.stderr)
         raise SystemExit(128 + exc.signum) from None
     except Exception as exc:
         status = LNStabCLI.run_status
