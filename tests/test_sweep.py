@@ -102,6 +102,9 @@ BAD = [
                                                           "trainer.accumulate_grad_batches=0 is not allowed"),
     ({"axes": {"data.init_args.batch_size": [0]}}, "run 'batch_size0': lnstab fit refuses it: data.batch_size=0 is "
                                                     "not allowed"),
+    # a combination no parsed run holds: 64 and 3 were each parsed in a valid run (64 x 4, 96 x 3)
+    ({"axes": {"model.n_embd": [64, 96], "model.n_head": [4, 3]}}, "run 'n_embd64_n_head3': lnstab fit refuses "
+                                                                    "it: model.n_embd=64 "),
     ({"axes": {"model.residual_scale": ["abc"]}}, 'Parser key "model.residual_scale"'),
     ({"axes": {"model.norm_placement": []}}, "axis 'model.norm_placement' values=[] is not allowed"),
     ({"axes": {}}, "axes={} is not allowed"),
