@@ -17,6 +17,7 @@ from typing_extensions import override
 from lnstab import validation as require
 
 from ._aside import aside_seconds
+from ._sites import offer_to_callbacks
 
 # Dense bf16/fp16 tensor-core peaks for GPUs that Lightning's table misses or lists with sparsity (H200: the same
 # Hopper silicon as the H100 SXM, 989 TFLOP/s dense; Lightning's "h200 sxm1" entry is the 2:4-sparse figure and its
@@ -196,6 +197,7 @@ class Throughput(Callback):
             self._peak_logged = True
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+        offer_to_callbacks(trainer, metrics)  # ModelCheckpoint/EarlyStopping can watch them, as every instrument's
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -72,6 +72,8 @@ def test_rates_flops_and_mfu_on_the_logging_steps(tmp_path) -> None:
         assert m["throughput/device/flops_per_s"] == pytest.approx(flops / 0.5)
         assert m["throughput/mfu"] == pytest.approx(flops / 0.5 / 1e12)
     assert [("throughput/peak_flops" in m) for _, m in rows] == [True, False, False]
+    # in callback_metrics too, as every instrument's metric (before: loggers only, so nothing could monitor them)
+    assert float(trainer.callback_metrics["throughput/tokens_per_s"]) == pytest.approx(4 * 32 / 0.5)
 
 
 def test_formula_flops_equal_lightnings_count_on_the_meta_device() -> None:
