@@ -231,10 +231,12 @@ class SharedTap:
         if site.capture is not None:
             counter = site.module.register_forward_pre_hook(lambda module, args: self._count(entry), prepend=True)
             return [counter, *site.capture.attach(site.module, emit)]
+        seq_first = _sequence_first(site.module)
         if site.use_input:
-            return [site.module.register_forward_pre_hook(lambda module, args: emit_call(lambda: _tensor_view(args)))]
+            return [site.module.register_forward_pre_hook(
+                lambda module, args: emit_call(lambda: _tensor_view(args, seq_first)))]
         return [site.module.register_forward_hook(
-            lambda module, args, output: emit_call(lambda: _tensor_view(output)))]
+            lambda module, args, output: emit_call(lambda: _tensor_view(output, seq_first)))]
 
     def _watchers(self, entry: dict[str, Any]) -> list[tuple[Subscription, int]]:
         """The active watchers of ``entry`` that a forward now serves: none when the tap is shut or paused, or the
@@ -291,7 +293,18 @@ class SharedTap:
         return torch.device("cpu")
 
 
-def _tensor_view(obj: Any) -> _stats.SiteView | None:
-    """The view of a plain site: the first tensor of a module's output (or of its positional inputs), detached."""
+def _sequence_first(module: nn.Module) -> bool:
+    """Whether ``module`` is one of torch's Transformer layers with ``batch_first=False`` (its default), whose
+    tensors are ``(T, B, d)``: the statistics read them as ``(B, T, d)``."""
+    layer_types = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+    return isinstance(module, layer_types) and not getattr(module.self_attn, "batch_first", True)
+
+
+def _tensor_view(obj: Any, seq_first: bool = False) -> _stats.SiteView | None:
+    """The view of a plain site: the first tensor of a module's output (or of its positional inputs), detached, with
+    the batch first."""
     x = first_tensor(obj)
-    return None if x is None else _stats.SiteView(x.detach())
+    if x is None:
+        return None
+    x = x.detach()
+    return _stats.SiteView(x.transpose(0, 1) if seq_first and x.dim() == 3 else x)

@@ -51,6 +51,21 @@ class TapCallback(LogsMetrics, Callback):
     # How an instrument that can tell the calls of a repeated module apart says so in the pooled-calls warning.
     unroll_hint: str = ""
 
+    def fresh_state(self) -> dict[str, Any] | None:
+        """The :meth:`load_state_dict` state of an instance that has measured nothing (``None``: it keeps none)."""
+        return None
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        fresh = self.fresh_state()
+        if fresh is not None and not trainer.ckpt_path and trainer.global_step == 0:
+            # a fit from step 0 that resumes nothing, e.g. a second trainer.fit with the same instance: its own
+            # series, not the previous fit's (whose steps looked measured already, so nothing was)
+            self.load_state_dict(fresh)
+            if hasattr(self, "last"):
+                self.last = {}
+
     def captured_everywhere(self, trainer: pl.Trainer) -> bool:
         """Whether every site was captured on every rank (:func:`captured_everywhere`)."""
         return captured_everywhere(self.subscription, trainer)
@@ -237,6 +252,10 @@ class MeasuringTapCallback(TapCallback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().teardown(trainer, pl_module, stage)
         self._capture_step = None
+
+    @override
+    def fresh_state(self) -> dict[str, Any]:
+        return {"steps": [], "values": {}}
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -24,6 +24,8 @@ from ._strategy import all_reduce_, count_nonfinite, distributed, params_sharded
 from ._tap_callback import TapCallback
 from .divergence_kinds import FATAL, KINDS, POLICIES
 
+SPIKE_MIN_LOSSES = 10  # finite losses known before a loss spike is judged (so the least window)
+
 
 class NonFiniteCheckpointError(RuntimeError):
     """Raised instead of saving a checkpoint whose weights are not finite."""
@@ -80,7 +82,7 @@ class DivergenceMonitor(TapCallback):
     Args:
         policy: ``stop``, ``skip`` or ``continue``.
         every_n_steps: Check every N optimizer steps (1: every step).
-        window: Losses kept for spike detection.
+        window: Losses kept for spike detection (at least 10: a spike is judged once 10 losses are known).
         spike_k: Standard deviations above the window mean that make a spike.
         grad_norm_threshold: Total gradient norm that counts as an explosion (``None``: off).
         loss_explosion_factor: Multiple (> 1) of the first checked loss that counts as an explosion (``None``: off;
@@ -103,7 +105,8 @@ class DivergenceMonitor(TapCallback):
         metric_prefix: Log as ``<metric_prefix>/<name>`` (``None``: the names below; see ``_sites.LogsMetrics``).
 
     **Logged metrics**:
-        ``divergence/events`` (cumulative count, at each step with an event).
+        ``divergence/events`` (cumulative count, at the first check of a fit, 0 for a fresh run, and at each step
+        with an event, so ``EarlyStopping(monitor="divergence/events")`` finds it in a run that never diverges).
 
     Raises:
         ConfigError: A bad argument, or a strategy it cannot serve (one line naming it; a ``ValueError``).
@@ -140,7 +143,7 @@ class DivergenceMonitor(TapCallback):
         self.policy = require.choice("policy", policy, POLICIES)
         self.every_n_steps = require.positive_int("every_n_steps", every_n_steps)
         self.metric_prefix = require.metric_prefix("metric_prefix", metric_prefix)
-        self.window = require.positive_int("window", window)
+        self.window = require.integer("window", window, SPIKE_MIN_LOSSES)
         self.spike_k = require.number("spike_k", spike_k, 0, low_open=True)
         self.grad_norm_threshold = require.optional_number("grad_norm_threshold", grad_norm_threshold, 0, low_open=True)
         self.loss_explosion_factor = require.optional_number("loss_explosion_factor", loss_explosion_factor, 1,
@@ -151,7 +154,7 @@ class DivergenceMonitor(TapCallback):
             require.choices("fatal_kinds", fatal_kinds, KINDS)  # raises: neither a kind nor a list of them
         self.fatal_kinds = tuple(require.choice("fatal_kinds", kind, KINDS) for kind in kinds)
         self.layer_pattern = require.regex("layer_pattern", layer_pattern)
-        self.track_activations = bool(track_activations)
+        self.track_activations = require.flag("track_activations", track_activations)
         self.stats_every_n_steps = require.integer("stats_every_n_steps", stats_every_n_steps, 0)
         if collapse_fraction is not None:
             require.number("collapse_fraction", collapse_fraction, 0, 1, high_open=True)
@@ -175,6 +178,7 @@ class DivergenceMonitor(TapCallback):
         self._acted = False
         self._params: list[torch.nn.Parameter] = []
         self._sharded = self._distributed = False
+        self._counted = False  # divergence/events was logged in this fit
         self._began = False  # this fit reached on_fit_start (a refusal before it leaves the run's summary alone)
 
     @property
@@ -200,7 +204,9 @@ class DivergenceMonitor(TapCallback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
         self._began = True  # after a resumed run's state is restored: its events are this monitor's now
+        self._counted = False
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -347,7 +353,7 @@ class DivergenceMonitor(TapCallback):
     def _spike_threshold(self) -> float:
         """Losses above this are spikes: window mean + ``spike_k``·std once 10 finite losses are known."""
         n = len(self.losses)
-        if n < 10:
+        if n < SPIKE_MIN_LOSSES:
             return math.inf
         mean = math.fsum(self.losses) / n
         return mean + self.spike_k * math.sqrt(math.fsum((v - mean) ** 2 for v in self.losses) / n)
@@ -379,11 +385,13 @@ class DivergenceMonitor(TapCallback):
         return {**event, "stat": stat} if stat is not None else event
 
     def _record(self, trainer: pl.Trainer, new: list[dict[str, Any]], step: int) -> None:
-        if not new:
+        if not new and self._counted:
             return
+        self._counted = True  # the count is logged at a fit's first check too, where it is usually 0
         self.events.extend(new)
         self.log_step(trainer, {"divergence/events": float(len(self.events))}, step)
-        self._write_events(trainer)
+        if new:
+            self._write_events(trainer)
 
     @rank_zero_only
     def _write_events(self, trainer: pl.Trainer) -> None:
@@ -417,6 +425,10 @@ class DivergenceMonitor(TapCallback):
             raise NonFiniteCheckpointError(
                 f"refusing to save a checkpoint at step {trainer.global_step}: the weights are not finite"
             )
+
+    @override
+    def fresh_state(self) -> dict[str, Any]:
+        return {"events": [], "losses": [], "diverged_step": None, "first_loss": None}
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -109,7 +109,7 @@ class GrowthBoundMonitor(TapCallback):
         self.embed_pattern = require.regex("embed_pattern", embed_pattern)  # None: X_0 is the first layer's input
         self.final_pattern = require.regex("final_pattern", final_pattern)
         self.tolerance = require.number("tolerance", tolerance, 0, 1, high_open=True)
-        self.unroll_repeats = bool(require.choice("unroll_repeats", unroll_repeats, (True, False)))
+        self.unroll_repeats = require.flag("unroll_repeats", unroll_repeats)
         self._unrolled = False
         self.norm_calls: list[int] = []  # per output norm: its calls in one forward (its updates)
         self._base_sites: list[Site] = []
@@ -315,6 +315,10 @@ class GrowthBoundMonitor(TapCallback):
         self.last = metrics
         self.log_step(trainer, metrics, step)
         return metrics
+
+    @override
+    def fresh_state(self) -> dict[str, Any]:
+        return {"violations": 0}
 
     @override
     def state_dict(self) -> dict[str, Any]:

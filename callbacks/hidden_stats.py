@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -14,7 +13,7 @@ from typing_extensions import override
 
 from lnstab import validation as require
 from lnstab.errors import ConfigError
-from lnstab.rundir import HIDDEN_SERIES_FILE, RunFileError, atomic_write_text, json_safe, read_hidden_series, run_dir
+from lnstab.rundir import HIDDEN_SERIES_FILE, atomic_write_text, json_safe, run_dir
 
 from . import _stats
 from ._sites import (
@@ -101,14 +100,14 @@ class HiddenStateStatistics(MeasuringTapCallback):
         self.module_types = resolve_types("module_types", module_types)
         self.embed_pattern = require.regex("embed_pattern", embed_pattern)
         self.final_pattern = require.regex("final_pattern", final_pattern)
-        self.log_heatmap = bool(log_heatmap)
+        self.log_heatmap = require.flag("log_heatmap", log_heatmap)
         self.series_file = require.file_name("series_file", series_file)
         stream = list(_stats.names_of("stream"))
         names = _stats.default_stats() if stats is None else require.choices("stats", stats, stream)
         if not names:
             raise ConfigError(f"stats={stats!r} is not allowed; give at least one of: {', '.join(stream)}")
         self.stats: tuple[str, ...] = tuple(names)
-        self.unroll_repeats = bool(require.choice("unroll_repeats", unroll_repeats, (True, False)))
+        self.unroll_repeats = require.flag("unroll_repeats", unroll_repeats)
         self.unroll_hint = "" if self.unroll_repeats else (", so depth within a loop is not resolved "
                                                            "(unroll_repeats=True measures each call)")
         self._unrolled = False
@@ -145,8 +144,10 @@ class HiddenStateStatistics(MeasuringTapCallback):
         self.sites = auto_sites(
             pl_module, self.layer_pattern, self.module_types, self.embed_pattern, self.final_pattern
         )
-        if not self.sites:
-            rank_zero_warn(no_sites(type(self).__name__, self.layer_pattern, self.module_types))
+        if not any(s.tag.startswith("L") for s in self.sites):  # no layer: at most the embedding and final sites
+            rank_zero_warn(no_sites(type(self).__name__, self.layer_pattern, self.module_types,
+                                    "only the embedding and final sites are measured" if self.sites else
+                                    "nothing will be logged"))
         self.subscribe(pl_module, self.sites, [self.stats] * len(self.sites))
         self._unrolled = False
 
@@ -195,34 +196,23 @@ class HiddenStateStatistics(MeasuringTapCallback):
         self.log_step(trainer, self.last, step)
 
     @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_train_start(trainer, pl_module)
-        if trainer.ckpt_path and not self.steps and trainer.global_step > 0 and self.series_file:
-            self._adopt_series(trainer)
-
-    def _adopt_series(self, trainer: pl.Trainer) -> None:
-        """A resumed fit whose checkpoint held no state for this instance (its ``every_n_steps`` or sites changed,
-        so its state key did): the series the run wrote so far is read back, so that the file keeps it."""
-        here, there = run_dir(trainer), Path(trainer.ckpt_path).parent.parent  # <run>/checkpoints/<file>.ckpt
-        series = None
-        for directory in (here, there) if there != here else (here,):  # a new logger version: the checkpoint's run
-            try:
-                series = read_hidden_series(directory, self.series_file)
-            except (RunFileError, OSError):
-                series = None
-            if series:
-                break
-        if not series or series["tags"] != self.tags or not all(s in series["stats"] for s in self.stats):
-            return  # another run's, or other sites: left to be replaced, as a fresh instance's file is
-        keep = [i for i, step in enumerate(series["steps"]) if isinstance(step, int) and step < trainer.global_step]
-        try:
-            values = {s: {t: [series["stats"][s][t][i] for i in keep] for t in self.tags} for s in self.stats}
-        except (KeyError, IndexError, TypeError):
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+                           ) -> None:
+        """A checkpoint without this instance's state (its ``every_n_steps`` changed, so its state key did) but with
+        one other instance's of the same class over the same sites and statistics: that series is this one's, so the
+        run's series file keeps it (before, it was read back from ``<checkpoint>/../../hidden_stats.json``, only where
+        the checkpoint sat in its run's ``checkpoints/``)."""
+        states = checkpoint.get("callbacks") or {}
+        if self.state_key in states or not self.tags:
             return
-        self.steps, self.values = [series["steps"][i] for i in keep], values
-        rank_zero_warn(f"{type(self).__name__}: resumed without its state in the checkpoint (every_n_steps or its "
-                       f"sites changed); its {len(keep)} earlier steps are read back from {self.series_file}"
-                       f"{'' if directory == here else f' of the checkpoint run {directory.name}'}")
+        mine = [s for k, s in states.items() if k.split("{")[0] == type(self).__name__ and isinstance(s, dict)
+                and set(self.stats) <= set(s.get("values", {}))
+                and all(set(s["values"][stat]) == set(self.tags) for stat in self.stats)]
+        if len(mine) == 1:
+            self.load_state_dict(mine[0])
+            rank_zero_warn(f"{type(self).__name__}: resumed without its state in the checkpoint (every_n_steps "
+                           f"changed); its {len(self.steps)} earlier steps are taken from the checkpoint's "
+                           "instance over the same sites")
 
     @rank_zero_only
     def _write(self, trainer: pl.Trainer) -> None:

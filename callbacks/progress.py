@@ -9,6 +9,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import TQDMProgressBar
 from typing_extensions import override
 
+from lnstab import validation as require
+
 
 class StepProgressBar(TQDMProgressBar):
     """Lightning's TQDM bar, but for step-bounded training (``max_steps``, endless data) it shows
@@ -16,6 +18,11 @@ class StepProgressBar(TQDMProgressBar):
     *remaining*, so a resumed run showed e.g. ``200/79``, and counts micro-batches under gradient accumulation.
     Epoch-bounded training is shown as Lightning shows it. Plain TQDM (no terminal control codes) also reads well in
     a scheduler's log file.
+
+    Args:
+        refresh_rate: Redraw every this many batches (0: no bar), as Lightning's ``TQDMProgressBar``.
+        process_position: Lines above the bar (for several bars at once), as Lightning's.
+        leave: Keep each epoch's bar after it ends, as Lightning's.
 
     **Logged metrics**: none.
 
@@ -25,6 +32,10 @@ class StepProgressBar(TQDMProgressBar):
     """
 
     position: tuple[int, int | float | None] | None = None  # (shown, total) after the latest training batch
+
+    def __init__(self, refresh_rate: int = 1, process_position: int = 0, leave: bool = False) -> None:
+        super().__init__(require.integer("refresh_rate", refresh_rate, 0),  # 0: no bar, as Lightning's
+                         require.integer("process_position", process_position, 0), require.flag("leave", leave))
 
     def _by_steps(self) -> bool:
         trainer = self.trainer

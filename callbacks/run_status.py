@@ -113,7 +113,7 @@ class RunStatus(Callback):
 
     def __init__(self, signals: str | list[str] | tuple[str, ...] = SIGNALS, save_on_interrupt: bool = True) -> None:
         self.signals = require.choices("signals", signals, SIGNALS) if signals else ()  # one name or a list
-        self.save_on_interrupt = bool(save_on_interrupt)
+        self.save_on_interrupt = require.flag("save_on_interrupt", save_on_interrupt)
         self.requested: int | None = None  # signal received, not yet acted on
         self.signal: int | None = None  # signal that stopped the run
         self.interrupted_step: int | None = None

@@ -69,7 +69,7 @@ class Instruments:
         attention: bool = True,
         output_logits: bool = True,
     ) -> None:
-        self.enabled = bool(enabled)
+        self.enabled = require.flag("instruments.enabled", enabled)
         self.every_n_steps = require.positive_int("instruments.every_n_steps", every_n_steps)
         self.jacobian_every_n_steps = require.integer("instruments.jacobian_every_n_steps", jacobian_every_n_steps, 0)
         self.jacobian_probe_size = require.positive_int("instruments.jacobian_probe_size", jacobian_probe_size)
@@ -85,9 +85,9 @@ class Instruments:
         self.loss_explosion_factor = require.optional_number(
             "instruments.loss_explosion_factor", loss_explosion_factor, 1.0, low_open=True
         )
-        self.throughput = bool(throughput)
-        self.attention = bool(attention)
-        self.output_logits = bool(output_logits)
+        self.throughput = require.flag("instruments.throughput", throughput)
+        self.attention = require.flag("instruments.attention", attention)
+        self.output_logits = require.flag("instruments.output_logits", output_logits)
 
     def callbacks(self) -> list[Callback]:
         """The instrument callbacks (``[]`` when not ``enabled``)."""

@@ -86,6 +86,11 @@ def choice(field: str, value: Any, allowed: Sequence[Any], *, error: type[LNStab
     return value
 
 
+def flag(field: str, value: Any, *, error: type[LNStabError] = ConfigError) -> bool:
+    """``value`` as a ``bool``: ``True`` or ``False`` (``"no"`` is refused, not read as true)."""
+    return bool(choice(field, value, (True, False), error=error))
+
+
 def choices(field: str, values: Any, allowed: Sequence[Any], *, error: type[LNStabError] = ConfigError) -> tuple:
     """A single allowed value or a list of them, as a tuple."""
     items = [values] if isinstance(values, str) else list(values) if isinstance(values, list | tuple) else None

@@ -14,7 +14,14 @@ from lightning.pytorch import Callback
 from support.callbacks import VOCAB, LitLM, lit, loader, trainer
 from torch import nn
 
-from lnstab.callbacks import DivergenceMonitor, GrowthBoundMonitor, HiddenStateStatistics, Instruments, RunStatus
+from lnstab.callbacks import (
+    DivergenceMonitor,
+    GrowthBoundMonitor,
+    HiddenStateStatistics,
+    Instruments,
+    RunStatus,
+    StepProgressBar,
+)
 from lnstab.errors import ConfigError, LNStabError
 
 
@@ -48,6 +55,18 @@ def test_bad_arguments_are_one_line_and_single_values_are_lists_of_one() -> None
         Instruments(loss_explosion_factor=0.5)
     monitors = [c for c in Instruments(loss_explosion_factor=10).callbacks() if isinstance(c, DivergenceMonitor)]
     assert [m.loss_explosion_factor for m in monitors] == [10.0]  # the config's value reaches the monitor
+
+
+@pytest.mark.parametrize("make", [
+    lambda: RunStatus(save_on_interrupt="no"), lambda: Instruments(attention="no"), lambda: Instruments(enabled="off"),
+    lambda: GrowthBoundMonitor(unroll_repeats="yes"), lambda: StepProgressBar(leave="no"),
+    lambda: StepProgressBar(refresh_rate=-1),
+])
+def test_a_flag_given_as_a_word_and_a_negative_refresh_rate_are_refused(make) -> None:
+    """bool("no") is True: these switched the opposite way on; a negative refresh rate was taken."""
+    with pytest.raises(ConfigError, match=r"^[a-z_.]+=('\w+'|-1) is not allowed; (choose one of: True, False|it must "
+                                          r"be an integer >= 0)$"):
+        make()
 
 
 def test_growth_bound_without_an_embedding_site_starts_at_the_first_layers_input(tmp_path) -> None:
@@ -161,7 +180,7 @@ def test_resuming_with_another_cadence_keeps_the_earlier_series_in_its_file(tmp_
         t.fit(lit("gpt"), loader(32), ckpt_path=ckpt_path)
 
     fit(1, 4)
-    with pytest.warns(UserWarning, match="its 4 earlier steps are read back from hidden_stats.json"):
+    with pytest.warns(UserWarning, match="its 4 earlier steps are taken from the checkpoint"):
         fit(2, 8, str(tmp_path / "ckpt" / "last.ckpt"))
     series = json.loads((tmp_path / "run" / "version_0" / "hidden_stats.json").read_text())
     assert series["steps"] == [0, 1, 2, 3, 4, 6] and all(len(v) == 6 for v in series["stats"]["mean_abs"].values())
@@ -178,7 +197,7 @@ def test_a_resume_into_a_new_logger_version_reads_the_checkpoint_runs_series(tmp
         t.fit(lit("gpt"), loader(32), ckpt_path=ckpt_path)
 
     fit(1, 4)
-    with pytest.warns(UserWarning, match="read back from hidden_stats.json of the checkpoint run version_0"):
+    with pytest.warns(UserWarning, match="its 4 earlier steps are taken from the checkpoint"):
         fit(2, 8, str(tmp_path / "run" / "version_0" / "checkpoints" / "last.ckpt"))
     series = json.loads((tmp_path / "run" / "version_1" / "hidden_stats.json").read_text())
     assert series["steps"] == [0, 1, 2, 3, 4, 6]  # before: [4, 6]

@@ -205,11 +205,27 @@ def test_clean_run_completes_and_state_round_trips(tmp_path, caplog):
     assert len(restored.losses) == 3
 
 
+def test_the_event_count_is_there_from_the_first_check_so_early_stopping_can_watch_it(tmp_path):
+    """divergence/events was logged only with an event: EarlyStopping(monitor="divergence/events"), as the docs
+    suggest, raised "not available" at the end of every run that never diverged."""
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    monitor = DivergenceMonitor()
+    t = trainer(tmp_path, [monitor, EarlyStopping(monitor="divergence/events", mode="min")], max_steps=3)
+    t.fit(lit("gpt"), loader())
+    assert t.global_step == 3 and float(t.callback_metrics["divergence/events"]) == 0.0
+    rows = [r.split(",") for r in (run_dir(tmp_path) / "metrics.csv").read_text().splitlines()]
+    step, column = rows[0].index("step"), rows[0].index("divergence/events")
+    assert [(r[step], r[column]) for r in rows[1:] if r[column]] == [("0", "0.0")]  # once, at the first check
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
         ({"policy": "abort"}, "policy='abort'.*stop, skip, continue"),
         ({"window": 0}, "window=0"),
+        ({"window": 9}, "window=9 is not allowed; it must be an integer >= 10"),  # it never held the 10 it judges by
+        ({"track_activations": "no"}, "track_activations='no' is not allowed; choose one of: True, False"),
         ({"overflow_fraction": 2}, "overflow_fraction=2"),
         ({"fatal_kinds": ["nan"]}, "fatal_kinds='nan'"),
         ({"grad_norm_threshold": -1.0}, "grad_norm_threshold=-1.0"),

@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
-from support.callbacks import StepClock, direct_stats, lit, loader, record_outputs, trainer
+from support.callbacks import EncoderLM, LitLM, StepClock, direct_stats, lit, loader, record_outputs, trainer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 
-from lnstab.callbacks import HiddenStateStatistics, StabilityLayout
+from lnstab.callbacks import DivergenceMonitor, HiddenStateStatistics, StabilityLayout
 from lnstab.callbacks._sites import Site
 from lnstab.callbacks._tap import SharedTap, Subscription
 from lnstab.callbacks.hidden_stats import STATS
@@ -117,10 +117,67 @@ def test_foreign_model_selected_by_regex_and_type(tmp_path):
     assert all(v[0] > 0 for v in by_type.values["mean_abs"].values())
 
 
+def test_sequence_first_transformer_layers_are_read_batch_first(tmp_path):
+    """torch's TransformerEncoderLayer defaults to (T, B, d): its statistics were computed with T as the batch
+    (var_data 0.90 where it is 0.73); the same weights run batch-first and sequence-first now give the same series."""
+    torch.manual_seed(0)
+    first, seq = EncoderLM(batch_first=True), EncoderLM(batch_first=False)
+    seq.load_state_dict(first.state_dict())
+    series = []
+    for i, model in enumerate((first, seq)):
+        callback = HiddenStateStatistics(every_n_steps=1, module_types="torch.nn.TransformerEncoderLayer")
+        trainer(tmp_path / str(i), [callback], max_steps=2).fit(LitLM(model), loader())
+        series.append(callback.values)
+    assert list(series[1]["var_data"]) == ["L00", "L01"]
+    for stat in STATS:
+        for tag, values in series[0][stat].items():
+            assert values == pytest.approx(series[1][stat][tag], rel=1e-4), (stat, tag)
+
+
+def test_a_second_fit_of_the_same_instances_measures_its_own_steps(tmp_path):
+    """A second trainer.fit from step 0 with the same callbacks: the steps of the first looked measured already, so
+    nothing was (attention, output logits and hidden states logged nothing, silently)."""
+    hidden, divergence = HiddenStateStatistics(every_n_steps=1), DivergenceMonitor()
+    for run in ("a", "b"):
+        t = trainer(tmp_path / run, [hidden, divergence], max_steps=3)
+        t.fit(lit("gpt"), loader())
+        assert hidden.steps == [0, 1, 2] and len(hidden.values["mean_abs"]["L00_attn"]) == 3
+        assert "hidden/mean_abs/L00_attn" in t.callback_metrics
+        assert len(divergence.losses) == 3 and divergence.events == []
+    series = json.loads((tmp_path / "b" / "csv" / "version_0" / "hidden_stats.json").read_text())
+    assert series["steps"] == [0, 1, 2]
+
+
+def test_resumed_with_another_every_n_steps_keeps_the_series_wherever_checkpoints_are(tmp_path):
+    """The instance's state key changes with every_n_steps, so the checkpoint holds no state for it; the series was
+    read back only from <run>/checkpoints/../hidden_stats.json, so a ModelCheckpoint elsewhere lost it silently."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    first = HiddenStateStatistics(every_n_steps=2)
+    saving = ModelCheckpoint(dirpath=tmp_path / "elsewhere", save_last=True, every_n_train_steps=3)
+    trainer(tmp_path / "a", [first, saving], max_steps=3, enable_checkpointing=True).fit(lit("gpt"), loader())
+    assert first.steps == [0, 2]
+    second = HiddenStateStatistics(every_n_steps=1)
+    with pytest.warns(UserWarning, match="its 2 earlier steps are taken from the checkpoint"):
+        trainer(tmp_path / "b", [second], max_steps=5).fit(lit("gpt"), loader(),
+                                                            ckpt_path=str(tmp_path / "elsewhere" / "last.ckpt"))
+    assert second.steps == [0, 2, 3, 4]
+    assert second.values["mean_abs"]["L00_attn"][:2] == first.values["mean_abs"]["L00_attn"]
+
+
+def test_a_layer_pattern_that_matches_no_layer_is_said_although_embed_and_final_match(tmp_path):
+    callback = HiddenStateStatistics(every_n_steps=1, layer_pattern=r"nomatch\.(\d+)$")
+    with pytest.warns(UserWarning, match="matched no module of the model; only the embedding and final sites"):
+        trainer(tmp_path, [callback], max_steps=1).fit(lit("gpt"), loader())
+    assert callback.tags == ["embed", "final"]
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
         ({"every_n_steps": 0}, "every_n_steps=0"),
+        ({"log_heatmap": "no"}, "log_heatmap='no' is not allowed; choose one of: True, False"),
+        ({"unroll_repeats": "yes"}, "unroll_repeats='yes'"),
         ({"layer_pattern": "h.(\\d+"}, "layer_pattern="),
         ({"module_types": "torch.nn.NoSuchLayer"}, "module_types="),
         ({"series_file": "a/b.json"}, "series_file="),

@@ -66,15 +66,20 @@ class HFWrapper(nn.Module):
 
 
 class EncoderLM(nn.Module):
-    def __init__(self) -> None:
+    """``nn.TransformerEncoder``; ``batch_first=False`` (torch's default) runs it on ``(T, B, d)``."""
+
+    def __init__(self, batch_first: bool = True) -> None:
         super().__init__()
+        self.batch_first = batch_first
         self.embed = nn.Embedding(VOCAB, 32)
-        layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+        layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=batch_first)
         self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
         self.head = nn.Linear(32, VOCAB)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(self.embed(x)))
+        if self.batch_first:
+            return self.head(self.encoder(self.embed(x)))
+        return self.head(self.encoder(self.embed(x).transpose(0, 1)).transpose(0, 1))
 
 
 def gpt(placement: str = "peri", **overrides) -> GPT:
