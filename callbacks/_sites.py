@@ -113,8 +113,12 @@ def find_sites(
             layers.append((len(layers), len(layers), Site(f"L{len(layers):02d}", raw_name, module)))
     tags = [s.tag for _, _, s in layers]
     if len(set(tags)) != len(tags):
+        twice = next(t for t in tags if tags.count(t) > 1)
+        names = [clean_name(s.name) for _, _, s in layers if s.tag == twice][:2]
         raise ConfigError(
-            f"layer_pattern matching modules with duplicate tags {tags} is not allowed; add a capture group per layer"
+            f"layer_pattern={layer_pattern.pattern if layer_pattern else None!r} is not allowed; it gives tag {twice} "
+            f"to {names[0]!r} and {names[1]!r}: anchor it where a layer's name ends ($, as in 'layers\\.(\\d+)$') "
+            "or add a capture group that tells them apart"
         )
     return embed + [s for _, _, s in sorted(layers, key=lambda t: t[:2])] + final
 

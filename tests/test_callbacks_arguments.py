@@ -300,3 +300,12 @@ def test_the_docs_lightningcli_entry_point_gives_one_line_and_the_signal_exit_st
         if code:
             assert done.stderr.strip().splitlines()[-1] == ("error: every_n_steps=-1 is not allowed; it must be an "
                                                             "integer >= 1")
+
+
+def test_an_unanchored_layer_pattern_is_told_to_anchor_naming_the_two_modules(tmp_path) -> None:
+    """'h\\.(\\d+)' matches a block and its submodules, so two sites get one tag: before, 'add a capture group per
+    layer' was said of a pattern that has one."""
+    callback = HiddenStateStatistics(every_n_steps=1, layer_pattern=r"transformer\.h\.(\d+)")
+    with pytest.raises(ConfigError, match=r"it gives tag L00 to 'model\.hf\.transformer\.h\.0' and "
+                                          r"'model\.hf\.transformer\.h\.0\.ln_1': anchor it where a layer's name ends"):
+        trainer(tmp_path, [callback], max_steps=1).fit(lit("hf"), loader(8))
