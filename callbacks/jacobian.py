@@ -177,7 +177,14 @@ class JacobianSensitivity(LogsMetrics, Callback):
         pl_module.eval()
         try:
             with torch.no_grad():
-                pl_module(self.probe.to(pl_module.device))
+                try:
+                    pl_module(self.probe.to(pl_module.device))
+                except (RuntimeError, IndexError, ValueError, TypeError) as exc:  # not an input the model takes
+                    said = (str(exc).strip().splitlines() or [""])[0][:200]
+                    raise ConfigError(
+                        f"{type(self).__name__}: the model's forward on its probe (shape {tuple(self.probe.shape)}, "
+                        f"{self.probe.dtype}; the first tensor of the first training batch unless probe= is given) "
+                        f"failed: {type(exc).__name__}: {said}; give probe= an input the model takes") from exc
             for handle in handles:
                 handle.remove()
             values = []

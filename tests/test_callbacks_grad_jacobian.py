@@ -165,3 +165,18 @@ def test_jacobian_refuses_a_lightning_module_without_forward_before_training(tmp
     with pytest.raises(ValueError, match=r"model=NoForward is not allowed with JacobianSensitivity; it has no forward"):
         trainer(tmp_path, [JacobianSensitivity(every_n_steps=1)], max_steps=2).fit(module, loader())
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))  # refused in setup
+
+
+def test_a_probe_the_model_cannot_take_is_one_line_naming_probe(tmp_path):
+    """Batches longer than the model's context (a user's batch of input and target in one tensor, say): the probe
+    is the first tensor of the first batch, and the forward failed inside Hugging Face's embedding with a bare
+    'IndexError: index out of range in self'."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lnstab.errors import ConfigError
+
+    x = torch.randint(0, 100, (8, 33))  # HF GPT-2 of the tests has 32 positions
+    too_long = DataLoader(TensorDataset(x, x), batch_size=4)
+    with pytest.raises(ConfigError, match=r"^JacobianSensitivity: the model's forward on its probe \(shape \(2, 33\), "
+                                          r"torch.int64;.*failed: IndexError: index out of range in self; give probe="):
+        trainer(tmp_path, [JacobianSensitivity(every_n_steps=1, n_iter=2)], max_steps=1).fit(lit("hf"), too_long)
