@@ -459,10 +459,15 @@ class OpenWebTextDataModule(pl.LightningDataModule):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue at ``state_dict['batches_consumed']``; the layout that decides the order must be unchanged.
 
+        Outside a fit (``lnstab evaluate``, ``validate``, ``test`` on a checkpoint) only the vocabulary must match (it
+        gives the model's output ids their meaning): other data, batch size or source score the checkpoint on other
+        data, as ``--data.*`` is documented to.
+
         Raises:
             DataError: If source, batch/block size, workers, world size or seed differ from the checkpoint.
         """
         hp, trainer = self.hparams, self.trainer
+        fitting = trainer is None or trainer.state.fn is None or trainer.state.fn == "fit"
         now = {
             "source": self.resolve_source(),
             "batch_size": hp.batch_size,
@@ -472,7 +477,7 @@ class OpenWebTextDataModule(pl.LightningDataModule):
             "world_size": trainer.world_size if trainer is not None else state_dict.get("world_size", 1),
         }
         for key, value in now.items():
-            if state_dict.get(key) != value:
+            if fitting and state_dict.get(key) != value:
                 raise DataError(
                     f"--data.{key} {value!r} differs from the checkpoint's {state_dict.get(key)!r}; exact resumption "
                     f"needs the same value"

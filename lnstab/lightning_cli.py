@@ -160,7 +160,10 @@ class LNStabCLI(LightningCLI):
             # config, compare the explicit --model.* flags.
             explicit = runs.explicit_keys(self.argv, "model")
             model = c.model.as_dict() if sub == "fit" else {k: c.model[k] for k in explicit if k in c.model}
-            runs.check_against_checkpoint(load_checkpoint(ckpt, mmap=True), model, ckpt, explicit)
+            loaded = load_checkpoint(ckpt, mmap=True)
+            runs.check_against_checkpoint(loaded, model, ckpt, explicit)
+            if sub == "fit" and _named_class((c.get("data") or {}).get("class_path")) is OpenWebTextDataModule:
+                runs.check_data_against_checkpoint(loaded, _plain(c.data.get("init_args") or {}))
         if sub == "fit" and ckpt is not None and run_dir:
             runs.check_resumable(run_dir)
         if sub in CKPT_SUBCOMMANDS and run_dir and not runs.explicit_keys(self.argv, "data"):

@@ -185,6 +185,24 @@ def check_against_checkpoint(ckpt: dict[str, Any], model: dict[str, Any], ckpt_p
             )
 
 
+def check_data_against_checkpoint(ckpt: dict[str, Any], data: dict[str, Any]) -> None:
+    """Refuse a resumed fit's data settings that decide the batches' order and differ from the checkpoint's, before
+    anything is written (the data module refuses them too, but only once the run's config and logger files exist).
+
+    Raises:
+        DataError: One line naming the first differing ``--data.*`` key, as the data module says it.
+    """
+    from lnstab.datamodules.text import DataError  # the data module's own error (a light import)
+
+    state = ckpt.get("OpenWebTextDataModule")
+    if not isinstance(state, dict):
+        return
+    for key in ("batch_size", "num_workers", "seed"):
+        if key in state and key in data and data[key] != state[key]:
+            raise DataError(f"--data.{key} {data[key]!r} differs from the checkpoint's {state[key]!r}; exact "
+                            "resumption needs the same value")
+
+
 def check_resumable(run_dir: str | os.PathLike) -> None:
     """Refuse to resume a run that ended ``diverged``: a divergence is a result (training on would record its events
     again and overwrite what diverged); a run whose summary is unreadable may resume.

@@ -346,3 +346,22 @@ def test_a_run_directory_as_ckpt_path_is_named_as_such(tmp_path, capsys) -> None
     for args in (["evaluate"], ["validate"], ["fit", "--config", cfg]):
         assert expected in one_line_error(capsys, *args, "--ckpt_path", str(run))
     assert sorted(p.name for p in run.iterdir()) == before
+
+
+def test_evaluate_and_validate_score_a_checkpoint_on_other_data_as_documented(tmp_path, capsys) -> None:
+    """docs/runs.md: `lnstab evaluate --ckpt_path … --data.*` to choose other data. The data module checked a fit's
+    resumption invariants there too: '--data.batch_size 2 differs from the checkpoint's 4; exact resumption needs
+    the same value', exit 2, after a config-evaluate file and an event file were written into the run."""
+    cfg, run = tiny_config(tmp_path), tmp_path / "r"
+    fit("--config", str(cfg), "--run_dir", str(run))
+    ckpt = str(run / "checkpoints" / "last.ckpt")
+    main(["evaluate", "--ckpt_path", ckpt, "--data.batch_size", "2", "--data.seed", "7"])
+    assert json.loads((run / "eval-1.json").read_text())["stage"] == "evaluate"
+    cli_main(["validate", "--ckpt_path", ckpt, "--data.batch_size", "2"])
+    assert read_summary(run)["val"]["step"] == 4
+    before = sorted(p.name for p in run.iterdir())
+    with pytest.raises(SystemExit) as info:  # a fit still needs them: exact resumption
+        main(["fit", "--config", str(cfg), "--run_dir", str(run), "--ckpt_path", "last", "--data.batch_size", "2",
+              "--trainer.max_steps", "6"])
+    assert info.value.code == 2 and "--data.batch_size 2 differs from the checkpoint's 4" in capsys.readouterr().err
+    assert sorted(p.name for p in run.iterdir()) == before
