@@ -299,6 +299,24 @@ def latest_eval(directory: str | os.PathLike) -> dict[str, Any] | None:
     return read_object(files[-1], "an evaluation record (an object)") if files else None
 
 
+def fit_eval(directory: str | os.PathLike) -> dict[str, Any] | None:
+    """The newest evaluation the run's fit wrote (``stage`` ``fit``, or none recorded), else the newest of any stage
+    (a run whose fit did not evaluate), or ``None``: what the run's training reached, not a later ``lnstab
+    evaluate`` of it on other data or settings.
+
+    Raises:
+        RunFileError: An ``eval*.json`` read on the way is damaged (not JSON, or not an object).
+    """
+    files = eval_files(directory)
+    newest = None
+    for path in reversed(files):
+        record = read_object(path, "an evaluation record (an object)")
+        newest = newest or record
+        if record.get("stage", "fit") == "fit":
+            return record
+    return newest
+
+
 def checkpoint_dir(directory: str | os.PathLike) -> Path:
     """Where a run's checkpoints live."""
     return Path(directory) / CHECKPOINT_DIR

@@ -360,3 +360,38 @@ def test_lnstab_report_on_a_full_disk_is_one_line_and_exit_1(grid, full_disk, ca
     assert info.value.code == 1 and "\n" not in err, err
     assert err.startswith(f"lnstab: error: {out}/") and err.endswith(ENOSPC), err
     assert not any(p.name.endswith(".tmp") for p in out.iterdir())  # no partial file left
+
+
+def test_a_run_given_before_its_grid_is_counted_once_and_not_as_missing(grid) -> None:
+    """`lnstab report G/pre_s0 G`: pre_s0 was left out of G's batch as seen, then counted again as a planned run
+    with no directory ('5 runs … 1 missing' for 4 runs)."""
+    alone = collect([grid])
+    both = collect([grid / "pre_s0", grid])
+    assert sorted(r.name for r in both) == sorted(r.name for r in alone)  # each once
+    assert [r.name for r in both if r.status == "missing"] == ["peri_s2"]  # the one planned run never started
+
+
+def test_the_report_takes_each_runs_own_final_evaluation_not_a_later_one(grid) -> None:
+    """A later `lnstab evaluate` (eval-1.json, on other data, say) was averaged into the table as the run's result."""
+    later = {"schema": 1, "stage": "evaluate", "metrics": {"loss": 99.0, "rouge1": 0.0}}
+    write_json(grid / "pre_s0" / "eval-1.json", later)
+    write_json(grid / "pre_s2" / "eval.json", {**later, "metrics": {"loss": 7.0}})  # its fit never evaluated
+    runs = {r.name: r for r in collect([grid])}
+    assert runs["pre_s0"].metrics["eval_loss"] == 3.5 and runs["pre_s0"].metrics["rouge1"] == 0.25  # eval.json's
+    assert runs["pre_s2"].metrics["eval_loss"] == 7.0  # no evaluation of its fit: the newest there is
+
+
+def test_out_inside_a_directory_of_runs_is_refused_and_overwrite_leaves_no_stale_figure(grid, tmp_path,
+                                                                                        capsys) -> None:
+    """--out G/report was accepted, and every later report of G then failed on G/report as a stranger; a report
+    --overwrite of runs without Theorem 4 data left the earlier report's theorem4_bound.png beside it."""
+    with pytest.raises(SystemExit) as info:
+        main(["report", str(grid), "--out", str(grid / "report")])
+    assert info.value.code == 2 and "is not allowed inside" in capsys.readouterr().err
+    assert not (grid / "report").exists()
+    out = tmp_path / "out"
+    main(["report", str(grid), "--out", str(out)])
+    assert (out / "theorem4_bound.png").is_file()
+    main(["report", str(grid / "pre_s0"), "--out", str(out), "--overwrite"])  # Pre-LN: no output norms
+    assert not (out / "theorem4_bound.png").exists()
+    assert "Theorem 4" in (out / "report.md").read_text()

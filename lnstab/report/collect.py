@@ -26,8 +26,8 @@ from lnstab.errors import LNStabError
 from lnstab.rundir import (
     CONFIG_FILE,
     RunFileError,
+    fit_eval,
     is_run_dir,
-    latest_eval,
     read_events,
     read_hidden_series,
     read_summary,
@@ -150,7 +150,7 @@ def read_run(directory: Path) -> RunRecord:
         return RunRecord(name=directory.name, path=directory, status="damaged", problem=str(exc), _scalars={})
     try:
         summary = read_summary(directory)
-        record = latest_eval(directory)
+        record = fit_eval(directory)
         hidden, events = read_hidden_series(directory), read_events(directory)
     except RunFileError as exc:
         return RunRecord(name=directory.name, path=directory, status="damaged", config=config, problem=str(exc),
@@ -225,7 +225,9 @@ def collect(paths: list[str | Path], warn: Callable[[str], None] = _stderr) -> l
                 warn(f"{r.problem}; {r.name} is counted as a damaged run")
         if manifest:
             _fill_damaged(manifest, batch)
-            batch += _missing(path, manifest, batch)
+            here = path.resolve()  # this grid's runs given earlier on the command line are present, not missing
+            earlier = [r for r in records if r.path.resolve().parent == here]
+            batch += _missing(path, manifest, batch + earlier)
             order = {name: i for i, (name, _) in enumerate(manifest_runs(manifest))}
             batch.sort(key=lambda r: order.get(r.name, len(order)))  # the grid's order; others after, by name
         records += batch
