@@ -37,7 +37,7 @@ from lnstab.module import GPTModule
 from lnstab.moduleargs import MODULE_ARGS, checked_config
 from lnstab.precision import precision_warning, resolve_precision
 from lnstab.runconfig import CKPT_SUBCOMMANDS, UNNAMED, LNStabArgumentParser, SaveRunConfig, logger_args
-from lnstab.rundir import CONFIG_FILE, check_writable
+from lnstab.rundir import CHECKPOINT_DIR, CONFIG_FILE, check_writable
 from lnstab.rundir import run_dir as trainer_run_dir
 from lnstab.safeload import load_yaml
 from lnstab.trainer import LNStabTrainer
@@ -322,6 +322,10 @@ def _refuse_run_dir_as_checkpoint(ckpt: str) -> None:
     if Path(ckpt).is_dir() and (Path(ckpt) / CONFIG_FILE).is_file():
         raise ConfigError(f"--ckpt_path {ckpt} is a run directory, not a checkpoint; give --run_dir {ckpt} --ckpt_path "
                           "last, or one of its checkpoints/*.ckpt")
+    run = Path(ckpt).absolute().parent
+    if Path(ckpt).is_dir() and Path(ckpt).absolute().name == CHECKPOINT_DIR and (run / CONFIG_FILE).is_file():
+        raise ConfigError(f"--ckpt_path {ckpt} is a run's checkpoint directory, not a checkpoint; give one of its "
+                          f"*.ckpt files, or --run_dir {run} --ckpt_path last")
 
 
 def _default_config(argv: list[str]) -> list[str]:
@@ -329,11 +333,13 @@ def _default_config(argv: list[str]) -> list[str]:
     if not argv or argv[0] not in CKPT_SUBCOMMANDS or any(a == "--config" or a.startswith("--config=") for a in argv):
         return argv
     values = dict(zip(argv, argv[1:], strict=False))
+    values.update(a.split("=", 1) for a in argv if a.startswith("--") and "=" in a)  # --ckpt_path=FILE too
     run_dir = values.get("--run_dir")
     ckpt = values.get("--ckpt_path")
-    if run_dir is None and ckpt and ckpt not in runs.RESUME_KEYWORDS:
+    if ckpt and ckpt not in runs.RESUME_KEYWORDS:
         _refuse_run_dir_as_checkpoint(ckpt)
-        run_dir = runs.run_of_checkpoint(ckpt)
+        if run_dir is None or not (Path(run_dir) / CONFIG_FILE).is_file():  # a --run_dir of its own for results
+            run_dir = runs.run_of_checkpoint(ckpt) or run_dir
     if run_dir is None or not (Path(run_dir) / CONFIG_FILE).is_file():
         raise ConfigError(f"lnstab {argv[0]} needs --config, or a --ckpt_path/--run_dir inside a run directory that "
                           f"holds {CONFIG_FILE}")

@@ -32,7 +32,7 @@ def split_run_dir(run_dir: str | os.PathLike) -> tuple[str, str, str]:
 
 def run_of_checkpoint(ckpt: str | os.PathLike) -> Path | None:
     """The run directory a checkpoint belongs to (``<run>/checkpoints/x.ckpt`` or ``<run>/hpc_ckpt_1.ckpt``)."""
-    path = Path(ckpt)
+    path = Path(os.path.normpath(Path(ckpt).absolute()))  # relative to here, '..' collapsed
     if path.parent.name == CHECKPOINT_DIR:
         return path.parent.parent
     if path.name.startswith("hpc_ckpt_"):

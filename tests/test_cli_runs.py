@@ -365,3 +365,25 @@ def test_evaluate_and_validate_score_a_checkpoint_on_other_data_as_documented(tm
               "--trainer.max_steps", "6"])
     assert info.value.code == 2 and "--data.batch_size 2 differs from the checkpoint's 4" in capsys.readouterr().err
     assert sorted(p.name for p in run.iterdir()) == before
+
+
+def test_a_checkpoint_finds_its_run_however_its_path_is_spelled(tmp_path, monkeypatch, capsys) -> None:
+    """'lnstab validate needs --config, or a --ckpt_path/--run_dir inside a run directory' was said of checkpoints
+    inside one: given as --ckpt_path=FILE, relative to a cd, through '..', or with a --run_dir of its own for the
+    results (a read-only run, say)."""
+    cfg, run = tiny_config(tmp_path), tmp_path / "r"
+    fit("--config", str(cfg), "--run_dir", str(run))
+    ckpt = run / "checkpoints" / "last.ckpt"
+    cli_main(["validate", f"--ckpt_path={ckpt}"])
+    monkeypatch.chdir(run / "checkpoints")
+    cli_main(["validate", "--ckpt_path", "last.ckpt"])
+    monkeypatch.chdir(run)
+    cli_main(["validate", "--ckpt_path", "checkpoints/../checkpoints/last.ckpt"])
+    assert read_summary(run)["val"]["step"] == 4
+    elsewhere = tmp_path / "scores"
+    main(["evaluate", "--ckpt_path", str(ckpt), "--run_dir", str(elsewhere)])
+    assert json.loads((elsewhere / "eval.json").read_text())["global_step"] == 4
+    with pytest.raises(SystemExit) as info:
+        main(["validate", "--ckpt_path", str(run / "checkpoints")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "is a run's checkpoint directory, not a checkpoint" in err, err
