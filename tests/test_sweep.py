@@ -231,6 +231,23 @@ def test_manifest_refuses_a_changed_run_under_the_same_name(tmp_path) -> None:
         record_manifest(root, changed, changed.runs)
 
 
+def test_status_dry_run_and_slurm_say_what_the_sweep_will_refuse(tmp_path, capsys) -> None:
+    """A grid edited under the same run names: --status said 'next: skip' and --dry-run/--slurm printed the runs
+    (a job whose every element is then refused as it starts) while the sweep itself refuses them."""
+    root = tmp_path / "runs"
+    spec = {"axes": {"seed_everything": [0]}, "overrides": {"trainer.max_steps": 5}}
+    record_manifest(root, load_grid(write_grid(tmp_path, spec)), load_grid(write_grid(tmp_path, spec)).runs)
+    edited = str(write_grid(tmp_path, {**spec, "overrides": {"trainer.max_steps": 6}}))
+    sweep(edited, "--root", str(root), "--status")
+    assert "refuse (launched with other trainer.max_steps)" in capsys.readouterr().out
+    for mode in ("--dry-run", "--slurm"):
+        with pytest.raises(SystemExit) as info:
+            sweep(edited, "--root", str(root), mode, "--no-validate")
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and "was launched with other overrides (differs in trainer.max_steps)" in err, err
+    sweep(str(write_grid(tmp_path, spec)), "--root", str(root), "--dry-run", "--no-validate")  # unchanged: fine
+
+
 def test_a_grid_of_the_strings_inf_and_nan_reruns_and_reports(tmp_path, capsys) -> None:
     grid_file = tmp_path / "g.yaml"  # two runs named inf and nan, and a float NaN in every run
     grid_file.write_text(f"base: {QUICKSTART}\naxes:\n  data.init_args.path: ['inf', 'nan']\n"

@@ -35,6 +35,7 @@ from lnstab.sweep.grid import Grid, GridError, Run, check_key, load_grid
 from lnstab.sweep.runner import LocalSweep, fit_command, format_duration, status_rows
 from lnstab.sweep.slurm import sbatch_script, slurm_settings, torchrun_commands
 from lnstab.sweep.state import (
+    check_manifest,
     check_sweep_dirs,
     journal,
     move_aside,
@@ -304,6 +305,7 @@ def main(argv: list[str] | None = None) -> None:
                                   cpus_per_task=args.cpus_per_task, time=args.time, partition=args.partition)
         if not args.no_validate:
             validate_with_cli(grid, runs)
+        check_manifest(args.root, grid, runs)  # else every element of the job is refused as it starts
         repeat = [f"--set={item}" for item in args.set] + (["--skip-failed"] if args.skip_failed else [])
         if args.slurm:
             with writing(sweep_dir(args.root, grid) / "slurm"):
@@ -315,6 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_validate:
         validate_with_cli(grid, runs)
     if args.dry_run:
+        check_manifest(args.root, grid, runs)  # as the sweep itself would refuse them
         print(f"grid {grid.name} ({grid.path}): {len(runs)} run(s) of {grid.base} -> {Path(args.root) / grid.name}/")
         if grid.overrides:
             print("every run: " + " ".join(Run("", grid.overrides).cli_args()))

@@ -24,13 +24,16 @@ from typing import Any
 
 from lnstab.errors import LNStabError, one_line
 from lnstab.parentdeath import PARENT_ENV
-from lnstab.rundir import read_summary
+from lnstab.rundir import RunFileError, read_summary
 from lnstab.sweep.grid import Grid, Run, cli_value
 from lnstab.sweep.state import (
     DONE,
+    grid_dir,
     journal,
+    manifest_runs,
     move_aside,
     plan,
+    read_manifest,
     record_manifest,
     run_directory,
     run_lock,
@@ -219,8 +222,13 @@ def _last_line(log: Path | None) -> str:
 
 def status_rows(grid: Grid, runs: list[Run], root: str | Path) -> list[dict[str, Any]]:
     """One row per run for ``--status``: name, status, step, val loss, wall time, what a rerun would do."""
-    from lnstab.sweep.state import is_locked
+    from lnstab.sweep.state import changed_keys, is_locked
 
+    try:
+        manifest = read_manifest(grid_dir(root, grid))
+    except RunFileError:
+        manifest = None
+    known = dict(manifest_runs(manifest)) if manifest else {}
     rows = []
     for run in runs:
         directory = run_directory(root, grid, run)
@@ -230,7 +238,9 @@ def status_rows(grid: Grid, runs: list[Run], root: str | Path) -> list[dict[str,
         if p.status == "diverged":
             step = summary.get("diverged_step", step)
         val = (summary.get("val") or {}).get("loss")
+        action = p.action + ("*" if p.status == "running" and p.action != "skip" else "")
+        if changed := changed_keys(known, run):  # the sweep refuses it: its directory is another run's
+            action = f"refuse (launched with other {', '.join(changed)})"
         rows.append({"run": run.name, "status": p.status, "step": step, "val_loss": val,
-                     "wall": summary.get("wall_s"), "next": p.action + ("*" if p.status == "running" and
-                                                                          p.action != "skip" else "")})
+                     "wall": summary.get("wall_s"), "next": action})
     return rows

@@ -145,15 +145,7 @@ def record_manifest(root: str | Path, grid: Grid, runs: list[Run]) -> None:
     base = str(Path(grid.base).resolve())
     manifest = read_manifest(grid_dir(root, grid)) or {"grid": str(Path(grid.path).resolve()), "base": base, "runs": []}
     known = dict(manifest_runs(manifest))
-    for run in runs:
-        before = known.get(run.name)
-        if before is not None and _canonical(before) != _canonical(run.overrides):
-            changed = sorted(k for k in set(before) | set(run.overrides)
-                             if _canonical(before.get(k)) != _canonical(run.overrides.get(k)))
-            raise GridError(
-                f"grid {grid.path}: run {run.name!r} in {grid_dir(root, grid)} was launched with other overrides "
-                f"(differs in {', '.join(changed)}); use another --root or grid name, or move the old runs away"
-            )
+    _refuse_changed(root, grid, known, runs)
     if base != manifest.get("base") and known:
         raise GridError(f"grid {grid.path}: base {base} is not allowed; the runs in {grid_dir(root, grid)} were "
                         f"launched from base {manifest.get('base')}")
@@ -161,6 +153,40 @@ def record_manifest(root: str | Path, grid: Grid, runs: list[Run]) -> None:
     manifest["runs"] = [{"name": r.name, "overrides": _jsonable(r.overrides)} for r in runs] + [
         {"name": n, "overrides": o} for n, o in known.items() if n not in names]
     write_json(path, manifest)
+
+
+def changed_keys(known: dict[str, dict[str, Any]], run: Run) -> list[str]:
+    """The override keys in which ``run`` differs from the run of its name in a manifest (``known``: name →
+    overrides; ``[]`` where it is not there or the same)."""
+    before = known.get(run.name)
+    if before is None or _canonical(before) == _canonical(run.overrides):
+        return []
+    return sorted(k for k in set(before) | set(run.overrides)
+                  if _canonical(before.get(k)) != _canonical(run.overrides.get(k)))
+
+
+def _refuse_changed(root: str | Path, grid: Grid, known: dict[str, dict[str, Any]], runs: list[Run]) -> None:
+    for run in runs:
+        if changed := changed_keys(known, run):
+            raise GridError(
+                f"grid {grid.path}: run {run.name!r} in {grid_dir(root, grid)} was launched with other overrides "
+                f"(differs in {', '.join(changed)}); use another --root or grid name, or move the old runs away"
+            )
+
+
+def check_manifest(root: str | Path, grid: Grid, runs: list[Run]) -> None:
+    """What :func:`record_manifest` would refuse, refused without writing (``--dry-run``, ``--slurm``: before the
+    job's every element is refused as it starts).
+
+    Raises:
+        GridError: As :func:`record_manifest`.
+    """
+    try:
+        manifest = read_manifest(grid_dir(root, grid))
+    except RunFileError:
+        return  # the sweep says so itself, in its own words, when it runs
+    known = dict(manifest_runs(manifest)) if manifest else {}
+    _refuse_changed(root, grid, known, runs)
 
 
 def read_manifest(grid_directory: str | Path) -> dict[str, Any] | None:
