@@ -395,3 +395,17 @@ def test_out_inside_a_directory_of_runs_is_refused_and_overwrite_leaves_no_stale
     main(["report", str(grid / "pre_s0"), "--out", str(out), "--overwrite"])  # Pre-LN: no output norms
     assert not (out / "theorem4_bound.png").exists()
     assert "Theorem 4" in (out / "report.md").read_text()
+
+
+def test_a_column_over_fewer_runs_than_its_rows_n_says_its_own_count(grid) -> None:
+    """n counts the runs with any of the table's metrics; a run without hidden_stats.json still has its growth and
+    Jacobian scalars, so its row said n 2/2 beside a last-layer MA of one run."""
+    (grid / "peri_s0" / "hidden_stats.json").unlink()
+    table = stability_table(collect([grid]))
+    peri = next(i for i, row in enumerate(table.rows) if row.get("norm_placement") == "peri")
+    row, md = table.rows[peri], table.markdown_rows[peri]
+    assert row["n"] == 2 and row["ma_last_n"] == 1 and md["n"] == "2/3"
+    assert md["ma_last"].endswith(" (n=1)") and "(n=" not in md["jacobian_scale_slope"]
+    assert "ma_last_n" in table.columns and "jacobian_scale_slope_n" not in table.columns  # only where a count differs
+    full = stability_table(collect([grid / "pre_s0", grid / "pre_s1"]))
+    assert not any(c.endswith("_n") for c in full.columns) and "(n=" not in full.to_markdown()

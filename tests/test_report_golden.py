@@ -45,6 +45,6 @@ def test_the_copy_rate_of_teacher_forced_evaluations_is_a_performance_column_bes
     assert lines[0].endswith("| bertscore_f1 | copy_rate |")
     cells = {tuple(line.split(" | ")[:2]): line.rsplit(" | ", 2)[-1] for line in lines[2:]}
     assert cells[("| pre", "0.003")] == "0.375 ± 0.18 |"  # mean and sample std of 0.5 and 0.25
-    assert cells[("| peri", "0.003")] == "0 |"  # one of the two runs has it
+    assert cells[("| peri", "0.003")] == "0 (n=1) |"  # one of the two runs has it, and the cell says so
     assert cells[("| pre", "0.03")] == "– |"  # evaluated before the record existed
     assert "copy_rate" in (tmp_path / "out" / "runs.csv").read_text().splitlines()[0].split(",")

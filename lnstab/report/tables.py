@@ -263,6 +263,7 @@ def _metric_table(records: list[RunRecord], metrics: tuple[str, ...], values_of:
     keys, configs = group(records)
     names = list(short_names(keys).values())
     rows, md = [], []
+    fewer: set[str] = set()  # metrics some configuration has from fewer runs than its n
     for c in configs:
         per_run = [values_of(r) for r in c.runs]
         used = [v for v in per_run if any(m in v for m in metrics)]
@@ -270,12 +271,17 @@ def _metric_table(records: list[RunRecord], metrics: tuple[str, ...], values_of:
         row: dict[str, Any] = {**cells, "n": len(used), "runs": len(c.runs)}
         mrow = {**cells, "n": f"{len(used)}/{len(c.runs)}"}
         for m in metrics:
-            mean, std = mean_std([v[m] for v in used if m in v])
-            row[f"{m}_mean"], row[f"{m}_std"] = mean, std
+            values = [v[m] for v in used if m in v]
+            mean, std = mean_std(values)
+            row[f"{m}_mean"], row[f"{m}_std"], row[f"{m}_n"] = mean, std, len(values)
             mrow[m] = mean_pm(mean, std)
+            if 0 < len(values) < len(used):  # n counts runs with any of the metrics: say this one's own count
+                mrow[m] += f" (n={len(values)})"
+                fewer.add(m)
         rows.append(row)
         md.append(mrow)
-    columns = [*names, "n", "runs", *(f"{m}_{s}" for m in metrics for s in ("mean", "std"))]
+    columns = [*names, "n", "runs", *(f"{m}_{s}" for m in metrics
+                                      for s in ("mean", "std", *(("n",) if m in fewer else ())))]
     return Table(columns, rows, [*names, "n", *metrics], md), configs
 
 
