@@ -135,7 +135,14 @@ class LNStabCLI(LightningCLI):
         if sub == "evaluate" and ckpt is None:
             raise ConfigError("ckpt_path=None is not allowed; lnstab evaluate needs --ckpt_path CHECKPOINT (or last)")
         if run_dir:
-            check_writable(run_dir)
+            try:
+                check_writable(run_dir)
+            except ConfigError as exc:
+                if c.run_dir is not None or sub not in CKPT_SUBCOMMANDS:
+                    raise
+                why = str(exc).split("; ", 1)[-1]  # the checkpoint's run, not a --run_dir the user gave
+                raise ConfigError(f"the run directory of --ckpt_path {ckpt} cannot take lnstab {sub}'s results "
+                                  f"({why}); give --run_dir DIR for them") from None
             save_dir, name, version = runs.split_run_dir(run_dir)
             if c.trainer.logger in (None, True):  # Lightning's default logger, placed in the run directory
                 tensorboard = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",

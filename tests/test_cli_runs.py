@@ -387,3 +387,21 @@ def test_a_checkpoint_finds_its_run_however_its_path_is_spelled(tmp_path, monkey
         main(["validate", "--ckpt_path", str(run / "checkpoints")])
     err = capsys.readouterr().err
     assert info.value.code == 2 and "is a run's checkpoint directory, not a checkpoint" in err, err
+
+
+@pytest.mark.system
+def test_evaluating_a_read_only_run_names_the_runs_directory_and_run_dir(tmp_path, capsys) -> None:
+    """A run on a read-only disk: '--run_dir R is not allowed; … not writable' named a flag nobody gave."""
+    from support.hostile import read_only_view
+
+    cfg, run = tiny_config(tmp_path), tmp_path / "r"
+    fit("--config", str(cfg), "--run_dir", str(run))
+    with read_only_view(run, tmp_path / "ro") as mounted:
+        if not mounted:
+            pytest.skip("mount --bind is refused here (it needs root): no read-only run directory to test against")
+        ckpt = str(tmp_path / "ro" / "checkpoints" / "last.ckpt")
+        err = one_line_error(capsys, "evaluate", "--ckpt_path", ckpt)
+        assert err.startswith(f"lnstab: error: the run directory of --ckpt_path {ckpt} cannot take lnstab "
+                              "evaluate's results (") and err.endswith("; give --run_dir DIR for them"), err
+        main(["evaluate", "--ckpt_path", ckpt, "--run_dir", str(tmp_path / "scores")])  # as the message says
+        assert (tmp_path / "scores" / "eval.json").is_file()

@@ -32,6 +32,25 @@ def small_tmpfs(where: Path, size: str = "512k") -> Iterator[bool]:
             subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
+@contextlib.contextmanager
+def read_only_view(source: Path, where: Path) -> Iterator[bool]:
+    """``source`` bind-mounted read-only at ``where`` (yields True; root ignores mode bits, so a read-only mount is
+    the real thing), or False where mounting is refused."""
+    where.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "--bind", str(source), str(where)],
+                                           capture_output=True).returncode != 0:
+        yield False
+        return
+    try:
+        if subprocess.run(["mount", "-o", "remount,ro,bind", str(where)], capture_output=True).returncode != 0:
+            yield False
+            return
+        yield True
+    finally:
+        if subprocess.run(["umount", str(where)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
 def inline_laughs(levels: int = 9, width: int = 10) -> str:
     """A billion-laughs YAML bomb (nested anchors, ``width`` ** ``levels`` items) as one flow sequence: a value on a
     command line, or inside a string."""
