@@ -190,10 +190,30 @@ def _release_all() -> None:
         release(key)
 
 
+def abandoned(directory: str | os.PathLike) -> bool:
+    """Whether the last holder of ``directory``'s lock was a process on this host that ended without releasing it
+    (killed: a clean exit empties the record) and nothing holds it now. A holder on another host is never judged
+    (a lock over a network filesystem may not show it), nor a directory without a record."""
+    who = holder(directory)
+    if not who or who.get("host") != socket.gethostname():
+        return False
+    try:
+        fd = os.open(Path(directory) / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released at once (close): nobody holds it
+    except OSError:
+        return False  # held: the run is live
+    finally:
+        os.close(fd)
+    return True
+
+
 def holds(directory: str | os.PathLike) -> bool:
     """Whether this process holds the lock of ``directory``."""
     return Path(directory).resolve() in _held
 
 
-__all__ = ["LOCK_FILE", "RunDirInUse", "claim_next_version", "hold", "holder", "holds", "launched_as_rank_zero",
-           "release"]
+__all__ = ["LOCK_FILE", "RunDirInUse", "abandoned", "claim_next_version", "hold", "holder", "holds",
+           "launched_as_rank_zero", "release"]

@@ -409,3 +409,25 @@ def test_a_column_over_fewer_runs_than_its_rows_n_says_its_own_count(grid) -> No
     assert "ma_last_n" in table.columns and "jacobian_scale_slope_n" not in table.columns  # only where a count differs
     full = stability_table(collect([grid / "pre_s0", grid / "pre_s1"]))
     assert not any(c.endswith("_n") for c in full.columns) and "(n=" not in full.to_markdown()
+
+
+@pytest.mark.system
+def test_a_run_killed_while_running_is_reported_killed_not_running(tmp_path) -> None:
+    """SIGKILL (or the OOM killer) leaves summary.json at 'running'; the report showed it as training. Its lock,
+    held while it lives and never released by a kill, tells the two apart on this host."""
+    import subprocess
+    import sys
+
+    run = make_run(tmp_path / "g", "pre_s0", "pre", 0, "running", val_loss=3.0)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; from lnstab import runlock; "
+                               f"runlock.hold({str(run)!r}); print('held', flush=True); time.sleep(600)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert [r.status for r in collect([run])] == ["running"]  # live
+    finally:
+        holder.kill()
+        holder.wait()
+    assert [r.status for r in collect([run])] == ["killed"]
+    (run / ".lnstab.lock").write_text("")  # a holder that exited by itself empties its record: not judged
+    assert [r.status for r in collect([run])] == ["running"]

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lnstab import runlock
 from lnstab.errors import LNStabError
 from lnstab.rundir import (
     CONFIG_FILE,
@@ -157,6 +158,8 @@ def read_run(directory: Path) -> RunRecord:
                          _scalars={})
     status = summary.get("status")
     status = status if isinstance(status, str) and status else "unknown"
+    if status == "running" and runlock.abandoned(directory):  # SIGKILLed (or out of memory): not training
+        status = "killed"
     metrics: dict[str, float] = {}
     val = (summary.get("val") or {}).get("loss")
     if _finite(val) is not None:
