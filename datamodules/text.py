@@ -93,6 +93,13 @@ def resolve_files(path: str | None) -> tuple[str, list[str]]:
         if not found:
             raise DataError(f"--data.path {part} does not exist or matches no .txt/.jsonl/.json/.parquet file")
         files += found
+    seen: dict[str, str] = {}
+    for f in files:  # one file twice (a comma list, a glob overlapping a name) would be tokenized twice
+        key = os.path.realpath(f)
+        if key in seen:
+            raise DataError(f"--data.path {path} names {f} twice (also as {seen[key]}); give each file once"
+                            if f != seen[key] else f"--data.path {path} names {f} twice; give each file once")
+        seen[key] = f
     builders = {_builder_of(f) for f in files}
     if None in builders:
         bad = next(f for f in files if _builder_of(f) is None)

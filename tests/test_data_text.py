@@ -153,6 +153,22 @@ def test_empty_file(tmp_path):
     assert "empty.jsonl" in one_line(e) and "empty" in str(e.value)
 
 
+def test_a_file_named_twice_is_refused_not_tokenized_twice(tmp_path):
+    """A comma list naming a file twice, or a glob that covers a file named beside it, trained on it twice."""
+    from lnstab.datamodules.text import resolve_files
+
+    for i in range(2):
+        (tmp_path / f"d{i}.jsonl").write_text('{"text": "a document"}\n')
+    a = str(tmp_path / "d0.jsonl")
+    for path, said in ((f"{a},{a}", f"names {a} twice; give each file once"),
+                       (f"{a},{tmp_path / '*.jsonl'}", f"names {a} twice; give each file once"),
+                       (f"{a},{tmp_path}/./d0.jsonl", "twice (also as")):
+        with pytest.raises(DataError) as e:
+            resolve_files(path)
+        assert said in one_line(e), str(e.value)
+    assert len(resolve_files(f"{a},{tmp_path / 'd1.jsonl'}")[1]) == 2
+
+
 def test_missing_json_field(tmp_path):
     f = write_jsonl(tmp_path / "d.jsonl", DOCS, field="body")
     with pytest.raises(DataError) as e:
