@@ -347,3 +347,32 @@ def hf_gpt2_lm(vocab_size: int = GPT2_VOCAB) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=vocab_size))
+
+
+class ReversedLM(TriplingLM):
+    """:class:`TriplingLM` whose blocks are attributes ``trunk.unit_N`` created last to first and run first to last:
+    module order is not the order they run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.blocks
+        self.trunk = nn.Module()
+        for i in reversed(range(4)):
+            setattr(self.trunk, f"unit_{i}", TriplingBlock())
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        mask = nn.Transformer.generate_square_subsequent_mask(idx.size(1), device=idx.device)
+        for i in range(4):
+            x = getattr(self.trunk, f"unit_{i}")(x, mask)
+        return self.head(x)
+
+
+def reversed_lm() -> nn.Module:
+    return ReversedLM()
+
+
+def meta_lm() -> nn.Module:
+    """A model built on the meta device (no values)."""
+    with torch.device("meta"):
+        return TriplingLM()

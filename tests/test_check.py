@@ -346,12 +346,27 @@ def test_stress_runs_train_in_train_mode_with_dropout_off(tmp_path) -> None:
     code, report = check(tmp_path / "card", "--factory", "check_factories:mode_lm", "--layer-pattern",
                          r"layers\.(\d+)$", "--lrs", "1e-2", *TINY, "--no-reference")
     assert check_factories.MODES.count(True) == 7  # the 7 training steps (6 updates and the measured step after)
-    assert "1 nn.Dropout module set to p=0" in report["model"]["training"]
+    assert "1 dropout (nn.Dropout modules, nn.MultiheadAttention's) set to 0" in report["model"]["training"]
     # Denormals are flushed while a stress run trains (a speed-up, lnstab.check.training.denormals_flushed), in the
     # stress run only: not in the check's shape probes before it, nor in this process after it
     assert [flushed for training, flushed in check_factories.FLUSHED if training] == [True] * 7
     assert check_factories.FLUSHED[0] == (False, False)  # the check's first shape probe, before any stress run
     assert not check_factories.denormals_flushed()
+
+
+def test_multihead_attentions_dropout_is_switched_off_too() -> None:
+    """nn.MultiheadAttention applies its dropout functionally from a float: the card said 'dropout off' while a
+    factory model of nn.TransformerEncoderLayer(dropout=0.5) trained with its attention dropout on."""
+    import torch
+    from torch import nn
+
+    from lnstab.check.subjects import dropout_off
+
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.5, batch_first=True)
+    assert dropout_off(layer) == 4 and layer.self_attn.dropout == 0.0  # dropout, dropout1, dropout2 and attention's
+    x = torch.randn(2, 5, 16)
+    layer.train()
+    assert torch.equal(layer(x), layer(x))  # nothing random left in train mode
 
 
 @pytest.mark.slow
@@ -373,3 +388,24 @@ def test_a_card_names_an_untied_or_xavier_initialised_model() -> None:
     assert subject.label.endswith("untied, xavier init)") and subject.name.endswith("-untied-xavier")
     default, _ = lnstab_subject({"preset": "tiny"})
     assert "untied" not in default.label and "init" not in default.label
+
+
+def test_factory_blocks_run_in_the_order_their_pattern_indexes_them_and_bad_models_are_one_line() -> None:
+    """Blocks created last to first were numbered in creation order: the card's growth over depth read the profile
+    backwards (x0.333 where a known model grows x2); an unanchored pattern also took each block's submodules as
+    layers (8 of 4); a model on the meta device failed in its first forward with exit 3 and no error.txt."""
+    import re
+
+    import check_factories
+
+    from lnstab.callbacks._sites import find_sites
+    from lnstab.check.factory import factory_subject
+    from lnstab.errors import LNStabError
+
+    subject = factory_subject("check_factories:reversed_lm", r"unit_(\d+)$", None, 16)
+    sites = find_sites(check_factories.reversed_lm(), re.compile(subject.sites.hidden_pattern))
+    assert [s.name for s in sites] == [f"trunk.unit_{i}" for i in range(4)]  # the order they run
+    with pytest.raises(LNStabError, match=r"gives layer index 3 to 'trunk.unit_3' and 'trunk.unit_3.layer'"):
+        factory_subject("check_factories:reversed_lm", r"unit_(\d+)", None, 16)
+    with pytest.raises(LNStabError, match=r"tensors on the meta device \(e.g. 'embed.weight'\)"):
+        factory_subject("check_factories:meta_lm", r"blocks\.(\d+)$", None, 16)

@@ -127,6 +127,7 @@ def test_a_selected_block_the_forward_never_calls_is_a_usage_error(tmp_path, cap
     (["--seeds", ""], "--seeds '' is not allowed"),
     (["--lrs", "1e-2,0.01"], "--lrs 0.01,0.01 is not allowed; it names 0.01 twice"),
     (["--seeds", "0,1,0"], "--seeds 0,1,0 is not allowed; it names 0 twice"),
+    (["--seeds", "18446744073709551616"], "--seeds=18446744073709551616 is not allowed; a seed is at most"),
 ])
 def test_empty_and_repeated_ladders_are_refused(args, said, tmp_path, capsys) -> None:
     out = tmp_path / "card"
@@ -232,3 +233,44 @@ def test_lnstab_check_on_a_full_disk_ends_in_one_line_naming_the_file_and_exit_3
     assert info.value.code == 3 and last.startswith("lnstab: error: lnstab check: ") and ENOSPC in last, last
     assert "Traceback" not in err and "Exception in thread" not in err, err  # nor the event writer's thread
     assert f"{out}/" in last, last  # a file of the check's directory is named
+
+
+def test_a_threshold_function_given_the_wrong_number_of_arguments_is_refused_before_any_training(tmp_path,
+                                                                                                 capsys) -> None:
+    """abs(pre, peri) was 'the check failed: TypeError: abs() takes exactly one argument (2 given)', exit 3."""
+    thresholds = tmp_path / "t.yaml"
+    for text, said in (("growth_init:\n  warn: abs(pre, peri)\n", "abs() takes 1 argument, not 2"),
+                       ("loss:\n  warn: max(pre)\n", "max() takes 2 or more arguments, not 1"),
+                       ("loss:\n  warn: log(pre, 2, 3)\n", "log() takes 1 to 2 arguments, not 3")):
+        thresholds.write_text(text)
+        code, err = run_check(capsys, *GPT, *ONE_RUN, "--thresholds", str(thresholds), "--out", str(tmp_path / "c"))
+        assert code == 2 and f"--thresholds {thresholds}: " in err and said in err, err
+        assert not (tmp_path / "c").exists()
+
+
+def test_two_checks_into_one_empty_out_at_once_are_one_card_and_one_refusal(tmp_path, monkeypatch) -> None:
+    """Both found the new --out empty, both wrote into it and exited 0: one card silently replaced the other. The
+    directory is now claimed with an exclusive create as it is made; the claim goes when the check ends."""
+    import argparse
+
+    from lnstab.check import cli
+    from lnstab.errors import LNStabError
+
+    args = argparse.Namespace(out=str(tmp_path / "card"))
+    first = cli.run_directory(args, "x")
+    monkeypatch.setattr(cli, "check_out", lambda out: None)  # the second looked while the first had not made it
+    with pytest.raises(LNStabError, match="is being written by another lnstab check started at the same time"):
+        cli.run_directory(args, "x")
+    assert first == tmp_path / "card" and (first / cli.CLAIM).is_file()
+    cli._claimed.clear()
+
+
+def test_a_finished_check_leaves_no_claim_in_its_out(tmp_path) -> None:
+    from lnstab.cli import main
+
+    out = tmp_path / "card"
+    try:
+        main(["check", *GPT, *ONE_RUN, "--out", str(out)])
+    except SystemExit as exc:  # a card's verdict as its exit status
+        assert exc.code in (0, 1)
+    assert (out / "report.json").is_file() and not (out / ".claimed").exists()

@@ -166,3 +166,25 @@ def test_a_check_in_this_process_gives_its_signal_handlers_back(tmp_path) -> Non
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     check(tmp_path / "card", *SHAPE, "--lrs", "1e-2", "--no-reference", *TINY)
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+@pytest.mark.system
+def test_a_signal_while_the_card_is_written_leaves_no_card_beside_its_no_verdict(tmp_path, capsys,
+                                                                                monkeypatch) -> None:
+    """SIGTERM between report.md and report.json left a report.md with a verdict beside interrupted.txt saying
+    'no verdict', and no report.json (so --compare refused the directory)."""
+    from lnstab.check import report
+
+    real = report.write_json
+
+    def json_under_sigterm(path, data):
+        os.kill(os.getpid(), signal.SIGTERM)  # report.md is written by now
+        real(path, data)
+
+    monkeypatch.setattr(report, "write_json", json_under_sigterm)
+    out = tmp_path / "card"
+    with pytest.raises(SystemExit) as info:
+        main(["check", *SHAPE, "--lrs", "1e-2", "--no-reference", *TINY, "--out", str(out)])
+    assert info.value.code == 143 and "no verdict" in capsys.readouterr().err
+    assert not any((out / name).exists() for name in ("report.md", "report.json", "thresholds.yaml"))
+    assert "the card not yet written; no verdict" in (out / "interrupted.txt").read_text()

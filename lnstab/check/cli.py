@@ -58,6 +58,9 @@ from lnstab.rundir import atomic_write_text, check_writable
 
 DEFAULT_ROOT = Path("runs") / "check"
 INTERRUPTED = "interrupted.txt"  # in a run directory a signal ended: no verdict
+CARD_FILES = ("report.md", "report.json", "thresholds.yaml")  # what report.write_report writes
+CLAIM = ".claimed"  # an --out this check writes into, while it runs (removed as it ends)
+_claimed: list[Path] = []
 
 
 class CheckFailed(Exception):
@@ -112,6 +115,11 @@ def run_directory(args: argparse.Namespace, name: str) -> Path:
         out = Path(args.out)
         try:
             out.mkdir(parents=True, exist_ok=True)
+            os.close(os.open(out / CLAIM, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            _claimed.append(out / CLAIM)
+        except FileExistsError:  # two checks found it empty at once: one writes into it, the other is refused
+            raise LNStabError(f"--out {out} is being written by another lnstab check started at the same time; a "
+                              "check never overwrites: give another --out") from None
         except OSError as exc:
             raise LNStabError(f"--out {out} cannot be created ({exc.strerror or type(exc).__name__})") from None
         return out
@@ -196,6 +204,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(EXIT_FAILED) from None
     finally:
         torch.set_num_threads(threads)
+        while _claimed:
+            with contextlib.suppress(OSError):
+                _claimed.pop().unlink(missing_ok=True)
     sys.stdout.write(terminal(card))
     if card["exit_code"]:
         raise SystemExit(card["exit_code"])
@@ -236,6 +247,8 @@ def run_check(args: argparse.Namespace, model_args: dict[str, Any], command: str
     try:  # the workers are gone or going: the grading has the machine to itself
         return grade(subject, subjects, runs, protocol, thresholds, data, seq_len, out, command, started, provenance)
     except Interrupted as exc:
+        for name in CARD_FILES:  # a card cut off between its files (report.md without report.json): no verdict
+            (out / name).unlink(missing_ok=True)
         note_interrupted(out, exc, f"all {n_runs} stress runs finished, the card not yet written")
         raise
     except Exception as exc:

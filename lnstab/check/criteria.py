@@ -45,6 +45,7 @@ def _nan_aware(fn: Any) -> Any:
 
 FUNCTIONS = {"max": _nan_aware(max), "min": _nan_aware(min), "abs": _nan_aware(abs), "log": _nan_aware(math.log),
              "log10": _nan_aware(math.log10)}
+ARITY = {"max": (2, None), "min": (2, None), "abs": (1, 1), "log": (1, 2), "log10": (1, 1)}  # arguments each takes
 MAX_EXPRESSION = 200  # characters of one threshold expression (the defaults need under 30)
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
@@ -394,6 +395,11 @@ def evaluate_expression(text: Any, names: dict[str, float]) -> float | None:
             return -ev(node.operand)
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in FUNCTIONS
                 and node.args and not node.keywords):
+            low, high = ARITY[node.func.id]
+            if not low <= len(node.args) <= (high or len(node.args)):
+                takes = f"{low}" if low == high else f"{low} to {high}" if high else f"{low} or more"
+                raise LNStabError(f"{node.func.id}() takes {takes} argument{'s' * (takes != '1')}, not "
+                                  f"{len(node.args)}")
             return float(FUNCTIONS[node.func.id](*[ev(a) for a in node.args]))
         allowed = ", ".join((*names, *CONSTANTS, *FUNCTIONS))
         raise LNStabError(f"only numbers, + - * /, and {allowed} are allowed")

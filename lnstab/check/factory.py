@@ -118,17 +118,52 @@ def compile_regex(option: str, value: str | None) -> re.Pattern | None:
         raise LNStabError(f"{option} {value!r} is not a valid regular expression ({err})") from None
 
 
-def block_names(model: nn.Module, pattern: re.Pattern | None, types: tuple[type, ...]) -> list[str]:
-    """Names of the modules that ``pattern`` (searched) or ``types`` select, in module order."""
-    return [
-        name for name, module in model.named_modules()
-        if name and ((pattern is not None and pattern.search(name)) or (types and isinstance(module, types)))
-    ]
+def block_names(model: nn.Module, pattern: re.Pattern | None, types: tuple[type, ...],
+                option: str = "--layer-pattern") -> list[str]:
+    """Names of the modules that ``pattern`` (searched) or ``types`` select: in the order of the layer index the
+    pattern's first group captures where it captures one in every name, else in module order (the order they were
+    created, not necessarily the order they run).
+
+    Raises:
+        LNStabError: Two modules get one index (an unanchored pattern that also matches a block's submodules).
+    """
+    names = [name for name, module in model.named_modules()
+             if name and ((pattern is not None and pattern.search(name)) or (types and isinstance(module, types)))]
+    index = {n: layer_index(pattern, n) for n in names}
+    if not names or any(i is None for i in index.values()):
+        return names
+    first: dict[int, str] = {}
+    for n in names:
+        other = first.setdefault(index[n], n)
+        if other != n and n.startswith(other + "."):  # a block and its own submodule: one layer twice
+            raise LNStabError(f"{option} '{pattern.pattern}' is not allowed; it gives layer index {index[n]} to "
+                              f"{other!r} and {n!r}: anchor it where a block's name ends ($)")
+    if len(first) < len(names):  # two families share indices (layers.0, extra.0): module order, as given
+        return names
+    return sorted(names, key=lambda n: index[n])
 
 
-def exact_pattern(names: list[str]) -> str:
-    """A regex matching exactly these module names (as suffixes after a dot), numbered in order by the instruments."""
-    return r"(?:^|\.)(?:" + "|".join(re.escape(n) for n in names) + r")$"
+def layer_index(pattern: re.Pattern | None, name: str) -> int | None:
+    """The layer index ``pattern``'s first group captures in ``name`` (``None``: no such integer group)."""
+    match = pattern.search(name) if pattern is not None else None
+    group = match.group(1) if match is not None and match.re.groups else None
+    return int(group) if group is not None and group.isdigit() else None
+
+
+def exact_pattern(names: list[str], pattern: re.Pattern | None = None) -> str:
+    """A regex matching exactly these module names (as suffixes after a dot). The instruments order what it matches
+    by the index its group captures where ``pattern`` gives each name one (a block's own index), else in module
+    order."""
+    indexed = pattern is not None and len({layer_index(pattern, n) for n in names} - {None}) == len(names)
+    parts = []
+    for n in names:
+        match = pattern.search(n) if indexed else None
+        if match is None:
+            parts.append(re.escape(n))
+        else:
+            start, end = match.span(1)
+            parts.append(re.escape(n[:start]) + "(" + re.escape(n[start:end]) + ")" + re.escape(n[end:]))
+    return r"(?:^|\.)(?:" + "|".join(parts) + r")$"
 
 
 def param_pattern(names: list[str]) -> str | None:
@@ -169,6 +204,11 @@ def factory_subject(
 
     recipe = FactoryRecipe(spec, (), tuple(p for p in sys.path if p))
     model = recipe.build()
+    meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if meta:  # no values to train (it failed inside the first forward, exit 3, with no error.txt)
+        raise LNStabError(f"--factory {spec!r} returned a model with {len(meta)} tensor{'s' * (len(meta) != 1)} on "
+                          f"the meta device (e.g. {meta[0]!r}), which hold no values; lnstab check trains real "
+                          "weights: build it on the CPU, or call .to_empty(device='cpu') and initialise it")
     dropped = dropout_off(model)
     context = hf.context_of(getattr(model, "config", None))  # GPT-2's n_positions, nanoGPT's block_size, ...
     if pattern is None and not types:
@@ -194,7 +234,7 @@ def factory_subject(
     qk_sites = (q_exact, k_exact, n_head) if q_exact else None
     # probed at most at its context: a longer --seq-len is then refused in one line (context_length)
     vocab, width, depth = probe_factory(model, spec, names, min(seq_len, context or seq_len))
-    exact = exact_pattern(names)
+    exact = exact_pattern(names, pattern)
     attention, logits = instrument_support(model, head_pattern, qk_sites)
     if qk_sites and not attention:  # the instrument's own reason, found again only on this path
         raise LNStabError(f"--q-pattern {q_spec!r} and --k-pattern {k_spec!r} are not allowed with --factory "
@@ -214,7 +254,8 @@ def factory_subject(
         qk=qk_sites,
     )
     name = "factory-" + spec.rpartition(":")[2].replace(".", "-")
-    what = f"{dropped} nn.Dropout module{'s' if dropped != 1 else ''} set to p=0" if dropped else "no nn.Dropout module"
+    what = (f"{dropped} dropout{'s' if dropped != 1 else ''} (nn.Dropout modules, nn.MultiheadAttention's) set to 0"
+            if dropped else "no nn.Dropout module nor nn.MultiheadAttention dropout")
     note = (f"train mode; {what}; dropout applied functionally and any other training-only branch run as in "
             "training")
     subject = Subject("checked", f"checked ({spec})", recipe, sites, Shape(depth, width, context, vocab), name=name,

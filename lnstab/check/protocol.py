@@ -49,6 +49,9 @@ class RunFailed(Exception):
                          + (f": {first[:300]}" if first else "") + hint)
 
 
+MAX_SEED = 2**64 - 1  # the largest seed torch.manual_seed takes
+
+
 @dataclass(frozen=True)
 class Protocol:
     """Every number of the check (defaults: a few minutes on a 2-core CPU for a 4-layer, 128-wide model).
@@ -97,6 +100,8 @@ class Protocol:
             raise LNStabError("--seeds is empty; give at least one seed")
         for seed in self.seeds:
             validation.integer("--seeds", seed, 0)
+            if seed > MAX_SEED:  # torch.manual_seed's range: beyond it the run failed as the model's fault, exit 3
+                raise LNStabError(f"--seeds={seed} is not allowed; a seed is at most {MAX_SEED} (2**64 - 1)")
         for option, values, show in (("--lrs", self.lrs, lambda v: f"{v:g}"), ("--seeds", self.seeds, str)):
             repeated = sorted({show(v) for v in values if [show(w) for w in values].count(show(v)) > 1})
             if repeated:

@@ -77,11 +77,15 @@ class LnstabRecipe:
 
 
 def dropout_off(model: nn.Module) -> int:
-    """Set every dropout module's probability to 0; how many were above 0."""
+    """Set every dropout module's probability to 0, and ``nn.MultiheadAttention``'s attention dropout (a float it
+    applies functionally); how many were above 0."""
     changed = 0
     for module in model.modules():
         if isinstance(module, DROPOUT_TYPES) and module.p > 0:
             module.p = 0.0
+            changed += 1
+        elif isinstance(module, nn.MultiheadAttention) and module.dropout > 0:
+            module.dropout = 0.0
             changed += 1
     return changed
 
