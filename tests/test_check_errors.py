@@ -128,6 +128,8 @@ def test_a_selected_block_the_forward_never_calls_is_a_usage_error(tmp_path, cap
     (["--lrs", "1e-2,0.01"], "--lrs 0.01,0.01 is not allowed; it names 0.01 twice"),
     (["--seeds", "0,1,0"], "--seeds 0,1,0 is not allowed; it names 0 twice"),
     (["--seeds", "18446744073709551616"], "--seeds=18446744073709551616 is not allowed; a seed is at most"),
+    (["--lrs", "1e-3,,1e-2"], "'1e-3,,1e-2' has an empty item"),  # it was dropped without a word
+    (["--batch-size", "1"], "(--probe-size is 2 unless given: with a smaller --batch-size, give it too)"),
 ])
 def test_empty_and_repeated_ladders_are_refused(args, said, tmp_path, capsys) -> None:
     out = tmp_path / "card"

@@ -54,16 +54,26 @@ class _Parser(argparse.ArgumentParser):
         return parsed
 
 
+def _items(text: str) -> list[str]:
+    """The items of a comma-separated list (none for a blank one; an empty item between two is refused)."""
+    items = [v.strip() for v in text.split(",")]
+    if any(items) and not all(items):
+        raise argparse.ArgumentTypeError(f"{text!r} has an empty item; give a comma-separated list such as 1e-3,1e-2")
+    return [v for v in items if v]
+
+
 def _floats(text: str) -> tuple[float, ...]:
+    items = _items(text)
     try:
-        return tuple(float(v) for v in text.split(",") if v.strip())
+        return tuple(float(v) for v in items)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
 
 
 def _ints(text: str) -> tuple[int, ...]:
+    items = _items(text)
     try:
-        return tuple(int(v) for v in text.split(",") if v.strip())
+        return tuple(int(v) for v in items)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
 

@@ -123,13 +123,15 @@ class Protocol:
             raise LNStabError(f"--model.betas={opt.betas!r} is not allowed; give two numbers in [0, 1)")
         if opt.warmup_steps > opt.steps:
             raise LNStabError(f"--warmup-steps={opt.warmup_steps} is not allowed with --steps={opt.steps}; it must be "
-                              "at most the number of steps (the rate would never reach the rung's peak)")
+                              "at most the number of steps (the rate would never reach the rung's peak); the warm-up is "
+                              "--warmup-steps when given, else the --tier's or the default's")
         if opt.steps % self.measure_every:
             raise LNStabError(f"--measure-every={self.measure_every} is not allowed with --steps={opt.steps}; "
                               "it must divide the number of steps (the last measurement is after training)")
         if self.probe_size > self.batch_size:
             raise LNStabError(f"--probe-size={self.probe_size} is not allowed; it must be <= --batch-size="
-                              f"{self.batch_size}")
+                              f"{self.batch_size} (--probe-size is {Protocol.probe_size} unless given: with a smaller "
+                              "--batch-size, give it too)")
         validation.choice("--data.source", self.data_source, ("auto", "files", "synthetic"))
         if self.data_source == "files" and not self.data_path:
             raise LNStabError("--data.source files needs --data.path FILE")
