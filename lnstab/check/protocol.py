@@ -123,8 +123,8 @@ class Protocol:
             raise LNStabError(f"--model.betas={opt.betas!r} is not allowed; give two numbers in [0, 1)")
         if opt.warmup_steps > opt.steps:
             raise LNStabError(f"--warmup-steps={opt.warmup_steps} is not allowed with --steps={opt.steps}; it must be "
-                              "at most the number of steps (the rate would never reach the rung's peak); the warm-up is "
-                              "--warmup-steps when given, else the --tier's or the default's")
+                              "at most the number of steps (the rate would never reach the rung's peak); the warm-up "
+                              "is --warmup-steps when given, else the --tier's or the default's")
         if opt.steps % self.measure_every:
             raise LNStabError(f"--measure-every={self.measure_every} is not allowed with --steps={opt.steps}; "
                               "it must divide the number of steps (the last measurement is after training)")
