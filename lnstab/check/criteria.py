@@ -357,9 +357,11 @@ def display(cid: str, value: float | None) -> str:
 def check_expression(where: str, text: Any, names: tuple[str, ...] = NAMES, why: str = "") -> None:
     """Refuse anything but numbers, ``null`` and expressions over ``names``, constants and functions (one line:
     ``where``, the value, what is allowed, then ``why``)."""
+    shown = repr(text) if len(repr(text)) <= 80 else f"{repr(text)[:60]}…({len(str(text))} characters)"
+    if isinstance(text, float) and not math.isfinite(text):  # YAML's .nan/.inf: it was swapped for the absolute one
+        raise LNStabError(f"{where}={shown} is not allowed; give a finite number, null or an expression")
     if text is None or (isinstance(text, int | float) and not isinstance(text, bool)):
         return
-    shown = repr(text) if len(repr(text)) <= 80 else f"{repr(text)[:60]}…({len(str(text))} characters)"
     if not isinstance(text, str):
         raise LNStabError(f"{where}={shown} is not allowed; give a number, null or an expression")
     try:
