@@ -183,6 +183,12 @@ MALFORMED = {  # what is changed in NEW's olmo2 card -> what the one line says
                         "number or null"),
     "criterion-id": (lambda d: d["criteria"][0].update(id={"a": 1}), "criteria[0].id is {'a': 1}; it must be a "
                      "string"),
+    # taken before: shown as the card's verdict 'maybe' (exit 1), or the second row of an id read as the first's
+    "status-word": (lambda d: d.update(status="maybe"), "status is 'maybe'; it must be one of pass, warn, fail"),
+    "criterion-status-word": (lambda d: criterion(d, "loss").update(status="ok"), ".status is 'ok'; it must be one "
+                              "of pass, warn, fail, n/a or null"),
+    "criterion-twice": (lambda d: d["criteria"].append(dict(d["criteria"][0])), "; it must be an id no other "
+                        "criterion of the card has"),
 }
 
 

@@ -75,6 +75,7 @@ CARD_FIELDS = {"status": "a string", "model": "an object or null", "protocol_tex
                "provenance": "an object or null"}
 CRITERION_FIELDS = {"id": "a string", "status": STRING, "measured": NUMBER, "warn": NUMBER, "fail": NUMBER}
 MACHINE_FIELDS = {"native_bf16": "true, false or null"}
+VERDICTS = ("pass", "warn", "fail")  # a card's status, and a criterion's with n/a
 
 
 def _is(value: Any, kind: str) -> bool:
@@ -100,12 +101,20 @@ def check_card(card: dict[str, Any], where: str) -> None:
     for name, kind in CARD_FIELDS.items():
         if not _is(card.get(name), kind):
             raise bad(name, card.get(name), kind)
+    if card["status"] not in VERDICTS:
+        raise bad("status", card["status"], f"one of {', '.join(VERDICTS)}")
+    seen: set[str] = set()
     for i, criterion in enumerate(card["criteria"]):
         if not isinstance(criterion, dict):
             raise bad(f"criteria[{i}]", criterion, "an object")
         for name, kind in CRITERION_FIELDS.items():
             if not _is(criterion.get(name), kind):
                 raise bad(f"criteria[{i}].{name}", criterion.get(name), kind)
+        if criterion.get("status") not in (None, *VERDICTS, "n/a"):
+            raise bad(f"criteria[{i}].status", criterion["status"], f"one of {', '.join(VERDICTS)}, n/a or null")
+        if criterion["id"] in seen:
+            raise bad(f"criteria[{i}].id", criterion["id"], "an id no other criterion of the card has")
+        seen.add(criterion["id"])
     provenance = card.get("provenance") or {}
     machine = provenance.get("machine")
     if machine is not None and not isinstance(machine, dict):
