@@ -15,6 +15,7 @@ one line on stderr and exit status 2.
 
 from __future__ import annotations
 
+import copy
 import shlex
 import signal
 import sys
@@ -36,7 +37,7 @@ from lnstab.errors import ConfigError, exit_for_user_error, one_line
 from lnstab.module import GPTModule
 from lnstab.moduleargs import MODULE_ARGS, checked_config
 from lnstab.precision import precision_warning, resolve_precision
-from lnstab.runconfig import CKPT_SUBCOMMANDS, UNNAMED, LNStabArgumentParser, SaveRunConfig, logger_args
+from lnstab.runconfig import CKPT_SUBCOMMANDS, NOT_GIVEN, UNNAMED, LNStabArgumentParser, SaveRunConfig, logger_args
 from lnstab.rundir import CHECKPOINT_DIR, CONFIG_FILE, check_writable
 from lnstab.rundir import run_dir as trainer_run_dir
 from lnstab.safeload import load_yaml
@@ -144,6 +145,9 @@ class LNStabCLI(LightningCLI):
                 raise ConfigError(f"the run directory of --ckpt_path {ckpt} cannot take lnstab {sub}'s results "
                                   f"({why}); give --run_dir DIR for them") from None
             save_dir, name, version = runs.split_run_dir(run_dir)
+            # the config as given, not its place: a saved config.yaml reruns anywhere (a sweep run's, whose logger
+            # would else name the grid's directory, reran into it and broke every later report of the grid)
+            LNStabArgumentParser.given_logger = copy.deepcopy(c.trainer.logger)
             if c.trainer.logger in (None, True):  # Lightning's default logger, placed in the run directory
                 tensorboard = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                                "init_args": {"save_dir": save_dir, "name": name, "version": version,
@@ -339,6 +343,8 @@ def _default_config(argv: list[str]) -> list[str]:
     """``validate|test|evaluate --ckpt_path FILE`` without ``--config``: the checkpoint's run config."""
     if not argv or argv[0] not in CKPT_SUBCOMMANDS or any(a == "--config" or a.startswith("--config=") for a in argv):
         return argv
+    if "--help" in argv or "-h" in argv:  # the options, as for every other command (it needs no run)
+        return argv
     values = dict(zip(argv, argv[1:], strict=False))
     values.update(a.split("=", 1) for a in argv if a.startswith("--") and "=" in a)  # --ckpt_path=FILE too
     run_dir = values.get("--run_dir")
@@ -360,6 +366,7 @@ def cli_main(args: list[str] | None = None, run: bool = True) -> LNStabCLI:
     expanded = expand_extends(raw)
     LNStabCLI.experiment, LNStabCLI.argv = experiment_name(raw), raw
     LNStabArgumentParser.experiment = LNStabCLI.experiment
+    LNStabArgumentParser.given_logger = NOT_GIVEN
     LNStabCLI.run_status = LNStabCLI.created_run_dir = LNStabCLI.created_root = None
     return LNStabCLI(
         GPTModule,

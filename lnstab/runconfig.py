@@ -4,6 +4,7 @@ named after the experiment), written once per run directory and never overwritte
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import sys
@@ -13,6 +14,7 @@ from typing import Any
 from lightning.pytorch.cli import LightningArgumentParser, SaveConfigCallback
 
 CKPT_SUBCOMMANDS = ("validate", "test", "evaluate")
+NOT_GIVEN = object()  # LNStabArgumentParser.given_logger when no --run_dir moved the loggers
 # A logger name that means "not chosen": the experiment file's name is used instead.
 UNNAMED = (None, "", "lightning_logs")
 # Keys that say where a run ran, not what it is: left out of saved and printed configs; and the one lnstab sets on a
@@ -46,6 +48,7 @@ class LNStabArgumentParser(LightningArgumentParser):
     and with the logger named after the experiment file where the config leaves the name empty."""
 
     experiment: str | None = None
+    given_logger: Any = NOT_GIVEN  # trainer.logger as given, before --run_dir placed it (NOT_GIVEN: dumped as it is)
 
     def error(self, message: str, ex: Exception | None = None):  # noqa: ANN201 - NoReturn in the parent
         if not self.exit_on_error or os.environ.get("LNSTAB_DEBUG"):
@@ -61,6 +64,8 @@ class LNStabArgumentParser(LightningArgumentParser):
             for key in RUN_LOCATION:
                 if f"{sub}{key}" in cfg:
                     del cfg[f"{sub}{key}"]
+            if self.given_logger is not NOT_GIVEN and f"{sub}trainer.logger" in cfg:
+                cfg[f"{sub}trainer.logger"] = copy.deepcopy(self.given_logger)
             for logger in logger_args(cfg.get(f"{sub}trainer.logger")):
                 logger["version"] = None
                 if logger.get("name") in UNNAMED and self.experiment:

@@ -245,6 +245,10 @@ def test_help_lists_every_subcommand_and_predict_is_not_one(tmp_path, capsys) ->
         assert f"  {name} " in out, name
     # predict was listed, and could only fail after writing into the run (no predict step, no predict data)
     assert "predict" not in out
+    for name in ("validate", "test", "evaluate"):  # '--help lists a command's options': these asked for a run
+        with pytest.raises(SystemExit) as info:
+            main([name, "--help"])
+        assert info.value.code == 0 and "--ckpt_path" in capsys.readouterr().out, name
     fit("--config", str(tiny_config(tmp_path)), "--run_dir", str(tmp_path / "r"))
     before = sorted(p.name for p in (tmp_path / "r").iterdir())
     err = one_line_error(capsys, "predict", "--ckpt_path", str(tmp_path / "r" / "checkpoints" / "last.ckpt"))
@@ -405,3 +409,15 @@ def test_evaluating_a_read_only_run_names_the_runs_directory_and_run_dir(tmp_pat
                               "evaluate's results (") and err.endswith("; give --run_dir DIR for them"), err
         main(["evaluate", "--ckpt_path", ckpt, "--run_dir", str(tmp_path / "scores")])  # as the message says
         assert (tmp_path / "scores" / "eval.json").is_file()
+
+
+def test_a_run_dir_runs_saved_config_reruns_as_a_new_run_where_its_config_says_not_beside_it(tmp_path) -> None:
+    """config.yaml recorded the logger --run_dir had placed (save_dir: the run's parent): a sweep run's config, rerun
+    as docs/runs.md says, trained into the grid's own directory, and every later report of the grid failed on it."""
+    cfg, run = tiny_config(tmp_path), tmp_path / "grid" / "pre_s0"
+    fit("--config", str(cfg), "--run_dir", str(run))
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["trainer"]["logger"]["init_args"]["save_dir"] == str(tmp_path / "runs")  # as the config gave it
+    fit("--config", str(run / "config.yaml"))
+    assert sorted(p.name for p in (tmp_path / "grid").iterdir()) == ["pre_s0"]  # nothing beside the run
+    assert (tmp_path / "runs" / "tiny" / "version_0" / "summary.json").is_file()  # the experiment the config names
