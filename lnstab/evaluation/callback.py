@@ -46,7 +46,9 @@ class FinalEvaluation(Callback):
     **Logged metrics**:
         ``eval/loss``, ``eval/ppl_exp_mean_loss`` (exp of the mean loss), ``eval/ppl_mean_seq`` (mean of per-window
         exp(loss), the authors' convention), ``eval/rouge1``, ``eval/rouge2``, ``eval/rougeL``,
-        ``eval/bertscore_precision``, ``eval/bertscore_recall``, ``eval/bertscore_f1``; text ``eval/sample_00`` ….
+        ``eval/bertscore_precision``, ``eval/bertscore_recall``, ``eval/bertscore_f1``, ``eval/copy_rate`` (the
+        ``teacher_forced`` protocol only: the fraction of predictions that repeat their input token); text
+        ``eval/sample_00`` ….
 
     Raises:
         ConfigError: A bad argument (in ``__init__``).
