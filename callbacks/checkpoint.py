@@ -64,6 +64,13 @@ class RunCheckpoint(ModelCheckpoint):
             super().on_train_epoch_end(trainer, pl_module)
 
     @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning saves `last` here when nothing was saved yet: weights that went non-finite before the first
+        # periodic checkpoint (policy continue) made that save raise, and a divergence end as a crash (exit 1)
+        if self._finite(trainer, pl_module):
+            super().on_train_end(trainer, pl_module)
+
+    @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or self._finite(trainer, pl_module):
             super().on_validation_end(trainer, pl_module)

@@ -86,6 +86,9 @@ def resolve_files(path: str | None) -> tuple[str, list[str]]:
         raise DataError("--data.path is not set; source 'files' needs a .txt/.jsonl/.json/.parquet file, dir or glob")
     files: list[str] = []
     for part in (p.strip() for p in str(path).split(",") if p.strip()):
+        if os.path.isfile(os.path.join(part, "meta.json")) and os.path.isfile(os.path.join(part, "train.bin")):
+            raise DataError(f"--data.path {part} is a directory lnstab prepare wrote (meta.json, train.bin), not text "
+                            "files; give --data.source prepared with it")  # its meta.json was read as a document
         if os.path.isdir(part):
             found = sorted(str(p) for p in Path(part).rglob("*") if p.is_file() and _builder_of(str(p)))
         else:

@@ -29,7 +29,7 @@ def expand_extends(argv: list[str]) -> list[str]:
     i = 0
     while i < len(argv):
         arg = argv[i]
-        if arg == "--config" and i + 1 < len(argv):
+        if arg in ("--config", "-c") and i + 1 < len(argv):
             path, i = argv[i + 1], i + 2
         elif arg.startswith("--config="):
             path, i = arg.split("=", 1)[1], i + 1
@@ -63,7 +63,7 @@ def experiment_name(argv: list[str]) -> str | None:
     """The stem of the last ``--config`` file on the command line: the run's default name."""
     name = None
     for i, arg in enumerate(argv):
-        if arg == "--config" and i + 1 < len(argv):
+        if arg in ("--config", "-c") and i + 1 < len(argv):
             name = Path(argv[i + 1]).stem
         elif arg.startswith("--config="):
             name = Path(arg.split("=", 1)[1]).stem

@@ -42,8 +42,13 @@ def writing(path: str | os.PathLike) -> Iterator[None]:
 
 
 def one_line(exc: BaseException) -> str:
-    """The message of ``exc`` folded onto one line."""
-    return " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+    """The message of ``exc`` folded onto one line (of an error a DataLoader worker raised, its own message: torch
+    re-raises it with the worker's whole traceback as the message)."""
+    text = str(exc)
+    if text.startswith("Caught ") and "Original Traceback" in text:
+        name = type(exc).__name__ + ": "
+        text = text[text.rindex(name) + len(name):] if name in text else text.strip().splitlines()[-1]
+    return " ".join(part.strip() for part in text.splitlines() if part.strip())
 
 
 def find_user_error(exc: BaseException) -> BaseException | None:

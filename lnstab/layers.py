@@ -5,6 +5,8 @@ has the same module names (hence hook names); see :mod:`lnstab.model` for where 
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn as nn
 
@@ -53,6 +55,18 @@ class DyT(nn.Module):
 NORM_MODULES = (nn.LayerNorm, nn.RMSNorm, DyT)  # what a norm of lnstab's GPT can be (when it is not nn.Identity)
 
 
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` without torch's warning, in every bf16-mixed fit on a CPU, that autocast's bf16 input and the
+    fp32 weight cannot use the fused kernel (the unfused one computes the same norm; nothing else changes)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is None or x.dtype == self.weight.dtype or torch.compiler.is_compiling():
+            return super().forward(x)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
+            return super().forward(x)
+
+
 def make_norm(
     norm_type: str, width: int, *, enabled: bool = True, eps: float = 1e-5, bias: bool = True, alpha_init: float = 0.5
 ) -> nn.Module:
@@ -64,7 +78,7 @@ def make_norm(
     if not enabled:
         return nn.Identity()
     if norm_type == "rmsnorm":
-        return nn.RMSNorm(width, eps=eps)
+        return RMSNorm(width, eps=eps)
     if norm_type == "dyt":
         return DyT(width, alpha_init=alpha_init, bias=bias)
     return nn.LayerNorm(width, eps=eps, bias=bias)

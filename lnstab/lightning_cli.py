@@ -341,7 +341,8 @@ def _refuse_run_dir_as_checkpoint(ckpt: str) -> None:
 
 def _default_config(argv: list[str]) -> list[str]:
     """``validate|test|evaluate --ckpt_path FILE`` without ``--config``: the checkpoint's run config."""
-    if not argv or argv[0] not in CKPT_SUBCOMMANDS or any(a == "--config" or a.startswith("--config=") for a in argv):
+    given = any(a in ("--config", "-c") or a.startswith("--config=") for a in argv)
+    if not argv or argv[0] not in CKPT_SUBCOMMANDS or given:
         return argv
     if "--help" in argv or "-h" in argv:  # the options, as for every other command (it needs no run)
         return argv

@@ -31,6 +31,9 @@ def choices_message(message: str) -> str | None:
     given = re.search(r"^\s*Given value: (.*?)\s*$", message, re.MULTILINE)
     if not (key and subtypes and given):
         return None
+    nested = re.fullmatch(r"NestedArg\(key='([^']*)', val=.*\)", given.group(1))
+    if nested:  # --data.nonsense 3: an argument the chosen class does not take, not a choice of class
+        return f"unrecognized arguments: --{key.group(1)}.{nested.group(1)} (not an argument of {key.group(1)}'s class)"
     choices: list[str] = []
     for literal, other in re.findall(r"typing\.Literal\[([^\]]*)\]|<class '(\w+)'>", subtypes.group(1)):
         if other == "NoneType":

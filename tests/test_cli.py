@@ -103,6 +103,7 @@ def test_extends_chain_expands_base_first_and_refuses_cycles(tmp_path) -> None:
         (["--data.source", "nonsense"], "data.source='nonsense' is not allowed; choose one of: hf, files, prepared"),
         (["--model.residual_scale", "abc"], 'Parser key "model.residual_scale": Expected a <class \'float\'>'),
         (["--model.colour", "red"], "unrecognized arguments: --model.colour red"),
+        (["--data.colour", "red"], "unrecognized arguments: --data.colour (not an argument"),  # was NestedArg(key=…
         (["--model.min_lr", "1", "--model.learning_rate", "0.1"], "model.min_lr=1.0 is not allowed; it must be <="),
         (["--data.batch_size", "0"], "data.batch_size=0 is not allowed; it must be an integer >= 1"),
         (["--data.val_documents", "5"], "--data.val_documents 5 is not used with --data.val_split head"),

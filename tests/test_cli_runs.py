@@ -62,6 +62,9 @@ def test_print_config_has_no_extends_and_the_experiment_name(tmp_path, capsys) -
     printed = yaml.safe_load(capsys.readouterr().out)
     assert "extends" not in printed and printed["trainer"]["logger"]["init_args"]["name"] == "exp"
     assert base.exists()
+    with pytest.raises(SystemExit):  # -c, as fit --help offers it (it skipped extends: 'data=… choose one of: null')
+        cli_main(["fit", "-c", str(tmp_path / "exp.yaml"), "--print_config"])
+    assert yaml.safe_load(capsys.readouterr().out) == printed
 
 
 def test_resume_refusals_are_one_line_and_write_nothing(tmp_path, capsys) -> None:
@@ -421,3 +424,16 @@ def test_a_run_dir_runs_saved_config_reruns_as_a_new_run_where_its_config_says_n
     fit("--config", str(run / "config.yaml"))
     assert sorted(p.name for p in (tmp_path / "grid").iterdir()) == ["pre_s0"]  # nothing beside the run
     assert (tmp_path / "runs" / "tiny" / "version_0" / "summary.json").is_file()  # the experiment the config names
+
+
+def test_a_divergence_under_policy_continue_is_a_result_not_a_crash(tmp_path) -> None:
+    """Weights non-finite before the first periodic checkpoint: Lightning's ModelCheckpoint saves `last` at the end
+    of training, the monitor refused to save NaN weights there, and the run ended 'failed' with a traceback, exit 1."""
+    cfg, run = tiny_config(tmp_path), tmp_path / "div"
+    main(["fit", "--config", str(cfg), "--run_dir", str(run), "--model.norm_placement", "none",
+          "--model.learning_rate", "1e4", "--model.min_lr", "1", "--trainer.max_steps", "8",
+          "--instruments.divergence_policy", "continue"])  # returns: exit 0
+    summary = read_summary(run)
+    assert summary["status"] == "diverged" and summary["diverged_step"] is not None
+    for ckpt in (run / "checkpoints").glob("*.ckpt"):  # none with NaN weights
+        assert all(torch.isfinite(v).all() for v in torch.load(ckpt, weights_only=True)["state_dict"].values())

@@ -169,6 +169,18 @@ def test_a_file_named_twice_is_refused_not_tokenized_twice(tmp_path):
     assert len(resolve_files(f"{a},{tmp_path / 'd1.jsonl'}")[1]) == 2
 
 
+def test_a_prepared_directory_as_text_files_names_the_prepared_source(tmp_path):
+    """It was read as files: 'text' is not a field of its meta.json ('fields: blank_documents, dtype, eot, …')."""
+    from lnstab.datamodules.text import resolve_files
+
+    (tmp_path / "meta.json").write_text("{}")
+    (tmp_path / "train.bin").write_bytes(b"\0\0")
+    with pytest.raises(DataError) as e:
+        resolve_files(str(tmp_path))
+    assert "is a directory lnstab prepare wrote (meta.json, train.bin), not text files; give --data.source " \
+           "prepared" in one_line(e)
+
+
 def test_missing_json_field(tmp_path):
     f = write_jsonl(tmp_path / "d.jsonl", DOCS, field="body")
     with pytest.raises(DataError) as e:

@@ -161,3 +161,25 @@ def test_eval_json_is_never_overwritten(tmp_path) -> None:
     assert first.name == "eval-1.json" and second.name == "eval-2.json"
     assert json.loads(first.read_text()) == {"metrics": {"loss": 1.0}, "stage": "fit"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval-1.json", "eval-2.json", "eval.json"]  # no temp left
+
+
+def test_loading_the_bertscore_model_draws_no_progress_bar(capfd) -> None:
+    """Every fit's final evaluation wrote transformers' 'Loading weights' bar, cursor codes and all, into its log."""
+    import transformers
+
+    text_metrics._scorer.cache_clear()
+    capfd.readouterr()
+    text_metrics.load_bertscore()
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err and "\x1b[A" not in err, err
+    assert transformers.utils.logging.is_progress_bar_enabled()  # given back as it was
+
+
+def test_an_error_a_dataloader_worker_raised_is_its_own_one_line() -> None:
+    from lnstab.errors import one_line
+
+    worker = LNStabError("Caught LNStabError in DataLoader worker process 0.\nOriginal Traceback (most recent call "
+                         "last):\n  File \"w.py\", line 3, in f\n    raise LNStabError(\"x\")\n"
+                         "lnstab.errors.LNStabError: block_size=128 x batch_size=8 is longer than the data\n")
+    assert one_line(worker) == "block_size=128 x batch_size=8 is longer than the data"
+    assert one_line(LNStabError("two\nlines")) == "two lines"

