@@ -167,12 +167,19 @@ def test_loading_the_bertscore_model_draws_no_progress_bar(capfd) -> None:
     """Every fit's final evaluation wrote transformers' 'Loading weights' bar, cursor codes and all, into its log."""
     import transformers
 
-    text_metrics._scorer.cache_clear()
-    capfd.readouterr()
-    text_metrics.load_bertscore()
-    err = capfd.readouterr().err
-    assert "Loading weights" not in err and "\x1b[A" not in err, err
-    assert transformers.utils.logging.is_progress_bar_enabled()  # given back as it was
+    bars = transformers.utils.logging
+    before = bars.is_progress_bar_enabled()  # another test in this process may have switched them off
+    bars.enable_progress_bar()
+    try:
+        text_metrics._scorer.cache_clear()
+        capfd.readouterr()
+        text_metrics.load_bertscore()
+        err = capfd.readouterr().err
+        assert "Loading weights" not in err and "\x1b[A" not in err, err
+        assert bars.is_progress_bar_enabled()  # given back as it was
+    finally:
+        if not before:
+            bars.disable_progress_bar()
 
 
 def test_an_error_a_dataloader_worker_raised_is_its_own_one_line() -> None:
