@@ -38,6 +38,7 @@ from lnstab.sweep.state import (
     check_manifest,
     check_sweep_dirs,
     journal,
+    launched,
     move_aside,
     plan,
     record_manifest,
@@ -233,9 +234,10 @@ def show_status(grid: Grid, runs: list[Run], root: str) -> None:
     from lnstab.rundir import RunFileError
 
     rows, damaged = [], []
+    known = launched(root, grid)  # once, not once a run
     for run in runs:
         try:
-            rows += status_rows(grid, [run], root)
+            rows += status_rows(grid, [run], root, known)
         except RunFileError as exc:
             rows.append({"run": run.name, "status": "damaged", "step": None, "val_loss": None, "wall": None,
                          "next": "skip"})

@@ -24,16 +24,15 @@ from typing import Any
 
 from lnstab.errors import LNStabError, one_line
 from lnstab.parentdeath import PARENT_ENV
-from lnstab.rundir import RunFileError, read_summary
+from lnstab.rundir import read_summary
 from lnstab.sweep.grid import Grid, Run, cli_value
 from lnstab.sweep.state import (
     DONE,
-    grid_dir,
+    changed_keys,
     journal,
-    manifest_runs,
+    launched,
     move_aside,
     plan,
-    read_manifest,
     record_manifest,
     run_directory,
     run_lock,
@@ -220,15 +219,13 @@ def _last_line(log: Path | None) -> str:
     return lines[-1].strip() if lines else ""
 
 
-def status_rows(grid: Grid, runs: list[Run], root: str | Path) -> list[dict[str, Any]]:
-    """One row per run for ``--status``: name, status, step, val loss, wall time, what a rerun would do."""
-    from lnstab.sweep.state import changed_keys, is_locked
+def status_rows(grid: Grid, runs: list[Run], root: str | Path,
+                known: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """One row per run for ``--status``: name, status, step, val loss, wall time, what a rerun would do
+    (``known``: the manifest's runs, :func:`~lnstab.sweep.state.launched`, read here when not given)."""
+    from lnstab.sweep.state import is_locked
 
-    try:
-        manifest = read_manifest(grid_dir(root, grid))
-    except RunFileError:
-        manifest = None
-    known = dict(manifest_runs(manifest)) if manifest else {}
+    known = launched(root, grid) if known is None else known
     rows = []
     for run in runs:
         directory = run_directory(root, grid, run)

@@ -181,12 +181,17 @@ def check_manifest(root: str | Path, grid: Grid, runs: list[Run]) -> None:
     Raises:
         GridError: As :func:`record_manifest`.
     """
+    _refuse_changed(root, grid, launched(root, grid), runs)
+
+
+def launched(root: str | Path, grid: Grid) -> dict[str, dict[str, Any]]:
+    """The runs the grid's manifest records, name → overrides (none where there is no manifest, or a damaged one:
+    the sweep says so itself, in its own words, when it runs)."""
     try:
         manifest = read_manifest(grid_dir(root, grid))
     except RunFileError:
-        return  # the sweep says so itself, in its own words, when it runs
-    known = dict(manifest_runs(manifest)) if manifest else {}
-    _refuse_changed(root, grid, known, runs)
+        return {}
+    return dict(manifest_runs(manifest)) if manifest else {}
 
 
 def read_manifest(grid_directory: str | Path) -> dict[str, Any] | None:
