@@ -65,6 +65,29 @@ def test_lr_sensitivity_warns_above_both_references_and_never_fails() -> None:
     assert [status(v, limits) for v in (0.35, 0.6, 5.0)] == ["pass", "warn", "warn"]
 
 
+def test_without_references_a_loss_that_ends_above_its_start_is_flagged(tmp_path) -> None:
+    """``--no-reference``: the Learns row warns when no rate took the loss below its own initial loss (it passed a
+    rising loss: the absolute threshold was null), and a model that learned nothing gets no LR sensitivity (it read
+    0, "less sensitive than both references"), while a model that learns passes both."""
+    def rows(end: float) -> dict[str, dict]:
+        checked = summarise([run(lr, seed, curve(10, end + lr)) for lr in (1e-3, 1e-2) for seed in (0, 1)], 4)
+        return {r["id"]: r for r in build_rows({"checked": checked}, DEFAULT_THRESHOLDS, {})}
+
+    rising, learns = rows(11.0), rows(6.0)
+    assert rising["loss"]["status"] == "warn" and rising["loss"]["warn"] == pytest.approx(10.0)
+    assert rising["loss"]["warn_rule"] == "loss_init" and rising["loss"]["warn_source"] == "absolute"
+    assert learns["loss"]["status"] == "pass" and learns["loss"]["measured"] == pytest.approx(6.001)
+    assert math.isnan(rising["lr_sensitivity"]["measured"]) and rising["lr_sensitivity"]["status"] == "n/a"
+    assert "no learning rate took the loss below its initial 10" in rising["lr_sensitivity"]["why"]
+    assert learns["lr_sensitivity"]["measured"] == pytest.approx(0.0045)
+    assert learns["lr_sensitivity"]["status"] == "pass"
+    # a thresholds file may name the model's own initial loss in an absolute threshold, and no reference there
+    custom = tmp_path / "t.yaml"
+    custom.write_text("loss:\n  absolute: {warn: loss_init - 1, fail: loss_init}\n")
+    limits = resolve(load_thresholds(custom)["loss"], None, {"loss_init": 10.0})
+    assert (limits["warn"], limits["fail"]) == (9.0, 10.0) and status(9.5, limits) == "warn"
+
+
 def attention_runs(logits_at_end: float, diverged_logits: float | None = None) -> list[RunResult]:
     runs = [run(lr, seed, curve(10, 7), metrics={
         0: {"attn/max_logit/L00": 0.5, "attn/max_logit/L01": 0.6, "attn/collapsed/L00": 0.0,

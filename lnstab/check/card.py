@@ -53,7 +53,7 @@ def build_rows(summaries: dict[str, dict[str, Any]], thresholds: dict[str, dict[
         cid = criterion.id
         value, sd = criterion.value(checked)
         refs = {k: criterion.value(v) for k, v in ref_summaries.items()}
-        limits = resolve(thresholds[cid], refs or None)
+        limits = resolve(thresholds[cid], refs or None, {"loss_init": checked.get("loss_init", math.nan)})
         verdict = status(value, limits)
         rel = relation(cid, value, sd, refs)
         text = why(criterion, checked, ref_summaries, value, sd, rel, sites)

@@ -6,7 +6,8 @@ criterion is one record here, its thresholds in ``thresholds.yaml`` and its meas
 :func:`~lnstab.check.analysis.summarise`. Every criterion is one number that is *worse when larger*. Its ``warn``
 and ``fail`` thresholds are expressions over what the references measured in the same check, so the defaults need no
 hand-picked constants: ``peri``/``pre`` are the Peri-LN and Pre-LN references' values, ``peri_sd``/``pre_sd`` their
-spread over seeds (the standard error for a fitted slope) and ``sd`` the larger of the two; ``fp16_max``,
+spread over seeds (the standard error for a fitted slope) and ``sd`` the larger of the two; ``loss_init`` is the
+checked model's own loss at initialisation (so an absolute threshold may name it too); ``fp16_max``,
 ``bf16_max`` and ``max``, ``min``, ``abs``, ``log``, ``log10`` are available too. A value above ``fail`` fails, above
 ``warn`` warns, else passes; ``null`` never triggers. ``absolute`` gives the thresholds used with
 ``--no-reference`` (or where a reference has no value), so they name no reference; those are the only constants, and
@@ -33,6 +34,7 @@ from lnstab.formatting import card_quote, card_short
 from lnstab.safeload import load_yaml
 
 NAMES = ("pre", "peri", "pre_sd", "peri_sd", "sd")
+OWN = ("loss_init",)  # the checked model's own numbers: an absolute threshold may name them (no reference needed)
 CONSTANTS = {"fp16_max": FP16_MAX, "bf16_max": BF16_MAX}
 
 
@@ -114,8 +116,23 @@ def _divergence(s: Summary, value: float, sd: float, refs: dict[str, Summary]) -
     return text
 
 
+def _learned_nothing(ls: dict[str, Any]) -> bool:
+    """No rung took the loss below its initial value: L* = L_init, so the sensitivity is 0 whatever the model does."""
+    return math.isfinite(ls.get("best", math.nan)) and ls["best"] >= ls["initial"]
+
+
+def _lr_sensitivity_value(s: Summary) -> tuple[float, float]:
+    ls = s["lr_sensitivity"]
+    return (math.nan, math.nan) if _learned_nothing(ls) else (ls["mean"], ls["sd"])
+
+
 def _lr_sensitivity_missing(s: Summary, sites: dict[str, Any]) -> str:
-    return "needs at least two learning rates (--lrs)" if len(s["lr_sensitivity"]["points"]) < 2 else "no initial loss"
+    ls = s["lr_sensitivity"]
+    if _learned_nothing(ls):
+        return (f"no learning rate took the loss below its initial {card_short(ls['initial'], 4)} (best "
+                f"{card_short(ls['best'], 4)} at lr {ls['best_lr']:g}): a model that learns nothing loses nothing over "
+                "the ladder, so its sensitivity is not graded (see Learns)")
+    return "needs at least two learning rates (--lrs)" if len(ls["points"]) < 2 else "no initial loss"
 
 
 def _lr_sensitivity(s: Summary, value: float, sd: float, refs: dict[str, Summary]) -> str:
@@ -258,7 +275,7 @@ CRITERIA: tuple[Criterion, ...] = (
               phrases=("diverges as often as {ref}", "diverges less often than both references",
                        "diverges more often than both references"), show=lambda v: f"{v:.0%}"),
     Criterion("lr_sensitivity", "LR sensitivity over the ladder (Wortsman et al.)", "nats",
-              value=_mean("lr_sensitivity"), explain=_lr_sensitivity, missing=_lr_sensitivity_missing,
+              value=_lr_sensitivity_value, explain=_lr_sensitivity, missing=_lr_sensitivity_missing,
               quote=lambda r: card_short(r["lr_sensitivity"]["mean"]),
               phrases=("as sensitive to the learning rate as {ref}", "less sensitive to the learning rate than both "
                        "references", "more sensitive to the learning rate than both references")),
@@ -354,7 +371,7 @@ def display(cid: str, value: float | None) -> str:
     return show(value) if show else card_quote(value, 2)
 
 
-def check_expression(where: str, text: Any, names: tuple[str, ...] = NAMES, why: str = "") -> None:
+def check_expression(where: str, text: Any, names: tuple[str, ...] = NAMES + OWN, why: str = "") -> None:
     """Refuse anything but numbers, ``null`` and expressions over ``names``, constants and functions (one line:
     ``where``, the value, what is allowed, then ``why``)."""
     shown = repr(text) if len(repr(text)) <= 80 else f"{repr(text)[:60]}…({len(str(text))} characters)"
@@ -439,7 +456,7 @@ def load_thresholds(path: str | Path | None) -> dict[str, dict[str, Any]]:
                 for sub, expr in value.items():
                     if sub not in ("warn", "fail"):
                         raise LNStabError(f"--thresholds {path}: {cid}.absolute.{sub} is not allowed; use warn, fail")
-                    check_expression(f"--thresholds {path}: {cid}.absolute.{sub}", expr, (), no_reference)
+                    check_expression(f"--thresholds {path}: {cid}.absolute.{sub}", expr, OWN, no_reference)
                     merged[cid]["absolute"][sub] = expr
             elif key == "absolute":
                 raise LNStabError(f"--thresholds {path}: {cid}.absolute as a {type(value).__name__} is not allowed; "
@@ -458,14 +475,16 @@ def load_thresholds(path: str | Path | None) -> dict[str, dict[str, Any]]:
     return merged
 
 
-def resolve(spec: dict[str, Any], refs: dict[str, tuple[float, float]] | None) -> dict[str, Any]:
-    """The numeric ``warn``/``fail`` of one criterion, from the references when they give every name used."""
-    names: dict[str, float] = {}
+def resolve(spec: dict[str, Any], refs: dict[str, tuple[float, float]] | None,
+            own: dict[str, float] | None = None) -> dict[str, Any]:
+    """The numeric ``warn``/``fail`` of one criterion, from the references when they give every name used; ``own``:
+    the checked model's :data:`OWN` numbers (``nan`` where not given)."""
+    names: dict[str, float] = {k: math.nan for k in OWN} | (own or {})
     if refs:
         pre, peri = refs.get("pre-ln", (math.nan, math.nan)), refs.get("peri-ln", (math.nan, math.nan))
         sds = [v for v in (pre[1], peri[1]) if math.isfinite(v)]
-        names = {"pre": pre[0], "peri": peri[0], "pre_sd": pre[1], "peri_sd": peri[1],
-                 "sd": max(sds) if sds else math.nan}
+        names |= {"pre": pre[0], "peri": peri[0], "pre_sd": pre[1], "peri_sd": peri[1],
+                  "sd": max(sds) if sds else math.nan}
     out: dict[str, Any] = {}
     for level in ("warn", "fail"):
         expr, value, source = spec.get(level), None, "relative"
