@@ -145,6 +145,7 @@ class OpenWebTextDataModule(pl.LightningDataModule):
         self._val: torch.Tensor | None = None
         self._val_docs = 0
         self._train_head: np.ndarray | None = None
+        self._whole_tokens = 0  # tokens of data whose validation head read all of it (0: more is left to read)
         self._train: IterableDataset | None = None
         self._train_array: np.ndarray | None = None  # val_split documents: the training documents' tokens
         self.vocab_map: VocabMap | None = None  # vocab compact/top_k, after setup
@@ -248,6 +249,8 @@ class OpenWebTextDataModule(pl.LightningDataModule):
         """Resolve the source, check the data, build the validation tokens (all ranks, deterministic)."""
         if self._val is not None:
             self._check_model_vocab()
+            if stage in ("fit", None):
+                self._check_small_training_data()
             return
         hp, source = self.hparams, self.resolve_source()
         window, note = hp.block_size + 1, ""
@@ -269,20 +272,43 @@ class OpenWebTextDataModule(pl.LightningDataModule):
             tok = DocTokenizer(hp.tokenizer, hp.tokenizer_threads)
             stats = DocStats()
             want = hp.val_tokens or 1 << 20
-            self._val_docs, arrays = head_documents(self.text_spec(), tok, want, stats)
+            self._val_docs, arrays, ended = head_documents(self.text_spec(), tok, want, stats)
             note = f", {self._val_docs} documents ({stats.invalid_utf8} invalid UTF-8 replaced, {stats.blank} blank)"
             head = np.concatenate(arrays)
             # validation is exactly the first val_tokens tokens: a long (or the only) document is cut, and training
             # starts with the rest of it
             self._val = torch.from_numpy(head[:want].astype(np.int64))
             self._train_head = head[want:]
+            self._whole_tokens = len(head) if ended else 0  # the training data is that rest alone (checked below)
         if self._val.numel() < window:
             raise DataError(
                 f"--data.block_size {hp.block_size} is longer than the validation data ({self._val.numel()} tokens "
                 f"from source {source}); it must be <= {self._val.numel() - 1}"
             )
+        if stage in ("fit", None):  # validate/test/evaluate read no training data
+            self._check_small_training_data()
         rank_zero_info(f"lnstab data: source={source}, validation {self._val.numel()} tokens{note}")
         self._check_model_vocab()
+
+    def _check_small_training_data(self) -> None:
+        """Data whose validation head held every document: the training tokens are the rest of the last one, all
+        read by the first reader, so fewer than one batch, or more readers than one, would fail at the first training
+        batch (after the run directory exists); refused at setup, before anything is written, in one line."""
+        if not self._whole_tokens:
+            return
+        hp, have, total = self.hparams, len(self._train_head), self._whole_tokens
+        need, readers = hp.batch_size * hp.block_size + 1, self.shard_plan().num_shards
+        where = f"{self.text_spec().describe()} holds {total} tokens, {have} of them left to train on after " \
+                f"validation's {self._val.numel()}"
+        if have < need:
+            raise DataError(f"{where}; one batch needs --data.batch_size {hp.batch_size} x --data.block_size "
+                            f"{hp.block_size} + 1 = {need}: give more text, or a smaller --data.val_tokens, "
+                            "batch_size or block_size")
+        if readers > 1:
+            raise DataError(f"{where}, all in one document: --data.num_workers {hp.num_workers} on "
+                            f"{self.shard_plan().world_size} device(s) makes {readers} readers, which split the "
+                            "training data by document, so all but one would get none; give --data.num_workers 0 "
+                            "on one device, or more documents")
 
     def _setup_documents(self) -> str:
         """``val_split: documents``: tokenize every document, split, relabel onto the vocabulary asked for."""

@@ -186,7 +186,7 @@ def prepare(
             stats.blank += vstats.blank
         else:
             # validation: exactly the first val_tokens tokens (the last document cut); training starts with its rest
-            n_val, arrays = head_documents(spec, tok, val_tokens)
+            n_val, arrays, _ = head_documents(spec, tok, val_tokens)
             rest = np.concatenate(arrays)[val_tokens:]
             val_docs = _take(_flat_docs(iter_documents(open_text_stream(spec), spec)), n_val)
             _write_split("val", val_docs, partial, progress, tok, batch_docs, show, n_val, limit=val_tokens)
@@ -240,8 +240,9 @@ def _drop(it: Iterator[str], n: int) -> Iterator[str]:
 
 def head_documents(
     spec: TextSpec, tok: DocTokenizer, val_tokens: int, stats: DocStats | None = None
-) -> tuple[int, list]:
-    """``(n, token arrays)`` of the first documents of the stream holding at least ``val_tokens`` tokens.
+) -> tuple[int, list, bool]:
+    """``(n, token arrays, ended)`` of the first documents of the stream holding at least ``val_tokens`` tokens;
+    ``ended``: they are the whole stream (the training data is then the rest of the last one only).
 
     Raises:
         DataError: If the whole stream holds ``val_tokens`` tokens or fewer (nothing would be left to train on).
@@ -250,11 +251,11 @@ def head_documents(
     for texts in iter_documents(open_text_stream(spec), spec, stats, batch_docs=64):
         for arr in tok.encode(texts):
             if total >= val_tokens:
-                return len(arrays), arrays
+                return len(arrays), arrays, False
             arrays.append(arr)
             total += len(arr)
     if total > val_tokens:  # the last document is longer than what validation needs: its rest is for training
-        return len(arrays), arrays
+        return len(arrays), arrays, True
     raise DataError(
         f"val_tokens={val_tokens} is not allowed for {spec.describe()}: the data holds only {total} tokens "
         f"({len(arrays)} documents); it must be below {total} so that some are left to train on"

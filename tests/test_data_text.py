@@ -225,11 +225,36 @@ def test_block_size_longer_than_the_data(tmp_path):
     with pytest.raises(DataError) as e:
         dm.setup("fit")
     assert "block_size 4096 is longer than the validation data (100 tokens" in one_line(e)
-    dm = module(f, block_size=32, batch_size=64, val_tokens=40)
+    dm = module(f, block_size=32, batch_size=64, val_tokens=40)  # documents left after validation's: read lazily
     dm.setup("fit")
     with pytest.raises(DataError) as e:
         one_pass(dm)
     assert "block_size=32" in one_line(e) and "d.jsonl" in str(e.value)
+
+
+def test_data_too_short_for_a_batch_is_refused_at_setup_when_validation_read_all_of_it(tmp_path):
+    """Where validation's head holds every document, the training data is known at setup: fewer tokens than one
+    batch, or more readers than one for the one document left, is refused there in one line (it failed at the first
+    training batch, after the run directory was written, leaving a failed run)."""
+    f = tmp_path / "book.txt"  # one document: validation's head reads all of it
+    f.write_text(" ".join(DOCS), encoding="utf-8")
+    total = len(gpt2_encoding().encode_ordinary(" ".join(DOCS))) + 1
+    with pytest.raises(DataError) as e:
+        module(f, block_size=32, batch_size=64, val_tokens=40).setup("fit")
+    assert one_line(e) == (f"--data.path {f} holds {total} tokens, {total - 40} of them left to train on after "
+                           "validation's 40; one batch needs --data.batch_size 64 x --data.block_size 32 + 1 = 2049: "
+                           "give more text, or a smaller --data.val_tokens, batch_size or block_size")
+    validate = module(f, block_size=32, batch_size=64, val_tokens=40)
+    validate.setup("validate")  # lnstab validate/test/evaluate read no training data: the same file serves them
+    assert len(validate.validation_tokens()) == 40
+    with pytest.raises(DataError, match="one batch needs"):
+        validate.setup("fit")
+    with pytest.raises(DataError) as e:
+        module(f, block_size=8, batch_size=2, val_tokens=40, num_workers=2).setup("fit")
+    assert "--data.num_workers 2 on 1 device(s) makes 2 readers" in one_line(e)
+    dm = module(f, block_size=8, batch_size=2, val_tokens=40)  # one reader, enough for a batch: trains
+    dm.setup("fit")
+    assert len(one_pass(dm)) == (total - 40 - 1) // 8 // 2
 
 
 def test_bad_options_fail_in_init():
