@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
@@ -185,6 +186,22 @@ class GPTModule(pl.LightningModule):
     @override
     def on_test_epoch_end(self) -> None:
         self._log_eval("test", self.test_loss)
+
+    @override
+    def on_validation_start(self) -> None:
+        self._log_at_loaded_step()
+
+    @override
+    def on_test_start(self) -> None:
+        self._log_at_loaded_step()
+
+    def _log_at_loaded_step(self) -> None:
+        """Outside a fit (``lnstab validate``/``test``) Lightning logs at the fit loop's step count, 0 in a fresh
+        trainer: set it to the checkpoint's step, so that test/loss and val/loss sit beside the run's training
+        curve in TensorBoard at the step of the weights they score."""
+        trainer = self.trainer
+        if trainer.state.fn != TrainerFn.FITTING and self.loaded_step is not None:
+            trainer.fit_loop.epoch_loop._batches_that_stepped = self.loaded_step
 
     def parameter_groups(self) -> list[dict[str, Any]]:
         """AdamW groups: every ≥ 2-D weight (matrices, embeddings) decays; biases and norm gains do not.

@@ -167,3 +167,21 @@ def test_callback_under_two_process_ddp_equals_single_process(tmp_path) -> None:
     single = evaluate_model(module.model, data.validation_tokens(), n_samples=5, batch_size=2, rank=0, world_size=1)
     single = json.loads(json.dumps(single))
     assert_same_evaluation(ddp, single)
+
+
+def test_validate_and_test_of_a_checkpoint_log_at_its_step(run, tmp_path) -> None:
+    """``lnstab validate``/``test`` (a fresh trainer, ``ckpt_path``) log val/loss and test/loss at the checkpoint's
+    step, beside the run's training curve and its ``eval/`` scalars: Lightning logged them at 0."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer = pl.Trainer(accelerator="cpu", logger=TensorBoardLogger(tmp_path, name="tb"), enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1,
+                         limit_test_batches=1)
+    module, data = GPTModule(**MODEL), SyntheticDataModule(**DATA)
+    trainer.validate(module, data, ckpt_path=run["ckpt"], verbose=False)
+    trainer.test(module, data, ckpt_path=run["ckpt"], verbose=False)
+    acc = EventAccumulator(trainer.log_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    steps = {tag: [s.step for s in acc.Scalars(tag)] for tag in ("val/loss", "test/loss", "test/ppl")}
+    assert steps == {"val/loss": [3], "test/loss": [3], "test/ppl": [3]}
