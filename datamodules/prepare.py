@@ -26,6 +26,7 @@ import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -145,10 +146,10 @@ def prepare(
         raise DataError(f"--out {out} is not a directory; give a new directory, or one prepared before")
     split = {"method": split_method}
     split.update({"val_tokens": val_tokens} if split_method == "head" else {"test_size": test_size, "seed": split_seed})
-    options = {"source": dataclasses.asdict(spec), "split": split, "tokenizer": tokenizer}
+    options = {"source": recorded_source(dataclasses.asdict(spec)), "split": split, "tokenizer": tokenizer}
     if (out / "meta.json").exists():
         meta = read_meta(out)
-        if {k: meta.get(k) for k in options} != options:
+        if {k: meta.get(k) for k in options} | {"source": recorded_source(meta.get("source"))} != options:
             raise DataError(f"--out {out} already holds prepared data from other options; choose another --out")
         print(f"lnstab prepare: {out} is already prepared with these options; nothing to do")
         return meta
@@ -159,7 +160,8 @@ def prepare(
     progress: dict = {"options": options}
     if (partial / "progress.json").exists():
         progress = json.loads((partial / "progress.json").read_text(encoding="utf-8"))
-        if progress.get("options") != options:
+        kept = progress.get("options")
+        if not isinstance(kept, dict) or {**kept, "source": recorded_source(kept.get("source"))} != options:
             raise DataError(f"--out {out} holds an unfinished prepare with other options; remove {partial} first")
         print(f"lnstab prepare: resuming in {partial}")
     tok = DocTokenizer(tokenizer, num_threads or os.cpu_count() or 1)
@@ -236,6 +238,17 @@ def _drop(it: Iterator[str], n: int) -> Iterator[str]:
     for i, x in enumerate(it):
         if i >= n:
             yield x
+
+
+HUB_FIELDS = ("dataset", "dataset_config", "revision", "data_files")  # what only --source hf reads
+
+
+def recorded_source(source: Any) -> Any:
+    """The source as ``meta.json`` records it: for ``files``, without the hub's fields, which it never reads (a
+    directory prepared before they were left out, with their defaults, compares equal)."""
+    if isinstance(source, dict) and source.get("source") == "files":
+        return {k: v for k, v in source.items() if k not in HUB_FIELDS}
+    return source
 
 
 def head_documents(

@@ -128,6 +128,25 @@ def test_prepare_never_overwrites(docs_file, tmp_path, capsys):
     assert (other / "train.bin").read_bytes() == b"keep me"
 
 
+def test_files_meta_records_no_hub_fields_and_an_earlier_meta_with_them_is_the_same_options(docs_file, tmp_path,
+                                                                                                 capsys):
+    """``--source files`` never reads the hub's dataset, config, revision or data_files: meta.json left them out of
+    its record only after stop 52 (it named stas/openwebtext-10k for a local file), and a directory prepared before,
+    with their defaults, is still the same options (a no-op, not "other options")."""
+    path, _ = docs_file
+    spec, out = TextSpec("files", str(path)), tmp_path / "out"
+    meta = prepare(spec, out, split_method="head", val_tokens=50, show=False)
+    assert meta["source"] == {"source": "files", "path": str(path), "text_field": "text", "split": "train"}
+    on_disk = json.loads((out / "meta.json").read_text())
+    assert on_disk["source"] == meta["source"]
+    on_disk["source"] = dict(vars(spec))  # as an earlier lnstab wrote it: the hub's defaults beside the files
+    assert on_disk["source"]["dataset"] and on_disk["source"]["revision"]
+    (out / "meta.json").write_text(json.dumps(on_disk))
+    capsys.readouterr()
+    prepare(spec, out, split_method="head", val_tokens=50, show=False)
+    assert "nothing to do" in capsys.readouterr().out
+
+
 @pytest.fixture
 def prepared_dir(docs_file, tmp_path) -> Path:
     path, _ = docs_file
