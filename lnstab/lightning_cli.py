@@ -339,6 +339,9 @@ def _refuse_run_dir_as_checkpoint(ckpt: str) -> None:
                           f"*.ckpt files, or --run_dir {run} --ckpt_path last")
 
 
+PATHLESS_SOURCES = ("sample", "synthetic")  # --data.source values that refuse a --data.path
+
+
 def _default_config(argv: list[str]) -> list[str]:
     """``validate|test|evaluate --ckpt_path FILE`` without ``--config``: the checkpoint's run config."""
     given = any(a in ("--config", "-c") or a.startswith("--config=") for a in argv)
@@ -357,7 +360,11 @@ def _default_config(argv: list[str]) -> list[str]:
     if run_dir is None or not (Path(run_dir) / CONFIG_FILE).is_file():
         raise ConfigError(f"lnstab {argv[0]} needs --config, or a --ckpt_path/--run_dir inside a run directory that "
                           f"holds {CONFIG_FILE}")
-    return [argv[0], "--config", str(Path(run_dir) / CONFIG_FILE), *argv[1:]]
+    # A source that reads no path, given here, replaces the run's: the run's --data.path is not the user's to drop
+    source = next((values[k] for k in ("--data.source", "--data.init_args.source") if k in values), None)
+    path_given = any(a.split("=", 1)[0] in ("--data.path", "--data.init_args.path") for a in argv)
+    no_path = ["--data.path", "null"] if source in PATHLESS_SOURCES and not path_given else []
+    return [argv[0], "--config", str(Path(run_dir) / CONFIG_FILE), *argv[1:], *no_path]
 
 
 def cli_main(args: list[str] | None = None, run: bool = True) -> LNStabCLI:

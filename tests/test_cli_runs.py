@@ -184,6 +184,13 @@ def test_validate_and_evaluate_use_the_run_and_its_data(tmp_path, caplog) -> Non
     record = json.loads((run / "eval-1.json").read_text())
     assert record["stage"] == "evaluate" and record["global_step"] == 4
     assert "source=files" in caplog.text  # the run's data, not the other config's synthetic stream
+    caplog.clear()
+    # a source that reads no path replaces the run's files: "--data.path docs.jsonl is not used with --data.source
+    # synthetic" named a path the user never typed (it came from the run's config.yaml)
+    cli_main(["validate", "--ckpt_path", str(ckpt), "--data.source", "synthetic", "--data.val_tokens", "4096"])
+    assert "source=synthetic" in caplog.text and read_summary(run)["val"]["step"] == 4
+    saved = yaml.safe_load((run / "config-validate-2.yaml").read_text())["data"]["init_args"]
+    assert saved["source"] == "synthetic" and saved["path"] is None
 
 
 @pytest.mark.parametrize(
