@@ -294,8 +294,12 @@ class SharedTap:
 
 
 def _sequence_first(module: nn.Module) -> bool:
-    """Whether ``module`` is one of torch's Transformer layers with ``batch_first=False`` (its default), whose
-    tensors are ``(T, B, d)``: the statistics read them as ``(B, T, d)``."""
+    """Whether ``module``'s tensors are ``(T, B, d)``, so that the statistics read them as ``(B, T, d)``: one of
+    torch's Transformer layers with ``batch_first=False`` (its default), or any module that says so itself with a
+    ``batch_first = False`` attribute (``nn.MultiheadAttention``, or a block of the user's own)."""
+    own = getattr(module, "batch_first", None)
+    if isinstance(own, bool):
+        return not own
     layer_types = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
     return isinstance(module, layer_types) and not getattr(module.self_attn, "batch_first", True)
 

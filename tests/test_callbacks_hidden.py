@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from support.callbacks import EncoderLM, LitLM, StepClock, direct_stats, lit, loader, record_outputs, trainer
+from support.callbacks import VOCAB, EncoderLM, LitLM, StepClock, direct_stats, lit, loader, record_outputs, trainer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 
@@ -126,6 +126,50 @@ def test_sequence_first_transformer_layers_are_read_batch_first(tmp_path):
     series = []
     for i, model in enumerate((first, seq)):
         callback = HiddenStateStatistics(every_n_steps=1, module_types="torch.nn.TransformerEncoderLayer")
+        trainer(tmp_path / str(i), [callback], max_steps=2).fit(LitLM(model), loader())
+        series.append(callback.values)
+    assert list(series[1]["var_data"]) == ["L00", "L01"]
+    for stat in STATS:
+        for tag, values in series[0][stat].items():
+            assert values == pytest.approx(series[1][stat][tag], rel=1e-4), (stat, tag)
+
+
+class OwnBlock(torch.nn.Module):
+    """A residual MLP block of a user's own, run on (T, B, d) when ``batch_first`` is False, as it says."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x)
+
+
+class OwnLM(torch.nn.Module):
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.embed = torch.nn.Embedding(VOCAB, 32)
+        self.blocks = torch.nn.ModuleList(OwnBlock(batch_first) for _ in range(2))
+        self.head = torch.nn.Linear(32, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) if self.batch_first else self.embed(x).transpose(0, 1)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h if self.batch_first else h.transpose(0, 1))
+
+
+def test_a_users_own_sequence_first_block_that_says_so_is_read_batch_first(tmp_path):
+    """A block of the user's own on (T, B, d) with ``batch_first = False`` (torch's own spelling) gives the series of
+    the same weights run batch-first; without the attribute its var_data was over the sequence axis."""
+    torch.manual_seed(0)
+    first, seq = OwnLM(batch_first=True), OwnLM(batch_first=False)
+    seq.load_state_dict(first.state_dict())
+    series = []
+    for i, model in enumerate((first, seq)):
+        callback = HiddenStateStatistics(every_n_steps=1, layer_pattern=r"model\.blocks\.(\d+)$")
         trainer(tmp_path / str(i), [callback], max_steps=2).fit(LitLM(model), loader())
         series.append(callback.values)
     assert list(series[1]["var_data"]) == ["L00", "L01"]
