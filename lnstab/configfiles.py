@@ -18,7 +18,8 @@ from lnstab.safeload import bound_jsonargparse, load_yaml
 
 
 def expand_extends(argv: list[str]) -> list[str]:
-    """Put each ``--config`` file's ``extends`` chain (base first) in front of it as further ``--config`` args.
+    """Put each ``--config`` file's ``extends`` chain (base first) in front of it as further ``--config`` args; a
+    file already in front of an earlier one (the ``base.yaml`` two experiment files extend) is not repeated.
 
     Raises:
         LNStabError: A file that is missing, not a YAML mapping, past a bound of :mod:`lnstab.safeload`, or an
@@ -26,6 +27,7 @@ def expand_extends(argv: list[str]) -> list[str]:
     """
     bound_jsonargparse()
     out: list[str] = []
+    applied: set[Path] = set()
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -38,7 +40,9 @@ def expand_extends(argv: list[str]) -> list[str]:
             i += 1
             continue
         for p in _extends_chain(Path(path)):
-            out += ["--config", str(p)]
+            if p.resolve() not in applied:  # a base two experiment files share is read once, first: replayed
+                applied.add(p.resolve())  # before the second file, it would undo what the first one set
+                out += ["--config", str(p)]
     return out
 
 

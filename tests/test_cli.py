@@ -78,6 +78,19 @@ def test_paper_scale_values(capsys) -> None:
     assert 8 * c["data"]["init_args"]["batch_size"] * c["model"]["block_size"] == 262_144
 
 
+def test_two_experiment_files_on_one_base_read_the_base_once(capsys) -> None:
+    """``--config quickstart.yaml --config gpt2_pre_dt1.yaml`` (both extend base.yaml): base.yaml was read again
+    before the second file, so the paper's 60k steps on 8 GPUs silently undid the quickstart's CPU settings; the later
+    file now wins with its own keys only, as docs/experiments.md says."""
+    experiments = Path(__file__).parents[1] / "experiments"
+    quick, pre, base = (str(experiments / f) for f in ("quickstart.yaml", "gpt2_pre_dt1.yaml", "base.yaml"))
+    assert expand_extends(["fit", "--config", quick, "--config", pre]) == [
+        "fit", "--config", base, "--config", quick, "--config", pre]
+    config = resolved_config(Path(quick), capsys, "--config", pre)
+    assert config["model"]["norm_placement"] == "pre" and config["trainer"]["max_steps"] == 300
+    assert config["trainer"]["accelerator"] == "cpu" and config["model"]["n_embd"] == 64
+
+
 def test_extends_chain_expands_base_first_and_refuses_cycles(tmp_path) -> None:
     (tmp_path / "a.yaml").write_text("extends: b.yaml\n")
     (tmp_path / "b.yaml").write_text("extends: c.yaml\n")
