@@ -152,6 +152,23 @@ def bidirectional_lm() -> nn.Module:
     return BidirectionalLM()
 
 
+class PeekInTrainingLM(EncoderLM):
+    """``encoder_lm``, causal in eval mode, that adds the next token's embedding in train mode: a training-only
+    branch that reads the answer."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return super().forward(idx)
+        T = idx.size(1)
+        x = self.embed(idx) + self.embed(torch.roll(idx, -1, dims=1)) + self.pos(torch.arange(T, device=idx.device))
+        return self.head(self.encoder(x, mask=nn.Transformer.generate_square_subsequent_mask(T), is_causal=True))
+
+
+def peek_in_training_lm() -> nn.Module:
+    """A model that is causal in eval mode only."""
+    return PeekInTrainingLM()
+
+
 class LastPositionLM(EncoderLM):
     """nanoGPT's inference forward: ``(logits of the last position, None)`` without targets."""
 

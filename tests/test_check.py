@@ -20,7 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lnstab.check.criteria import IDS
 from lnstab.cli import main
-from lnstab.rundir import read_summary
+from lnstab.rundir import read_json, read_summary
 
 TESTS = Path(__file__).parent
 
@@ -228,6 +228,8 @@ def test_a_block_skipped_in_training_is_named_as_why_growth_after_training_is_n_
         ([*GPT, "--n-head", "2"], "describe a --factory model"),
         (["--factory", "check_factories:not_a_module"], "it must return a torch.nn.Module"),
         (["--factory", "check_factories:bidirectional_lm", *ENCODER[2:]], "is not causal: changing tokens 8…15"),
+        (["--factory", "check_factories:peek_in_training_lm", *ENCODER[2:]],
+         "is not causal in train mode (its training forward: in eval mode it is causal): changing tokens 8…15"),
         (["--factory", "check_factories:encoder_lm", "--layer-pattern", "(unclosed"], "not a valid regular expression"),
         (["--hf", "/no/such/dir/gpt2"], "cannot be loaded"),
         ([], "exactly one of"),
@@ -345,11 +347,13 @@ def test_stress_runs_train_in_train_mode_with_dropout_off(tmp_path) -> None:
     assert not check_factories.denormals_flushed()  # the premise: this CPU keeps denormals unless told not to
     code, report = check(tmp_path / "card", "--factory", "check_factories:mode_lm", "--layer-pattern",
                          r"layers\.(\d+)$", "--lrs", "1e-2", *TINY, "--no-reference")
-    assert check_factories.MODES.count(True) == 7  # the 7 training steps (6 updates and the measured step after)
+    # the 7 training steps (6 updates and the measured step after), and the causality probe's two train-mode forwards
+    assert check_factories.MODES.count(True) == 7 + 2
     assert "1 dropout (nn.Dropout modules, nn.MultiheadAttention's) set to 0" in report["model"]["training"]
     # Denormals are flushed while a stress run trains (a speed-up, lnstab.check.training.denormals_flushed), in the
     # stress run only: not in the check's shape probes before it, nor in this process after it
-    assert [flushed for training, flushed in check_factories.FLUSHED if training] == [True] * 7
+    # (the causality probe's two train-mode forwards come first, in the check's own process: not flushed)
+    assert [flushed for training, flushed in check_factories.FLUSHED if training] == [False] * 2 + [True] * 7
     assert check_factories.FLUSHED[0] == (False, False)  # the check's first shape probe, before any stress run
     assert not check_factories.denormals_flushed()
 
@@ -376,6 +380,7 @@ def test_worker_processes_give_the_same_card(tmp_path) -> None:
     _, two = check(tmp_path / "two", *args, "--workers", "2")  # the later --workers wins
     assert two["provenance"]["machine"]["workers"] == 2 and one["provenance"]["machine"]["workers"] == 1
     assert [(r["id"], r["status"]) for r in one["criteria"]] == [(r["id"], r["status"]) for r in two["criteria"]]
+    one, two = (read_json(tmp_path / name / "report.json") for name in ("one", "two"))  # NaN back as a float
     for a, b in zip(one["criteria"], two["criteria"], strict=True):
         assert a["measured"] == pytest.approx(b["measured"], rel=1e-4, nan_ok=True), a["id"]
 

@@ -3,6 +3,7 @@ about where it was made (the lnstab version and the machine kind, never the mach
 
 from __future__ import annotations
 
+import copy
 import os
 import platform
 import re
@@ -14,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from lnstab.check.analysis import first_bad, summarise
 from lnstab.check.card import build_rows
@@ -110,10 +112,38 @@ def check_model(subject: Subject, vocab_size: int, seq_len: int, *, width: bool 
     later[:, half:] = (ids[:, half:] + 1) % vocab_size  # every token from the middle on changed
     b = probe_forward(model, later, subject.label)
     finite_at_init(subject.label, b)  # NaN is no evidence of reading ahead: it is not causal only if finite
+    refuse_reading_ahead(subject.label, a, b, half, T, "")
+    # The runs train in train mode: a branch only training takes (dropout, LayerDrop, one of the model's own) may
+    # read ahead where eval mode does not. Both forwards from the same seed take the same random choices.
+    # Each from a copy of the model as built, so that a model that counts its forwards takes the same branch twice.
+    trained = []
+    with torch.random.fork_rng(devices=[]):  # the check's own random state is left as it was
+        for x in (ids, later):
+            torch.manual_seed(1)
+            trained.append(probe_forward(fresh_copy(model, subject), x, subject.label, train=True))
+    a, b = trained
+    if torch.isfinite(a).all() and torch.isfinite(b).all():  # a model NaN in training diverges, and is graded so
+        refuse_reading_ahead(subject.label, a, b, half, T, " in train mode (its training forward: in eval mode it "
+                             "is causal)")
+
+
+def fresh_copy(model: nn.Module, subject: Subject) -> nn.Module:
+    """A copy of ``model`` as :func:`check_model` built it (it ran only in eval mode since): a deep copy, or the
+    subject built again from the same seed where the model does not copy."""
+    try:
+        return copy.deepcopy(model)
+    except Exception:  # a model holding something that does not copy (a lock, a file)
+        torch.manual_seed(0)
+        return subject.build()
+
+
+def refuse_reading_ahead(label: str, a: torch.Tensor, b: torch.Tensor, half: int, T: int, where: str) -> None:
+    """Refuse, in one line, logits ``a``/``b`` of token ids that differ from position ``half`` on whose positions
+    before ``half`` differ too: the model reads ahead."""
     early_a, early_b = a[:, :half].double(), b[:, :half].double()
     change = (early_a - early_b).abs().max().item()
     if not change <= 1e-5 * (1.0 + early_a.abs().max().item()):
-        raise LNStabError(f"{subject.label} is not causal: changing tokens {half}…{T - 1} changed its logits at "
+        raise LNStabError(f"{label} is not causal{where}: changing tokens {half}…{T - 1} changed its logits at "
                           f"positions 0…{half - 1} (by up to {change:.2g}); lnstab check trains next-token "
                           "prediction, which needs a causal language model (an encoder such as BERT sees the whole "
                           "sequence)")

@@ -54,13 +54,13 @@ def logits_of(out: Any) -> Any:
     return getattr(out, "logits", out)
 
 
-def probe_forward(model: nn.Module, ids: torch.Tensor, label: str) -> Any:
-    """The logits of ``model`` (:func:`logits_of`; eval mode, no grad) for ``ids``, or a one-line error naming
-    ``label`` when its forward fails or ends the process (``sys.exit``, ``os._exit``)."""
+def probe_forward(model: nn.Module, ids: torch.Tensor, label: str, train: bool = False) -> Any:
+    """The logits of ``model`` (:func:`logits_of`; eval mode, or train mode with ``train``; no grad) for ``ids``, or
+    a one-line error naming ``label`` when its forward fails or ends the process (``sys.exit``, ``os._exit``)."""
 
     try:
         with exits_caught(), torch.no_grad():
-            return logits_of(model.eval()(ids))
+            return logits_of(model.train(train)(ids))
     except SystemExit as exc:  # would end the check with the model's status (0: 'nothing fails') before any run
         raise LNStabError(f"{label} ended the process ({exit_call(exc)}) on token ids of shape {tuple(ids.shape)}, "
                           "before any training; lnstab check needs a forward that returns its logits") from None
