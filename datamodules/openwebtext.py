@@ -3,10 +3,12 @@ synthetic stream, packed into ``block_size + 1`` windows, sharded over ranks x w
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -437,14 +439,21 @@ class OpenWebTextDataModule(pl.LightningDataModule):
         return self._n_files >= num_shards and self._n_files > 1 and self._file0_docs >= self._val_docs
 
     def train_dataloader(self) -> DataLoader:
-        """Batches from :meth:`train_dataset`, continuing at the checkpointed position."""
-        return self._loader(self.train_dataset())
+        """Batches from :meth:`train_dataset`, continuing at the checkpointed position. Each epoch (Lightning
+        iterates the loader again after ``limit_train_batches``) continues the stream where the last one stopped,
+        so that a run resumed in a later epoch takes the batches the uninterrupted run took there."""
+        ds = self.train_dataset()
 
-    def _loader(self, ds: Any) -> DataLoader:
+        def continue_stream() -> None:
+            ds.plan = dataclasses.replace(ds.plan, start_batch=self.batches_consumed)
+
+        return self._loader(ds, continue_stream)
+
+    def _loader(self, ds: Any, before_iter: Callable[[], None] | None = None) -> DataLoader:
         w = self.hparams.num_workers
         return SignalSafeDataLoader(
             ds, batch_size=None, num_workers=w, pin_memory=torch.cuda.is_available(), prefetch_factor=4 if w else None,
-            worker_init_fn=ignore_stop_signals if w else None,
+            worker_init_fn=ignore_stop_signals if w else None, before_iter=before_iter,
         )
 
     def val_dataloader(self) -> DataLoader:

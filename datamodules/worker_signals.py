@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from torch.utils.data import DataLoader
 
@@ -59,7 +61,14 @@ class SignalSafeDataLoader(DataLoader):
     is delivered to the main process as soon as the workers exist.
     """
 
+    def __init__(self, *args: Any, before_iter: Callable[[], None] | None = None, **kwargs: Any) -> None:
+        """``before_iter``: called as each iteration (each epoch) starts, before workers copy the dataset."""
+        self.before_iter = before_iter
+        super().__init__(*args, **kwargs)
+
     def __iter__(self):  # noqa: ANN204 - the DataLoader's iterator type is private
+        if self.before_iter is not None:
+            self.before_iter()
         if not self.num_workers or threading.current_thread() is not threading.main_thread():
             return super().__iter__()
         with blocked(_BLOCKED_AT_FORK):

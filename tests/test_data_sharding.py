@@ -124,13 +124,13 @@ class Recorder(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-def fit(dm, tmp_path, max_steps, ckpt_path=None) -> Recorder:
+def fit(dm, tmp_path, max_steps, ckpt_path=None, **trainer_args) -> Recorder:
     model = Recorder()
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
     trainer = pl.Trainer(
         max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[ckpt], val_check_interval=1000,
-        check_val_every_n_epoch=None,
+        check_val_every_n_epoch=None, **trainer_args,
     )  # fmt: skip
     trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
     return model
@@ -147,6 +147,25 @@ def test_lightning_checkpoint_resume_reads_the_next_batches(docs_file, tmp_path)
     assert len(full.seen) == 7 and len(resumed.seen) == 4
     for a, b in zip(full.seen[3:], resumed.seen, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("source", ["files", "synthetic"])
+def test_epochs_continue_the_stream_and_a_resume_in_a_later_epoch_takes_the_same_batches(docs_file, tmp_path,
+                                                                                          source):
+    """``limit_train_batches`` makes epochs of 2 batches, and Lightning iterates the loader again for each: every
+    epoch began again at the position the loader was built with, so an uninterrupted run trained on its first two
+    batches over and over and a run resumed at step 3 on batches 3 and 4 over and over (a helper probing as a user
+    saw 32 of 60 losses differ)."""
+    path, _ = docs_file
+    make = (lambda: files_module(path, num_workers=2)) if source == "files" else (
+        lambda: OpenWebTextDataModule(source="synthetic", block_size=T, batch_size=B, synthetic_tokens=20_000,
+                                      num_workers=2))
+    full = fit(make(), tmp_path / "a", max_steps=7, limit_train_batches=2)
+    one_epoch = fit(make(), tmp_path / "c", max_steps=7)
+    assert len(full.seen) == 7 and all(torch.equal(a, b) for a, b in zip(full.seen, one_epoch.seen, strict=True))
+    ckpt = next((tmp_path / "a" / "ckpt").glob("*step=3.ckpt"))
+    resumed = fit(make(), tmp_path / "b", max_steps=7, ckpt_path=str(ckpt), limit_train_batches=2)
+    assert len(resumed.seen) == 4 and all(torch.equal(a, b) for a, b in zip(full.seen[3:], resumed.seen, strict=True))
 
 
 def test_many_files_are_sharded_by_file_and_still_cover_the_stream(tmp_path, docs_file):
