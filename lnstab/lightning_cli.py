@@ -130,6 +130,9 @@ class LNStabCLI(LightningCLI):
             owner = runs.run_of_checkpoint(ckpt)
             run_dir = run_dir or (str(owner) if owner is not None else None)
         if sub == "fit" and ckpt is None and run_dir:
+            if c.get("ckpt_path") == "auto" and (moved := runs.set_aside_unresumable(run_dir)) is not None:
+                print(f"lnstab: {run_dir} held a run (status {moved[1]}) with no checkpoint to resume; its files are "
+                      f"in {moved[0]}, and this run starts afresh", file=sys.stderr)
             runs.check_fresh_run_dir(run_dir)
         if sub == "fit" and not run_dir and loggers:  # Lightning will make save_dir/name/version_N: can it?
             check_writable(Path(loggers[0]["save_dir"]) / (loggers[0].get("name") or ""))
@@ -411,6 +414,10 @@ def run(argv: list[str]) -> None:
             own_line = "\n" if status is not None and status.bar_drawing else ""  # not after a progress bar's text
             print(f"{own_line}lnstab: lnstab {argv[0]} stopped by {signal.Signals(exc.signum).name} before it wrote "
                   "its result", file=sys.stderr)
+        elif exc.at_once:  # the line before said it would stop after this step with a checkpoint: it did not
+            print(f"\nlnstab: stopped at once by a second {signal.Signals(exc.signum).name}, without a checkpoint of "
+                  "this step; --ckpt_path auto resumes the run's last checkpoint, or starts it afresh if it has none",
+                  file=sys.stderr)
         raise SystemExit(128 + exc.signum) from None
     except Exception as exc:
         status = LNStabCLI.run_status

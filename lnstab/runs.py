@@ -86,10 +86,55 @@ def check_fresh_run_dir(run_dir: str | os.PathLike) -> None:
             status = read_summary(path).get("status", "unknown")
         except RunFileError as exc:
             status = f"unknown: {exc.path.name} is damaged: {exc.problem}"
+        live = status == "running" and runlock.holder(path) and not runlock.abandoned(path)
+        resumable = live or status not in UNFINISHED or newest_checkpoint(path) is not None
         raise ConfigError(
             f"--run_dir {path} already holds a run (status {status}); resume it with --ckpt_path last, or choose "
-            f"another --run_dir"
+            f"another --run_dir" if resumable else
+            f"--run_dir {path} already holds a run (status {status}) with no checkpoint to resume; start it afresh "
+            f"with --ckpt_path auto (its files move to {path / ATTEMPTS_DIR}/), or choose another --run_dir"
+            if launched_alone() else
+            f"--run_dir {path} already holds a run (status {status}) with no checkpoint to resume; move it away, or "
+            "choose another --run_dir (its ranks were launched at once, so --ckpt_path auto does not move it)"
         )
+
+
+UNFINISHED = ("running", "interrupted", "failed")  # statuses of a run that holds no result
+ATTEMPTS_DIR = "attempts"  # <run>/attempts/<k>: earlier attempts --ckpt_path auto moved aside, nothing resumable
+
+
+def launched_alone() -> bool:
+    """Whether this process is the only one its launcher started (or rank zero of Lightning's own launcher, which
+    starts the other ranks after it has parsed the command line): ``torchrun``/``srun`` start every rank at once."""
+    many = any(os.environ.get(v, "1").strip() not in ("", "0", "1") for v in ("WORLD_SIZE", "SLURM_NTASKS"))
+    return runlock.launched_as_rank_zero() and not many
+
+
+def set_aside_unresumable(run_dir: str | os.PathLike) -> tuple[Path, str] | None:
+    """``--ckpt_path auto`` in a run directory whose run has no checkpoint and no result (killed before its first
+    checkpoint, stopped by a second Ctrl-C, failed early): its files move to ``<run_dir>/attempts/<k>`` so that the
+    fit starts afresh there, as a sweep moves such a run aside; ``(where they went, the old status)``, or ``None``
+    when there is nothing to move or it may not be moved (a live run, a result, a damaged summary, several ranks
+    launched at once: :func:`check_fresh_run_dir` then says why)."""
+    path = Path(run_dir)
+    if not any(os.path.lexists(path / n) for n in (CONFIG_FILE, SUMMARY_FILE, CHECKPOINT_DIR)) or not launched_alone():
+        return None
+    try:
+        status = read_summary(path).get("status", "unknown") if (path / SUMMARY_FILE).is_file() else "unknown"
+    except RunFileError:
+        return None
+    live = runlock.holder(path) and not runlock.abandoned(path)
+    if status not in UNFINISHED or (status == "running" and live) or newest_checkpoint(path) is not None:
+        return None
+    attempts = path / ATTEMPTS_DIR
+    attempts.mkdir(exist_ok=True)
+    k = 1 + max((int(p.name) for p in attempts.iterdir() if p.name.isdigit()), default=0)
+    target = attempts / str(k)
+    target.mkdir()
+    for entry in path.iterdir():
+        if entry.name not in (ATTEMPTS_DIR, runlock.LOCK_FILE):
+            os.replace(entry, target / entry.name)
+    return target, status
 
 
 # What a fit writes into its run directory before it begins: the lock, the TensorBoard logger's event file (made

@@ -444,3 +444,31 @@ def test_a_divergence_under_policy_continue_is_a_result_not_a_crash(tmp_path) ->
     assert summary["status"] == "diverged" and summary["diverged_step"] is not None
     for ckpt in (run / "checkpoints").glob("*.ckpt"):  # none with NaN weights
         assert all(torch.isfinite(v).all() for v in torch.load(ckpt, weights_only=True)["state_dict"].values())
+
+
+def test_auto_starts_afresh_a_run_left_without_a_checkpoint_and_keeps_its_files(tmp_path, capsys) -> None:
+    """A run stopped before its first checkpoint (a double Ctrl-C, a kill at start-up): ``--ckpt_path last`` said
+    'use --ckpt_path auto to start afresh' and ``auto`` said 'resume it with --ckpt_path last', so the directory could
+    be neither resumed nor restarted. ``auto`` now moves its files to ``attempts/1`` and starts afresh; a run with a
+    result, or one still running, is never moved."""
+    cfg, run = tiny_config(tmp_path), tmp_path / "r"
+    fit("--config", str(cfg), "--run_dir", str(run))
+    for ckpt in (run / "checkpoints").iterdir():  # as a double Ctrl-C leaves it: interrupted, nothing saved
+        ckpt.unlink()
+    (run / "checkpoints").rmdir()
+    summary = read_summary(run)
+    (run / "summary.json").write_text(json.dumps({**summary, "status": "interrupted", "interrupted_step": None}))
+    old = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.name != ".lnstab.lock"}
+    err = one_line_error(capsys, "fit", "--config", str(cfg), "--run_dir", str(run))
+    assert "holds a run (status interrupted) with no checkpoint to resume; start it afresh with --ckpt_path auto" in err
+    capsys.readouterr()
+    fit("--config", str(cfg), "--run_dir", str(run), "--ckpt_path", "auto")
+    assert f"its files are in {run / 'attempts' / '1'}, and this run starts afresh" in capsys.readouterr().err
+    assert read_summary(run)["status"] == "completed" and read_summary(run)["final_step"] == 4
+    assert {p.name: p.read_bytes() for p in (run / "attempts" / "1").iterdir()} == old  # nothing lost
+    # a completed run whose checkpoints are gone holds a result: auto refuses it, as before
+    for ckpt in (run / "checkpoints").iterdir():
+        ckpt.unlink()
+    err = one_line_error(capsys, "fit", "--config", str(cfg), "--run_dir", str(run), "--ckpt_path", "auto")
+    assert "already holds a run (status completed); resume it with --ckpt_path last" in err
+    assert sorted(p.name for p in (run / "attempts").iterdir()) == ["1"]

@@ -163,8 +163,10 @@ def with_helpers(tmp_path: Path, monkeypatch, callback: dict | None = None, data
 
 
 @pytest.mark.system
-def test_a_second_ctrl_c_stops_at_once_with_exit_130(tmp_path, monkeypatch) -> None:
-    """Before: the second Ctrl-C's KeyboardInterrupt made Lightning exit 1."""
+def test_a_second_ctrl_c_stops_at_once_with_exit_130(tmp_path, monkeypatch, capsys) -> None:
+    """Before: the second Ctrl-C's KeyboardInterrupt made Lightning exit 1. Its last line then still said 'stopping
+    after this optimizer step with a resumable checkpoint'; it says now that no checkpoint of the step was written,
+    and --ckpt_path auto, as it says, carries the run on (moving aside a run with no checkpoint at all)."""
     cfg = with_helpers(tmp_path, monkeypatch, callback={"at": 2, "signum": int(signal.SIGINT), "times": 2})
     run = tmp_path / "run"
     with pytest.raises(SystemExit) as info:
@@ -173,6 +175,10 @@ def test_a_second_ctrl_c_stops_at_once_with_exit_130(tmp_path, monkeypatch) -> N
     summary = read_summary(run)
     assert summary["status"] == "interrupted" and summary["signal"] == "SIGINT"
     assert summary["interrupted_step"] is None  # no checkpoint of the step it stopped in
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("lnstab: stopped at once by a second SIGINT, without a checkpoint of this step"), last
+    fit("--config", str(cfg), "--run_dir", str(run), "--ckpt_path", "auto", "--trainer.callbacks", "[]")
+    assert read_summary(run)["status"] == "completed" and read_summary(run)["final_step"] == 8
 
 
 @pytest.mark.system
