@@ -199,3 +199,18 @@ def test_a_malformed_data_file_is_refused_in_one_line(text, said, tmp_path, monk
     with pytest.raises(DataFileError) as info:
         sets.load_rows()
     assert str(info.value) == said
+
+
+def test_the_check_pages_table_says_what_each_committed_card_says() -> None:
+    """docs/check/README.md's table of the five placement cards is written by hand: after issue 39 re-graded the
+    cards (mechanisms warn), it still showed Post-LN and the output norm alone FAIL on gradient spread and
+    attention, which the same page says cannot happen (a helper probing as a user found it)."""
+    page = VALIDATION.parent / "README.md"
+    lines = [line for line in page.read_text(encoding="utf-8").splitlines() if line.startswith("| [")]
+    assert len(lines) == 5
+    for line in lines:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        card = read_json(page.parent / cells[0].split("(", 1)[1].split("/", 1)[0] / "report.json")
+        assert cells[1] == f"**{card['status'].upper()}** ({card['exit_code']})", cells[0]
+        statuses = [c["status"].upper().replace("N/A", "n/a") for c in card["criteria"]]
+        assert cells[2:2 + len(statuses)] == statuses, cells[0]
