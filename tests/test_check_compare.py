@@ -83,6 +83,23 @@ def test_cards_missing_on_one_side_are_named_and_exit_1(tmp_path) -> None:
     assert code == 1 and f"**Verdicts: {n} of {n} the same**; only in OLD: rezero." in text
 
 
+def test_a_criterion_on_one_side_only_is_named_and_exit_1_and_a_card_without_criteria_is_refused(tmp_path,
+                                                                                                  capsys) -> None:
+    """A card of an older lnstab without a criterion (or of a newer one with one more) read as '10 of 10 the same',
+    exit 0, and a card with an empty criteria list as '0 of 0 the same' (a helper probing as a user found both)."""
+    shutil.copytree(VALIDATION / "olmo2", tmp_path / "old")
+    shutil.copytree(VALIDATION / "olmo2", tmp_path / "new")
+    edit(tmp_path / "new" / "report.json", lambda d: d.update(criteria=[c for c in d["criteria"]
+                                                                        if c["id"] != "divergence"]))
+    text, code = compare(str(tmp_path / "old"), str(tmp_path / "new"))
+    n = len(BY_ID) - 1
+    assert code == 1 and f"**Criterion statuses: {n} of {n} the same**; `divergence` of card only in OLD." in text
+    edit(tmp_path / "new" / "report.json", lambda d: d.update(criteria=[]))
+    with pytest.raises(SystemExit) as info:
+        main(["check", "--compare", str(tmp_path / "old"), str(tmp_path / "new")])
+    assert info.value.code == 2 and "report.json is not lnstab check's (no criteria)" in capsys.readouterr().err
+
+
 def test_a_non_finite_measurement_as_cards_store_it_is_read_back_as_a_number(tmp_path) -> None:
     # report.json stores NaN as {"$float": "nan"} (strict JSON); Pre-LN's bound is one (n/a: no output norms)
     assert criterion(json.loads((VALIDATION / "pre-ln" / "report.json").read_text()), "bound")["measured"] == {

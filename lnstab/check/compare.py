@@ -60,7 +60,8 @@ def _read(file: Path, path: str) -> dict[str, Any]:
     its tagged non-finite numbers (``{"$float": "nan"}``) back as floats, and every field this comparison reads of
     the type a card gives it (:func:`check_card`); a damaged or malformed file is a one-line error."""
     data = read_json(file)
-    if not isinstance(data, dict) or file.name == "report.json" and not isinstance(data.get("criteria"), list):
+    if not isinstance(data, dict) or file.name == "report.json" and not (isinstance(data.get("criteria"), list)
+                                                                          and data["criteria"]):
         raise LNStabError(f"--compare {path}: {file.name} is not lnstab check's (no criteria)")
     if file.name == "report.json":
         check_card(data, f"--compare {path}: {file}")
@@ -193,10 +194,14 @@ def compare(old: str, new: str) -> tuple[str, int]:
             (("OLD", [r for r in a if r not in b]), ("NEW", [r for r in b if r not in a])) if rows]
     verdicts = [(r, a[r].get("status"), b[r].get("status")) for r in common
                 if a[r].get("status") != b[r].get("status")]
-    cells, moves = [], []
+    cells, moves, one_sided = [], [], []
     n_criteria = 0
     for r in common:
         by_id = {c.get("id"): c for c in b[r]["criteria"] if isinstance(c, dict)}
+        ids_a = [c.get("id") for c in a[r]["criteria"] if isinstance(c, dict)]
+        one_sided += [f"`{cid}` of {r} only in {side}" for side, ids in
+                      (("OLD", [i for i in ids_a if i not in by_id]), ("NEW", [i for i in by_id if i not in ids_a]))
+                      for cid in ids]
         for ca in a[r]["criteria"]:
             cb = by_id.get(ca.get("id")) if isinstance(ca, dict) else None
             if cb is None or ca.get("id") is None:
@@ -220,7 +225,8 @@ def compare(old: str, new: str) -> tuple[str, int]:
     if verdicts:
         lines += ["| row | OLD | NEW |", "|---|---|---|",
                   *[f"| {r} | {MARK.get(x, x)} | {MARK.get(y, y)} |" for r, x, y in verdicts], ""]
-    lines += [f"**Criterion statuses: {n_criteria - len(cells)} of {n_criteria} the same.** A status may change "
+    lines += [f"**Criterion statuses: {n_criteria - len(cells)} of {n_criteria} the same"
+              + (f"**; {'; '.join(one_sided)}." if one_sided else ".**") + " A status may change "
               "because the measurement moved or because its thresholds did (most are set by the references' "
               "measurements, which move too).", ""]
     if cells:
@@ -237,7 +243,7 @@ def compare(old: str, new: str) -> tuple[str, int]:
                   *[f"| {r} | `{cid}` | {shown(cid, x)} | {shown(cid, y)} | "
                     f"{'one side not finite' if not math.isfinite(m) else f'{m:.1%}'} |"
                     for m, r, cid, x, y in largest], ""]
-    return "\n".join(lines), int(bool(verdicts or only))
+    return "\n".join(lines), int(bool(verdicts or only or one_sided))
 
 
 INPUTS = (("model", lambda c: (c.get("model") or {}).get("description")),
