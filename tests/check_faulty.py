@@ -67,6 +67,20 @@ class NoParameters(nn.Module):
         return x
 
 
+class InterruptsInTraining(EncoderLM):
+    """Raises ``KeyboardInterrupt`` in its first training forward (a forward with grad)."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            raise KeyboardInterrupt
+        return super().forward(idx)
+
+
+def interrupts_in_training() -> nn.Module:
+    """A model whose training forward raises ``KeyboardInterrupt``."""
+    return InterruptsInTraining()
+
+
 class DetachedLogits(EncoderLM):
     """Logits cut off from the parameters: the loss has no gradient."""
 

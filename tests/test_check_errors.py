@@ -58,6 +58,20 @@ def check_process(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=540)
 
 
+@pytest.mark.system
+def test_a_model_that_raises_keyboardinterrupt_in_training_is_said_to_and_exit_3(tmp_path) -> None:
+    """Lightning's fit turns a KeyboardInterrupt into sys.exit(1): the line said 'the model ended the process during
+    training (sys.exit(1))' of a model that never called it. In a process of its own: Lightning also sets SIGINT to
+    be ignored in the process it ran in."""
+    out = tmp_path / "card"
+    done = check_process(tmp_path, "--factory", "check_faulty:interrupts_in_training", "--layer-pattern",
+                         r"layers\.(\d+)$", *ONE_RUN, "--workers", "1", "--out", str(out))
+    err = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 3 and err.startswith("lnstab: error: "), done.stderr[-2000:]
+    assert "KeyboardInterrupt: the model raised KeyboardInterrupt during training, which Lightning's fit ends with " \
+           "sys.exit(1)" in err and "ended the process" not in err, err
+
+
 @pytest.mark.slow
 @pytest.mark.system
 @pytest.mark.timeout(600)

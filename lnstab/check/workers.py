@@ -103,6 +103,9 @@ def run_job(job: Job) -> Any:
                 cache.store(job.cache, key, result)
             return result
     except SystemExit as exc:  # would pass `except Exception` and end the check with the model's status (0: a pass)
+        if isinstance(exc.__context__, KeyboardInterrupt):  # Lightning's fit turns one into sys.exit(1)
+            return Failure(job.index, "KeyboardInterrupt", "the model raised KeyboardInterrupt during training, which "
+                           "Lightning's fit ends with sys.exit(1)", "".join(traceback.format_exception(exc)))
         return Failure(job.index, "SystemExit", f"the model ended the process during training ({exit_call(exc)})",
                        "".join(traceback.format_exception(exc)))
     except Exception as exc:
