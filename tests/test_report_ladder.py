@@ -64,7 +64,8 @@ def test_each_seed_has_its_own_sensitivity_and_the_interval_is_students(tmp_path
     assert rows["pre"]["lr_sensitivity"] == pytest.approx(statistics.fmean(pre))
     # the first configuration in the report's order (here by name: no sweep manifest) is the reference
     peri = [hand_sensitivity(LOSSES["peri"][s]) for s in range(3)]
-    assert rows["peri"]["diff_vs_first"] == 0.0
+    assert math.isnan(rows["peri"]["diff_vs_first"])  # the reference against itself: no difference measured
+    assert [r["− peri (Welch 95 %)"] for r in table.markdown_rows][0] == "–"
     assert (rows["pre"]["diff_vs_first"], rows["pre"]["diff_ci_low"], rows["pre"]["diff_ci_high"]) == pytest.approx(
         welch_interval(pre, peri))
     assert rows["pre"]["diverged"] == 1 and rows["peri"]["diverged"] == 0

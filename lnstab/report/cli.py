@@ -32,10 +32,12 @@ TABLES = {
     "performance": ("Performance: mean ± std over the completed runs (n = used/all)", performance_table),
     "stability": ("Stability: end of training, mean ± std over the runs with data (n = used/all)", stability_table),
     "lr_sensitivity": ("LR sensitivity (Wortsman et al. 2023): mean over the learning-rate ladder of "
-                       "min(L, L_init) − L* per configuration", lr_sensitivity_table),
-    "lr_ladder": ("LR sensitivity per seed: mean with Student's 95 % interval, the difference to the first "
-                  "configuration with Welch's, and the final loss at each rate as mean [min, max] over seeds",
-                  ladder_table),
+                       "min(L, L_init) − L* per configuration, of the losses averaged over seeds first",
+                       lr_sensitivity_table),
+    "lr_ladder": ("LR sensitivity per seed: each seed's own ladder against its own L*, then the mean with Student's "
+                  "95 % interval (never below the seed-averaged value above, since each seed's L* is its own "
+                  "minimum), the difference to the first configuration with Welch's, and the final loss at each rate "
+                  "as mean [min, max] over seeds", ladder_table),
     "logits": ("Attention and output logits: largest attention logit (over layers and steps), smallest attention "
                "entropy, largest collapsed fraction, last mean log Z, largest output logit; mean ± std over runs",
                logit_table),

@@ -147,21 +147,24 @@ def ladder_table(records: list[RunRecord]) -> Table:
     for d in found:
         sens = d.sensitivities()
         mean, low, high = mean_interval(sens)
-        diff, dlow, dhigh = welch_interval(sens, reference)
+        # the first configuration is the reference: its difference to itself is no measurement (blank, not 0 ± w)
+        diff, dlow, dhigh = welch_interval(sens, reference) if d is not found[0] else (math.nan,) * 3
         best = d.best
-        diverged = sum(r.status == "diverged" for r in d.runs)
+        finished = [r for r in d.runs if r.status in ("completed", "diverged")]  # as the divergence table counts
+        diverged = sum(r.status == "diverged" for r in finished)
         cells = {names[k]: _show(d.values[k]) for k in keys}
         row: dict[str, Any] = {**cells, "seeds": len(sens), "lr_sensitivity": mean, "ci_low": low, "ci_high": high,
                                "per_seed": " ".join(f"{s:.4g}" for s in sens), "diff_vs_first": diff,
                                "diff_ci_low": dlow, "diff_ci_high": dhigh, "best_lr": best[0] if best else None,
                                "best_loss": best[1] if best else None, "initial_loss": d.initial,
-                               "diverged": diverged, "runs": len(d.runs)}
+                               "diverged": diverged, "finished": len(finished), "runs": len(d.runs)}
         shown = {**cells, "seeds": str(len(sens)),
                  "LR sensitivity (95 % CI)": f"{number(mean, blank_nan=True)} {interval(low, high)}",
                  "per seed": ", ".join(f"{s:.3g}" for s in sens) or "–",
-                 f"− {found[0].label} (Welch 95 %)": f"{number(diff, 3, blank_nan=True)} {interval(dlow, dhigh)}",
+                 f"− {found[0].label} (Welch 95 %)": "–" if d is found[0] else
+                 f"{number(diff, 3, blank_nan=True)} {interval(dlow, dhigh)}",
                  "best lr": number(best[0] if best else None), "L*": number(best[1] if best else None),
-                 "diverged": f"{diverged}/{len(d.runs)}"}
+                 "diverged": f"{diverged}/{len(finished)}"}
         for lr in ladder:
             losses = d.losses_at(lr)
             row[f"loss@{lr:g}"] = statistics.fmean(losses) if losses else None
