@@ -130,6 +130,15 @@ class GrowthBoundMonitor(TapCallback):
         return self._generate_state_key(every_n_steps=self.every_n_steps, norm_pattern=self.norm_pattern.pattern,
                                         **extra)
 
+    def layout_sources(self, root: nn.Module) -> set[str]:
+        """The dashboard charts this monitor fills on ``root`` (:func:`lnstab.callbacks.layout.layout_sources`): the
+        growth fits always, Theorem 4's bound only where it finds output norms (a Pre-LN model has none)."""
+        try:
+            found = bool(self.find_norms(root))
+        except Exception:  # a model it cannot read: its own setup says why
+            found = True
+        return {cls.__name__ for cls in type(self).__mro__} | ({"GrowthBoundMonitor:norms"} if found else set())
+
     def find_norms(self, root: nn.Module) -> list[tuple[nn.Module, float]]:
         """``(norm, Δt)`` per residual update: the model's ``output_norms()``, else the modules ``norm_pattern``
         matches."""

@@ -59,7 +59,7 @@ def categories() -> dict[str, list[Chart]]:
                  for name in _stats.names_of("attention")]
     output = [named(f"output/{name.removeprefix('output_')}", "OutputLogitStatistics",
                     f"output/{name.removeprefix('output_')}") for name in _stats.names_of("logits")]
-    bound, grads = "GrowthBoundMonitor", "GradientStatistics"
+    bound, norms, grads = "GrowthBoundMonitor", "GrowthBoundMonitor:norms", "GradientStatistics"
     return {
         "Training": [
             exact("loss (train, val, test)", None, "train/loss", "val/loss", "test/loss"),
@@ -76,12 +76,12 @@ def categories() -> dict[str, list[Chart]]:
             exact("epoch", None, "epoch"),
         ],
         "Hidden states": hidden,
-        "Growth bound": [
-            named("bound/ma: final mean |h| and its bound", bound, "bound/ma_final", "bound/ma_bound"),
-            named("bound/slack: bound - mean |h|, min over sequences", bound, "bound/slack"),
-            named("bound/var: final variance and its bound", bound, "bound/var_final", "bound/var_bound"),
-            named("bound/var_slack: bound - variance", bound, "bound/var_slack"),
-            named("bound/violations", bound, "bound/violations"),
+        "Growth bound": [  # only where the monitor found output norms (GrowthBoundMonitor.layout_sources)
+            named("bound/ma: final mean |h| and its bound", norms, "bound/ma_final", "bound/ma_bound"),
+            named("bound/slack: bound - mean |h|, min over sequences", norms, "bound/slack"),
+            named("bound/var: final variance and its bound", norms, "bound/var_final", "bound/var_bound"),
+            named("bound/var_slack: bound - variance", norms, "bound/var_slack"),
+            named("bound/violations", norms, "bound/violations"),
         ],
         "Growth across depth": [
             named("growth/linear_slope", bound, "growth/linear_slope"),
@@ -127,10 +127,20 @@ def stability_layout(sources: Collection[str] | None = None) -> dict[str, dict[s
     return out
 
 
+def layout_sources(callback: Callback, pl_module: pl.LightningModule) -> set[str]:
+    """The chart sources ``callback`` fills: its ``layout_sources(pl_module)`` where it has one (an instrument that
+    logs some of its charts only on some models), else the names of its class and its bases."""
+    own = getattr(callback, "layout_sources", None)
+    if callable(own):
+        return set(own(pl_module))
+    return {cls.__name__ for cls in type(callback).__mro__}
+
+
 class StabilityLayout(Callback):
     """Adds :func:`stability_layout` to the TensorBoard run once, in ``setup`` (no-op without a TensorBoardLogger):
     the training charts (z-loss where the module's ``hparams.z_loss`` > 0) and those of the instruments among
-    ``trainer.callbacks`` (subclasses count).
+    ``trainer.callbacks`` (subclasses count) that they will fill (:func:`layout_sources`: Theorem 4's charts only
+    where ``GrowthBoundMonitor`` finds output norms, the evaluation's only where ``FinalEvaluation`` runs).
 
     **Logged metrics**: none (a layout in the TensorBoard *Custom Scalars* tab; docs/dashboard.md).
 
@@ -152,7 +162,7 @@ class StabilityLayout(Callback):
     def _add(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         writer = tensorboard_writer(trainer)
         if writer is not None:
-            sources = {cls.__name__ for callback in trainer.callbacks for cls in type(callback).__mro__}
+            sources = {source for callback in trainer.callbacks for source in layout_sources(callback, pl_module)}
             z_loss = pl_module.hparams.get("z_loss")
             if isinstance(z_loss, int | float) and z_loss > 0:
                 sources.add("z_loss")

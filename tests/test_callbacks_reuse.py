@@ -12,6 +12,7 @@ from fsdp_cpu import CPUDDPSpawnStrategy
 from lightning.pytorch.loggers import CSVLogger
 from support.callbacks import LitLM, gpt, lit, loader, tokens, trainer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.custom_scalar import layout_pb2
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lnstab.callbacks import (
@@ -70,6 +71,10 @@ def test_every_callback_runs_unchanged(tmp_path, kind):
     assert callbacks[5].events == []
     assert read_summary(log_dir)["status"] == "completed"
     assert events.PluginTagToContent("custom_scalars")
+    written = layout_pb2.Layout()  # Theorem 4's charts only where the bound is logged (they were empty elsewhere)
+    written.ParseFromString(events.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
+    categories = [c.title for c in written.category]
+    assert ("Growth bound" in categories) == (kind == "gpt") and "Growth across depth" in categories
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in t.lightning_module.modules())
 
 
@@ -87,6 +92,15 @@ def test_layout_charts_each_statistic_per_layer():
     for prefixed in ("mlp/hidden/mean_abs/L07", "probe/mlp/hidden/mean_abs/L07"):  # metric_prefix: the same chart
         assert re.match(chart[1][0], prefixed) and not re.match(chart[1][0], prefixed.replace("mean_abs", "max_abs"))
     assert not re.match(chart[1][0], "xhidden/mean_abs/L07")
+
+
+def test_an_evaluation_that_never_runs_has_no_charts():
+    from lnstab.callbacks.layout import layout_sources
+    from lnstab.evaluation.callback import FinalEvaluation
+
+    assert stability_layout(layout_sources(FinalEvaluation(on_fit_end=False), None)).get("Evaluation")
+    never = FinalEvaluation(on_fit_end=False, on_test_end=False)
+    assert "Evaluation" not in stability_layout(layout_sources(never, None))
 
 
 def test_layout_leaves_out_the_charts_of_instruments_not_present():

@@ -70,6 +70,12 @@ class FinalEvaluation(Callback):
         self.path = None
         self.test_stage = "test"  # the stage recorded in eval.json at the end of test ("evaluate" for lnstab evaluate)
 
+    def layout_sources(self, pl_module: Any) -> set[str]:
+        """The dashboard's evaluation charts (:func:`lnstab.callbacks.layout.layout_sources`) where this evaluates at
+        the end of fit or of test (``lnstab test`` of the run fills them later); none where it never does."""
+        names = {cls.__name__ for cls in type(self).__mro__}
+        return names if any(self.run_on.values()) else names - {"FinalEvaluation"}
+
     @property
     @override
     def state_key(self) -> str:
