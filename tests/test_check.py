@@ -240,6 +240,9 @@ def test_a_block_skipped_in_training_is_named_as_why_growth_after_training_is_n_
         ([*GPT, "--measure-every", "4"], "it must divide the number of steps"),
         ([*GPT, "--warmup-steps", "7"], "--warmup-steps=7 is not allowed with --steps=6"),
         ([*GPT, "--seq-len", "33"], "context of 32; it must be at most 32"),
+        # a factory's position embedding (64) shorter than the run: the IndexError said nothing of --seq-len
+        ([*ENCODER, "--seq-len", "100"], "(IndexError: index out of range in self); if its context is shorter than "
+                                         "100 tokens, give a smaller --seq-len"),
         ([*GPT, "--lrs", "abc"], "is not a comma-separated list of numbers"),
         ([*GPT, "--data.source", "auto", "--data.path", "owt.jsonl.gz", "--vocab", "model"], "holds GPT-2 tokens"),
         ([*GPT, "--data.path", "owt.jsonl.gz"], "is not used with --data.source synthetic"),

@@ -66,8 +66,10 @@ def probe_forward(model: nn.Module, ids: torch.Tensor, label: str, train: bool =
                           "before any training; lnstab check needs a forward that returns its logits") from None
     except Exception as exc:
         first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")[:300]
+        hint = (f"; if its context is shorter than {ids.shape[-1]} tokens, give a smaller --seq-len"
+                if isinstance(exc, IndexError) else "")  # a position embedding indexed past its end
         raise LNStabError(f"{label} failed on token ids of shape {tuple(ids.shape)} "
-                          f"({type(exc).__name__}: {first})") from None
+                          f"({type(exc).__name__}: {first}){hint}") from None
 
 
 @dataclass(frozen=True)
