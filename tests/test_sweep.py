@@ -483,3 +483,32 @@ def test_a_file_where_the_sweeps_directory_goes_is_one_line_and_exit_2(where, mo
     assert info.value.code == 2 and "\n" not in err, err  # before: a FileExistsError or NotADirectoryError traceback
     assert err.startswith(f"lnstab: error: {path} is a file, not a directory; lnstab sweep keeps its "), err
     assert files_of(tmp_path / "runs") == before  # nothing written
+
+
+def test_a_child_the_sweeps_own_signal_ends_in_its_first_seconds_is_not_a_failed_run(tmp_path, monkeypatch) -> None:
+    """A sweep stopped just after it launched a run: the child, still importing (before lnstab fit takes SIGTERM
+    over), died of the sweep's SIGTERM and was reported 'failed (exit -15)', quoting its own log header, while
+    --status said pending. The child here is a process that never takes the signal over, as such a child."""
+    import signal
+    import threading
+    import time
+
+    from lnstab.sweep import runner
+    from lnstab.sweep.grid import load_grid
+
+    grid = load_grid(ROOT / "experiments" / "grids" / "mini-smoke.yaml")
+    monkeypatch.setattr(runner, "lnstab_program", lambda: (sys.executable, "-c", "import time; time.sleep(120)"))
+    lines: list[str] = []
+    sweep = runner.LocalSweep(grid, grid.runs[:1], tmp_path / "runs", echo=lines.append)
+    monkeypatch.setattr(signal, "signal", lambda *args: signal.SIG_DFL)  # not the test process's own handlers
+    done: list[int] = []
+    worker = threading.Thread(target=lambda: done.append(sweep.run()))
+    worker.start()
+    deadline = time.monotonic() + 60
+    while not sweep.children and time.monotonic() < deadline:  # the child is running: stop the sweep now
+        time.sleep(0.05)
+    sweep._on_signal(signal.SIGINT, None)
+    worker.join(timeout=60)
+    name = grid.runs[0].name
+    assert sweep.results[name]["status"] == "not started" and done == [128 + signal.SIGINT], (sweep.results, lines)
+    assert "stopped by the sweep's signal before it began (exit -15)" in lines[-1], lines

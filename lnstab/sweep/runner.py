@@ -190,7 +190,12 @@ class LocalSweep:
         wall = time.monotonic() - started
         summary = read_summary(directory)
         status = summary.get("status") or "failed"
-        if status == "running":  # the child died without ending its run (killed outright, out of memory, …)
+        ended_by_us = self.stopping.is_set() and code in (-signal.SIGTERM, -signal.SIGKILL)
+        if status in ("running", "failed") and not summary.get("error") and ended_by_us:
+            # this sweep's own signal ended a child that had not yet taken it over (in its first seconds): not a
+            # failure of the run; the next sweep starts or resumes it
+            status = "not started" if not summary else "interrupted"
+        elif status == "running":  # the child died without ending its run (killed outright, out of memory, …)
             status = "failed"
         self.results[run.name] = {"status": status, "returncode": code}
         journal(self.root, self.grid, run=run.name, action=p.action, returncode=code, status=status,
@@ -207,6 +212,8 @@ def describe(summary: dict[str, Any], status: str, code: int | None = None, log:
     if status == "failed":
         error = summary.get("error") or _last_line(log) or "see its log"
         return f"failed (exit {code}): {str(error).splitlines()[0][:200]}"
+    if status == "not started":
+        return f"stopped by the sweep's signal before it began (exit {code})"
     step = summary.get("final_step", summary.get("interrupted_step"))
     return f"{status} at step {step}{loss}" + (f" (exit {code})" if code not in (0, None) else "")
 
