@@ -169,6 +169,28 @@ def peek_in_training_lm() -> nn.Module:
     return PeekInTrainingLM()
 
 
+class NamedBlocksLM(EncoderLM):
+    """``encoder_lm`` whose two blocks are named ``first`` and ``second``: no numeric index in their names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = self.encoder.layers[0], self.encoder.layers[1]
+        del self.encoder
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.size(1)
+        x = self.embed(idx) + self.pos(torch.arange(T, device=idx.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(T, device=idx.device)
+        for block in (self.first, self.second):
+            x = block(x, src_mask=mask, is_causal=True)
+        return self.head(x)
+
+
+def named_blocks_lm() -> nn.Module:
+    """A model whose blocks have names without an index."""
+    return NamedBlocksLM()
+
+
 class LastPositionLM(EncoderLM):
     """nanoGPT's inference forward: ``(logits of the last position, None)`` without targets."""
 

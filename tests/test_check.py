@@ -417,3 +417,13 @@ def test_factory_blocks_run_in_the_order_their_pattern_indexes_them_and_bad_mode
         factory_subject("check_factories:reversed_lm", r"unit_(\d+)", None, 16)
     with pytest.raises(LNStabError, match=r"tensors on the meta device \(e.g. 'embed.weight'\)"):
         factory_subject("check_factories:meta_lm", r"blocks\.(\d+)$", None, 16)
+
+
+def test_blocks_named_without_an_index_say_why_gradient_spread_is_not_measured(tmp_path) -> None:
+    """The sentence written for it never reached the card (the grading was not given the parameter pattern): blocks
+    named ``first``/``second`` read 'no per-layer gradient norms were measured', as if every run had diverged."""
+    code, report = check(tmp_path / "card", "--factory", "check_factories:named_blocks_lm", "--layer-pattern",
+                         "^(?:first|second)$", "--lrs", "1e-2", *TINY, "--no-reference")
+    row = rows(report)["grad_spread"]
+    assert row["status"] == "n/a" and row["why"] == ("no per-layer gradient norms (block names need a numeric index, "
+                                                     "e.g. layers.3)"), row

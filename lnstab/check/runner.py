@@ -270,6 +270,7 @@ def grade(subject: Subject, subjects: list[Subject], runs: dict[str, list[Any]],
     summaries = {s.key: summarise(runs[s.key], steps) for s in subjects}
     repeated = {name: n for run in runs["checked"] for name, n in run.repeated.items()}
     rows = build_rows(summaries, thresholds, {"norm_pattern": subject.sites.norm_pattern,
+                                              "param_pattern": subject.sites.param_pattern,
                                               "attention": subject.sites.attention, "logits": subject.sites.logits,
                                               "bound_unchecked": next((r.bound_unchecked for r in runs["checked"]
                                                                        if r.bound_unchecked), "")})
