@@ -255,12 +255,13 @@ def mode_lm() -> nn.Module:
 
 
 class WaitingLM(EncoderLM):
-    """Trains for ever: its forward in train mode (the stress runs') leaves this process's pid as a file in
-    ``$LNSTAB_TEST_MARKS`` and then waits without end, so a stress run is in progress until a signal, or the death of
-    the process that started it, ends it. Its forward in eval mode (the check's shape probes) is the encoder's."""
+    """Trains for ever: its training forward (train mode with grad: the stress runs') leaves this process's pid as a
+    file in ``$LNSTAB_TEST_MARKS`` and then waits without end, so a stress run is in progress until a signal, or the
+    death of the process that started it, ends it. Its forward without grad (the check's shape and causality probes,
+    in eval and in train mode) is the encoder's."""
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        if self.training:
+        if self.training and torch.is_grad_enabled():
             (Path(os.environ["LNSTAB_TEST_MARKS"]) / str(os.getpid())).touch()
             while True:
                 time.sleep(0.05)
