@@ -117,23 +117,6 @@ def test_foreign_model_selected_by_regex_and_type(tmp_path):
     assert all(v[0] > 0 for v in by_type.values["mean_abs"].values())
 
 
-def test_sequence_first_transformer_layers_are_read_batch_first(tmp_path):
-    """torch's TransformerEncoderLayer defaults to (T, B, d): its statistics were computed with T as the batch
-    (var_data 0.90 where it is 0.73); the same weights run batch-first and sequence-first now give the same series."""
-    torch.manual_seed(0)
-    first, seq = EncoderLM(batch_first=True), EncoderLM(batch_first=False)
-    seq.load_state_dict(first.state_dict())
-    series = []
-    for i, model in enumerate((first, seq)):
-        callback = HiddenStateStatistics(every_n_steps=1, module_types="torch.nn.TransformerEncoderLayer")
-        trainer(tmp_path / str(i), [callback], max_steps=2).fit(LitLM(model), loader())
-        series.append(callback.values)
-    assert list(series[1]["var_data"]) == ["L00", "L01"]
-    for stat in STATS:
-        for tag, values in series[0][stat].items():
-            assert values == pytest.approx(series[1][stat][tag], rel=1e-4), (stat, tag)
-
-
 class OwnBlock(torch.nn.Module):
     """A residual MLP block of a user's own, run on (T, B, d) when ``batch_first`` is False, as it says."""
 
@@ -161,16 +144,21 @@ class OwnLM(torch.nn.Module):
         return self.head(h if self.batch_first else h.transpose(0, 1))
 
 
-def test_a_users_own_sequence_first_block_that_says_so_is_read_batch_first(tmp_path):
-    """A block of the user's own on (T, B, d) with ``batch_first = False`` (torch's own spelling) gives the series of
-    the same weights run batch-first; without the attribute its var_data was over the sequence axis."""
+@pytest.mark.parametrize(("model", "sites"), [
+    (EncoderLM, {"module_types": "torch.nn.TransformerEncoderLayer"}),
+    (OwnLM, {"layer_pattern": r"model\.blocks\.(\d+)$"}),
+], ids=["torch-layers", "own-block"])
+def test_sequence_first_layers_are_read_batch_first(tmp_path, model, sites):
+    """torch's TransformerEncoderLayer defaults to (T, B, d): its statistics were computed with T as the batch
+    (var_data 0.90 where it is 0.73); a block of the user's own on (T, B, d) that says ``batch_first = False``
+    (torch's own spelling) was read so too. The same weights run batch-first and sequence-first give the same series."""
     torch.manual_seed(0)
-    first, seq = OwnLM(batch_first=True), OwnLM(batch_first=False)
+    first, seq = model(batch_first=True), model(batch_first=False)
     seq.load_state_dict(first.state_dict())
     series = []
-    for i, model in enumerate((first, seq)):
-        callback = HiddenStateStatistics(every_n_steps=1, layer_pattern=r"model\.blocks\.(\d+)$")
-        trainer(tmp_path / str(i), [callback], max_steps=2).fit(LitLM(model), loader())
+    for i, m in enumerate((first, seq)):
+        callback = HiddenStateStatistics(every_n_steps=1, **sites)
+        trainer(tmp_path / str(i), [callback], max_steps=2).fit(LitLM(m), loader())
         series.append(callback.values)
     assert list(series[1]["var_data"]) == ["L00", "L01"]
     for stat in STATS:
