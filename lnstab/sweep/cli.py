@@ -121,7 +121,7 @@ def with_sets(grid: Grid, sets: dict[str, Any]) -> Grid:
     return dataclasses.replace(grid, runs=runs, overrides={**grid.overrides, **sets})
 
 
-def validate_with_cli(grid: Grid, runs: list[Run]) -> None:
+def validate_with_cli(grid: Grid, runs: list[Run], local: bool = False) -> None:
     """Parse runs as ``lnstab fit --config BASE <overrides> --print_config`` does (every key must exist and every
     value have the right type), then check the printed config's values as ``lnstab fit`` does before it builds
     anything (:func:`lnstab.lightning_cli.check_fit_config`). Each key/value pair is parsed in at least one run (a
@@ -173,8 +173,9 @@ def validate_with_cli(grid: Grid, runs: list[Run]) -> None:
 
     typed: dict[tuple[str, str], Any] = {}  # a key/value pair as a parse typed it
     by_keys: dict[frozenset[str], Any] = {}  # a parsed config of a run that sets these keys
+    configs: dict[str, Any] = {}  # every run's config, as lnstab fit would read it
     for run in covering:
-        config = parsed(run)
+        config = configs[run.name] = parsed(run)
         by_keys.setdefault(frozenset(run.overrides), config)
         for key, value in run.overrides.items():
             if (spot := _config_spot(config, key)) is not None:
@@ -183,13 +184,13 @@ def validate_with_cli(grid: Grid, runs: list[Run]) -> None:
         if run in covering:
             continue
         if frozenset(run.overrides) not in by_keys:  # an include or compound value with keys of its own
-            parsed(run)
+            configs[run.name] = parsed(run)
             continue
         config = copy.deepcopy(by_keys[frozenset(run.overrides)])
         for key, value in run.overrides.items():
             spot = _config_spot(config, key)
             if spot is None or (key, repr(value)) not in typed:
-                parsed(run)  # a key this cannot place (a class_path): the whole parse
+                config = parsed(run)  # a key this cannot place (a class_path): the whole parse
                 break
             spot[0][spot[1]] = copy.deepcopy(typed[(key, repr(value))])
         else:
@@ -197,6 +198,29 @@ def validate_with_cli(grid: Grid, runs: list[Run]) -> None:
                 check_fit_config(config)
             except LNStabError as exc:
                 refuse(run, str(exc))
+        configs[run.name] = config
+    if local:  # the runs start here: data a run would not find fails it in its first seconds, every run alike
+        _check_local_data(grid, runs, configs)
+
+
+def _check_local_data(grid: Grid, runs: list[Run], configs: dict[str, Any]) -> None:
+    """Refuse, in one line naming the grid, a run and how many runs share it, a text ``--data.path`` that names
+    nothing here (a local sweep's runs would each fail on it in turn, after seconds of start-up)."""
+    from lnstab.datamodules.text import DataError, resolve_files
+
+    paths: dict[str, list[str]] = {}
+    for run in runs:
+        data = (configs.get(run.name) or {}).get("data") or {}
+        args = data.get("init_args") or {}
+        if args.get("source") in ("files", "auto") and args.get("path"):
+            paths.setdefault(str(args["path"]), []).append(run.name)
+    for path, names in paths.items():
+        try:
+            resolve_files(path)
+        except DataError as exc:
+            raise GridError(f"grid {grid.path}: run {names[0]!r}"
+                            + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+                            + f": {exc} (from here, where the sweep runs them)") from None
 
 
 _PLACED = ("class_path", "init_args", "dict_kwargs")  # keys whose value changes what else the config holds
@@ -317,7 +341,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.stdout.write(torchrun_commands(grid, runs, args.root, settings, args.grid, repeat))
         return
     if not args.no_validate:
-        validate_with_cli(grid, runs)
+        validate_with_cli(grid, runs, local=True)
     if args.dry_run:
         check_manifest(args.root, grid, runs)  # as the sweep itself would refuse them
         print(f"grid {grid.name} ({grid.path}): {len(runs)} run(s) of {grid.base} -> {Path(args.root) / grid.name}/")
