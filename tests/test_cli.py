@@ -151,8 +151,10 @@ def test_console_script_fit_writes_a_run_directory(tmp_path) -> None:
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert saved["model"]["norm_placement"] == "peri" and saved["trainer"]["max_steps"] == 3
     assert (run / "checkpoints" / "last.ckpt").is_file()
-    # A second run never overwrites the first: it gets the next version directory.
-    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    # A second run never overwrites the first: it gets the next version directory. It is `python -m lnstab`, the
+    # command for an environment whose scripts are not on PATH (it was "No module named lnstab.__main__").
+    done = subprocess.run([sys.executable, "-m", "lnstab", *cmd[1:]], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "runs" / "quickstart" / "version_1" / "config.yaml").is_file()
 
