@@ -298,3 +298,19 @@ def test_a_finished_check_leaves_no_claim_in_its_out(tmp_path) -> None:
     except SystemExit as exc:  # a card's verdict as its exit status
         assert exc.code in (0, 1)
     assert (out / "report.json").is_file() and not (out / ".claimed").exists()
+
+
+def test_a_warn_threshold_above_its_fail_threshold_is_refused_before_any_training(tmp_path, capsys) -> None:
+    """warn 5 with fail 3 left no value that warns (a warn at or above fail is dropped as 'no warning band'), and the
+    file was accepted silently; equal numbers, an expression beside a number and null stay allowed."""
+    thresholds = tmp_path / "t.yaml"
+    for text, said in (("loss:\n  warn: 5\n  fail: 3\n", "loss.warn=5 is not allowed above loss.fail=3"),
+                       ("divergence:\n  absolute: {warn: 0.9}\n",  # its absolute fail stays 0.5
+                        "divergence.absolute.warn=0.9 is not allowed above divergence.absolute.fail=0.5")):
+        thresholds.write_text(text)
+        code, err = run_check(capsys, *GPT, *ONE_RUN, "--thresholds", str(thresholds), "--out", str(tmp_path / "c"))
+        assert code == 2 and f"--thresholds {thresholds}: {said}" in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "c").exists()
+    for warn, fail in ((3, "3"), (5, "pre"), (5, "null")):
+        thresholds.write_text(f"loss:\n  warn: {warn}\n  fail: {fail}\n")
+        assert load_thresholds(thresholds)["loss"]["warn"] == warn

@@ -472,7 +472,18 @@ def load_thresholds(path: str | Path | None) -> dict[str, dict[str, Any]]:
             else:
                 raise LNStabError(f"--thresholds {path}: {cid}.{key} is not allowed; use warn, fail, absolute")
         refuse_mechanism_fail(f"--thresholds {path}", cid, merged)
+        refuse_warn_above_fail(f"--thresholds {path}", cid, merged[cid])
     return merged
+
+
+def refuse_warn_above_fail(where: str, cid: str, spec: dict[str, Any]) -> None:
+    """Two numbers with ``warn`` above ``fail`` leave no value that warns: refused (equal ones mean no warning band,
+    as divergence's defaults may)."""
+    for prefix, pair in ((cid, spec), (f"{cid}.absolute", spec["absolute"])):
+        warn, fail = pair.get("warn"), pair.get("fail")
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (warn, fail)) and warn > fail:
+            raise LNStabError(f"{where}: {prefix}.warn={warn} is not allowed above {prefix}.fail={fail}; a warn "
+                              "threshold must be at most the fail threshold (equal: no warning band), or null")
 
 
 def resolve(spec: dict[str, Any], refs: dict[str, tuple[float, float]] | None,
