@@ -92,7 +92,7 @@ LAYERS = [
     ("training", ("lnstab.module", "lnstab.trainer", "lnstab.evaluation", "lnstab.lightning_cli", "lnstab.runconfig",
                   "lnstab.configfiles", "lnstab.runs")),
     ("commands", ("lnstab.sweep", "lnstab.report", "lnstab.check")),
-    ("dispatch", ("lnstab.cli", "lnstab.apidoc")),
+    ("dispatch", ("lnstab.cli", "lnstab.__main__", "lnstab.apidoc")),
 ]
 # The two lazy imports up a layer, on purpose (ARCHITECTURE.md): lnstab.callbacks.FinalEvaluation, and a grid's
 # runs parsed by lnstab's own command line.

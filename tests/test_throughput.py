@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import statistics
-import time
+import types
 
 import lightning.pytorch as pl
 import pytest
@@ -13,6 +12,7 @@ from lightning.pytorch.loggers import Logger
 from support.callbacks import lit, loader, trainer
 
 from lnstab.callbacks import JacobianSensitivity, StepProgressBar, Throughput
+from lnstab.callbacks import _aside as aside_module
 from lnstab.callbacks import throughput as tp
 from lnstab.datamodules.synthetic import SyntheticDataModule
 from lnstab.flops import measured_training_flops, training_flops
@@ -105,27 +105,29 @@ def test_batch_shapes_and_bad_arguments() -> None:
 
 
 def test_the_jacobian_probe_is_left_out_of_the_rates_and_said_on_the_bar(tmp_path, monkeypatch) -> None:
-    # the probe made slow by a sleep (1.5 s, some 50 training steps of this model): the rate of the step it runs in
-    # must stay near its neighbours' (before, that step read 1/50 of them), and the bar says what runs meanwhile
+    # the probe made slow on a fake clock (75 s, 150 training steps of 0.5 s), the clock that aside() measures it with
+    # too: the rate of the step it runs in must equal its neighbours' (before, that step read 1/151 of them), and the
+    # bar says what runs meanwhile. No wall time is asserted (a 1.5 s sleep within a 4x band failed on a loaded CPU).
     shown: list[str] = []
     original = JacobianSensitivity._measure
-    bar = StepProgressBar()
+    bar, monitor = StepProgressBar(), Throughput(every_n_steps=1)
+    clock = FakeClock(monitor)
+    monkeypatch.setattr(aside_module, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
 
     def slow_measure(self, module):
         shown.append(bar.train_progress_bar.postfix)
-        time.sleep(1.5)
+        clock.now += 75.0
         return original(self, module)
 
     monkeypatch.setattr(JacobianSensitivity, "_measure", slow_measure)
     logger = Captured()
-    run = trainer(tmp_path, [bar, Throughput(every_n_steps=1), JacobianSensitivity(every_n_steps=5, n_iter=1)],
+    run = trainer(tmp_path, [bar, clock, monitor, JacobianSensitivity(every_n_steps=5, n_iter=1)],
                   max_steps=9, enable_progress_bar=True, logger=logger)
     run.fit(lit("gpt"), loader(n=64))
     rates = {step: m["throughput/tokens_per_s"] for step, m in logger.rows if "throughput/tokens_per_s" in m}
     assert sorted(rates) == list(range(1, 10))
-    probed = rates[6]  # step 5's batch (the probe runs at its start), logged once global_step is 6
-    neighbours = statistics.median(rates[s] for s in (3, 4, 5, 7, 8, 9))
-    assert neighbours / 4 < probed < neighbours * 4, (probed, rates)
+    per_batch = rates[1]  # one batch's tokens over 0.5 s
+    assert rates == pytest.approx(dict.fromkeys(range(1, 10), per_batch))  # step 6 ran the probe (step 5's batch)
     assert shown == ["jacobian probe…"] * 2
     assert bar.train_progress_bar.postfix != "jacobian probe…"
 
