@@ -105,7 +105,7 @@ class Throughput(Callback):
         window: Logging intervals the rates average over (``1``: since the previous logging step).
         peak_flops: Peak FLOP/s of one device, overriding the table / measurement (e.g. for an unlisted GPU).
 
-    **Logged metrics** (at ``trainer.global_step``, rank 0):
+    **Logged metrics** (at ``trainer.global_step``, measured on rank 0 and in every rank's ``callback_metrics``):
         ``throughput/tokens_per_s``, ``throughput/samples_per_s`` (all devices), ``throughput/device/tokens_per_s``,
         ``throughput/device/flops_per_s`` (model FLOPs, matmuls only), ``throughput/mfu`` (device FLOP/s over the
         device peak, 0-1), ``throughput/peak_flops`` (the peak used, once).
@@ -153,35 +153,47 @@ class Throughput(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset()
+        self._last_step = trainer.global_step  # on every rank: each decides alike when the next logging step is
         if trainer.is_global_zero:
             self._rates = _Window(available_flops=self.peak_flops, world_size=trainer.world_size,
                                   window_size=self.window + 1)
             self._t0 = self._sync_time()
             self._aside0 = aside_seconds(trainer)
-            self._last_step = trainer.global_step
             self._rates.update(time=1e-9, batches=0, samples=0, lengths=0, flops=0)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._rates is None:
+        if self._rates is None and trainer.world_size == 1:
             return
-        samples, tokens = batch_size_and_tokens(batch)
-        self._batches, self._samples, self._tokens = self._batches + 1, self._samples + samples, self._tokens + tokens
         step, every = trainer.global_step, self.every_n_steps or trainer.log_every_n_steps
-        if step == self._last_step or every < 1 or step % every:
-            return  # no synchronisation on the steps that do not log (and once per optimizer step with accumulation)
+        logs = not (step == self._last_step or every < 1 or step % every)  # the same on every rank
+        metrics: dict[str, float] | None = None
+        if self._rates is not None:
+            samples, tokens = batch_size_and_tokens(batch)
+            self._batches, self._samples = self._batches + 1, self._samples + samples
+            self._tokens += tokens
+            if logs:  # no synchronisation on the steps that do not log (and once per optimizer step with accumulation)
+                elapsed = self._sync_time() - self._t0 - self._paused - (aside_seconds(trainer) - self._aside0)
+                flops_per_batch = getattr(pl_module, "flops_per_batch", None)
+                flops = (None if flops_per_batch is None
+                         else int(flops_per_batch) * (self._batches - self._batches_logged))
+                self._batches_logged = self._batches
+                self._rates.update(time=elapsed, batches=self._batches, samples=self._samples, lengths=self._tokens,
+                                   flops=flops)
+                metrics = self._metrics(trainer, self._rates.compute())
+        if not logs:
+            return
         self._last_step = step
-        elapsed = self._sync_time() - self._t0 - self._paused - (aside_seconds(trainer) - self._aside0)
-        flops_per_batch = getattr(pl_module, "flops_per_batch", None)
-        flops = None if flops_per_batch is None else int(flops_per_batch) * (self._batches - self._batches_logged)
-        self._batches_logged = self._batches
-        self._rates.update(time=elapsed, batches=self._batches, samples=self._samples, lengths=self._tokens,
-                           flops=flops)
-        self._log(trainer, self._rates.compute())
+        if trainer.world_size > 1:  # rank 0's rates on every rank, so a callback watching one decides alike on all
+            metrics = trainer.strategy.broadcast(metrics, src=0)  # (else ModelCheckpoint's collective waits for ever)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+        offer_to_callbacks(trainer, metrics)  # ModelCheckpoint/EarlyStopping can watch them, as every instrument's
 
-    def _log(self, trainer: pl.Trainer, rates: dict[str, float]) -> None:
+    def _metrics(self, trainer: pl.Trainer, rates: dict[str, float]) -> dict[str, float]:
         world = trainer.world_size
         metrics: dict[str, float] = {}
         if "device/items_per_sec" in rates:
@@ -195,9 +207,7 @@ class Throughput(Callback):
         if self.peak_flops and not self._peak_logged:
             metrics["throughput/peak_flops"] = float(self.peak_flops)
             self._peak_logged = True
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-        offer_to_callbacks(trainer, metrics)  # ModelCheckpoint/EarlyStopping can watch them, as every instrument's
+        return metrics
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

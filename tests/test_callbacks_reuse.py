@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 from fsdp_cpu import CPUDDPSpawnStrategy
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from support.callbacks import LitLM, gpt, lit, loader, tokens, trainer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -23,6 +24,7 @@ from lnstab.callbacks import (
     JacobianSensitivity,
     RunStatus,
     StabilityLayout,
+    Throughput,
     stability_layout,
 )
 from lnstab.rundir import read_summary
@@ -159,3 +161,37 @@ def test_ddp_two_processes_equal_one_process_on_the_full_batch(tmp_path):
         for tag, values in by_tag.items():
             assert ddp["stats"][stat][tag] == pytest.approx(values, rel=1e-5, abs=1e-7), (stat, tag)
     assert read_summary(tmp_path / "ddp" / "version_0")["status"] == "completed"
+
+
+class SeenMetric(Callback):
+    """Writes, per rank, what ``trainer.callback_metrics`` held of ``name`` after each training batch."""
+
+    def __init__(self, out, name: str) -> None:
+        self.out, self.name, self.seen = out, name, []
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        value = trainer.callback_metrics.get(self.name)
+        self.seen.append(None if value is None else float(value))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        (self.out / f"seen{trainer.global_rank}.json").write_text(json.dumps(self.seen))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_checkpoint_watching_throughput_under_ddp_saves_on_every_rank_alike(tmp_path):
+    """Throughput measured on rank 0 only, so ModelCheckpoint(monitor="throughput/tokens_per_s") found the metric on
+    rank 0 alone, which entered the checkpoint's collective while rank 1 skipped it: both ranks hung for ever. Rank
+    0's rates now reach every rank's callback_metrics."""
+    from lightning.pytorch import Trainer
+
+    torch.set_num_threads(1)
+    callbacks = [Throughput(every_n_steps=1), SeenMetric(tmp_path, "throughput/tokens_per_s"),
+                 ModelCheckpoint(dirpath=tmp_path / "ck", monitor="throughput/tokens_per_s", mode="max",
+                                 every_n_train_steps=1)]
+    Trainer(accelerator="cpu", devices=2, strategy=CPUDDPSpawnStrategy(), logger=False, enable_progress_bar=False,
+            enable_model_summary=False, max_steps=3, callbacks=callbacks, use_distributed_sampler=False,
+            default_root_dir=tmp_path).fit(ShardedLM(gpt()))
+    seen = [json.loads((tmp_path / f"seen{rank}.json").read_text()) for rank in (0, 1)]
+    assert seen[0] == seen[1] and len(seen[0]) == 3 and all(v is not None and v > 0 for v in seen[0]), seen
+    assert len(list((tmp_path / "ck").glob("*.ckpt"))) == 1  # the best of the three, top 1
