@@ -220,16 +220,16 @@ class LNStabCLI(LightningCLI):
         end_gloo_group()  # now, before the interpreter's exit begins (lnstab.distributed)
 
     def _evaluate_if_owed(self) -> None:
-        """A run whose final evaluation a signal interrupted resumes at its last step; with nothing left to train
-        Lightning skips the whole training loop, the end-of-fit evaluation included, so evaluate it here (through
-        ``test``, like ``lnstab evaluate``, recorded as the fit's evaluation). A signal meanwhile leaves the run
-        ``interrupted``: the next resume tries again."""
+        """A run whose final evaluation did not finish (a signal, a kill, a failure) resumes at its last step; with
+        nothing left to train Lightning skips the whole training loop, the end-of-fit evaluation included, so evaluate
+        it here (through ``test``, like ``lnstab evaluate``, recorded as the fit's evaluation). A signal meanwhile
+        leaves the run ``interrupted``: the next resume tries again."""
         c = self.config[self.subcommand]
         evaluators = [cb for cb in self.trainer.callbacks if isinstance(cb, FinalEvaluation) and cb.run_on["fit"]]
         ckpt, run = c.get("ckpt_path"), c.get("run_dir")
         if not evaluators or not runs.final_evaluation_owed(ckpt, run, self.trainer.max_steps):
             return
-        rank_zero_info(f"lnstab: {run} trained all its steps; its final evaluation was interrupted: evaluating")
+        rank_zero_info(f"lnstab: {run} trained all its steps; its final evaluation did not finish: evaluating")
         saved = [(cb, dict(cb.run_on), cb.test_stage) for cb in evaluators]
         for cb in evaluators:
             cb.run_on["test"], cb.test_stage = True, "fit"

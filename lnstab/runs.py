@@ -266,10 +266,14 @@ def check_resumable(run_dir: str | os.PathLike) -> None:
         )
 
 
+UNFINISHED_EVALUATION = ("interrupted", "failed", "running")  # the statuses a run left in its final evaluation may have
+
+
 def final_evaluation_owed(ckpt: str | None, run_dir: str | None, max_steps: int | None) -> bool:
     """Whether resuming ``ckpt`` into ``run_dir`` owes the run its final evaluation: the checkpoint is at the last
-    step (nothing left to train), the run is ``interrupted`` (a signal stopped its evaluation) and its latest
-    evaluation is not of that step. A damaged record owes nothing (the fit repairs what it can)."""
+    step (nothing left to train), the run did not finish it (``interrupted`` by a signal, ``failed`` in it, or
+    ``running`` with its process gone: killed; a live one is refused before this) and its latest evaluation is not of
+    that step. A damaged record owes nothing (the fit repairs what it can)."""
     if not ckpt or not run_dir or Path(ckpt).is_dir() or max_steps is None or max_steps < 1:
         return False
     step = load_checkpoint(ckpt, mmap=True).get("global_step")
@@ -279,7 +283,7 @@ def final_evaluation_owed(ckpt: str | None, run_dir: str | None, max_steps: int 
         status, done = read_summary(run_dir).get("status"), latest_eval(run_dir)
     except (RunFileError, OSError):  # a damaged or unreadable record
         return False
-    return status == "interrupted" and (done or {}).get("global_step") != step
+    return status in UNFINISHED_EVALUATION and (done or {}).get("global_step") != step
 
 
 def _normal(value: Any) -> Any:

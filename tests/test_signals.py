@@ -17,7 +17,7 @@ from support.runs import fit, one_line_error, tiny_config
 
 from lnstab import runlock
 from lnstab.cli import main
-from lnstab.rundir import read_summary
+from lnstab.rundir import latest_eval, read_summary
 
 LNSTAB = str(Path(sys.executable).with_name("lnstab"))
 
@@ -63,6 +63,35 @@ def test_a_signal_during_the_final_evaluation_ends_the_run_interrupted_and_a_res
     main(["fit", "--config", str(cfg), "--run_dir", str(run), "--ckpt_path", "last"])  # nothing to train: evaluates
     summary = read_summary(run)
     assert summary["status"] == "completed" and summary["final_step"] == 4 and (run / "eval.json").is_file()
+
+
+@pytest.mark.system
+def test_a_run_killed_or_failed_in_its_final_evaluation_is_evaluated_when_resumed(tmp_path, monkeypatch) -> None:
+    """Only an ``interrupted`` run was owed its evaluation: one killed in it (``running``, its process gone) or failed
+    in it (a full disk) resumed to ``completed`` with no evaluation at all."""
+    import lnstab.evaluation.callback as callback
+
+    cfg = tiny_config(tmp_path)
+    failed, killed = tmp_path / "failed", tmp_path / "killed"
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(callback, "evaluate_model", disk_full)
+        with pytest.raises(SystemExit):
+            main(["fit", "--config", str(cfg), "--run_dir", str(failed)])
+    kill = ("import os, signal; import lnstab.evaluation.callback as c; from lnstab.cli import main; "
+            "c.evaluate_model = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL); "
+            f"main(['fit', '--config', {str(cfg)!r}, '--run_dir', {str(killed)!r}])")
+    assert subprocess.run([sys.executable, "-c", kill], capture_output=True).returncode == -signal.SIGKILL
+    for run, status in ((failed, "failed"), (killed, "running")):
+        assert read_summary(run)["status"] == status and not (run / "eval.json").exists()
+        assert ckpt_step(run / "checkpoints" / "last.ckpt") == 4
+        main(["fit", "--config", str(cfg), "--run_dir", str(run), "--ckpt_path", "last"])  # nothing to train
+        summary = read_summary(run)
+        assert summary["status"] == "completed" and summary["final_step"] == 4, (status, summary)
+        assert (run / "eval.json").is_file() and latest_eval(run)["global_step"] == 4, status
 
 
 @pytest.mark.system
