@@ -129,6 +129,8 @@ class LNStabCLI(LightningCLI):
                 load_checkpoint(ckpt, field="--ckpt_path", mmap=True)  # missing, truncated or unsafe: one line
             owner = runs.run_of_checkpoint(ckpt)
             run_dir = run_dir or (str(owner) if owner is not None else None)
+        if ckpt and not Path(ckpt).is_dir():
+            runs.check_checkpoint_kind(ckpt, sub)  # a user's own project's, or weights only for a fit: one line
         if sub == "fit" and ckpt is None and run_dir:
             if c.get("ckpt_path") == "auto" and (moved := runs.set_aside_unresumable(run_dir)) is not None:
                 print(f"lnstab: {run_dir} held a run (status {moved[1]}) with no checkpoint to resume; its files are "

@@ -248,6 +248,28 @@ def check_data_against_checkpoint(ckpt: dict[str, Any], data: dict[str, Any]) ->
                             "resumption needs the same value")
 
 
+def check_checkpoint_kind(ckpt: str, subcommand: str) -> None:
+    """Refuse a checkpoint file that lnstab's command cannot use, before anything is written: one whose weights are not
+    lnstab's GPT (``GPTModule``: every key under ``model.transformer``/``model.lm_head``), e.g. a user's own Lightning
+    project's, and, for ``fit``, one saved with the weights only (no optimizer state to resume).
+
+    Raises:
+        ConfigError: One line naming the checkpoint and what it holds.
+    """
+    loaded = load_checkpoint(ckpt, field="--ckpt_path", mmap=True)
+    keys = list((loaded.get("state_dict") or {}).keys())
+    if not keys or not all(k.startswith(("model.transformer.", "model.lm_head.")) for k in keys):
+        others = [k for k in keys if not k.startswith(("model.transformer.", "model.lm_head."))]
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise ConfigError(f"--ckpt_path {ckpt} is not a checkpoint of lnstab's GPT (its weights "
+                          f"{'are ' + shown if shown else 'are missing'}); lnstab {subcommand} reads the checkpoints "
+                          "lnstab fit writes (model.transformer.*, model.lm_head.*)")
+    if subcommand == "fit" and not loaded.get("optimizer_states"):
+        raise ConfigError(f"--ckpt_path {ckpt} holds the weights only (checkpoint.save_weights_only), not the "
+                          "optimizer state a fit resumes from; score it with lnstab evaluate, or train afresh in a new "
+                          "--run_dir")
+
+
 def check_resumable(run_dir: str | os.PathLike) -> None:
     """Refuse to resume a run that ended ``diverged``: a divergence is a result (training on would record its events
     again and overwrite what diverged); a run whose summary is unreadable may resume.
@@ -298,6 +320,7 @@ __all__ = [
     "RESUME_KEYWORDS",
     "CheckpointError",
     "check_against_checkpoint",
+    "check_checkpoint_kind",
     "check_fresh_run_dir",
     "check_resumable",
     "final_evaluation_owed",

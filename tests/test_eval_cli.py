@@ -11,6 +11,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import lightning.pytorch as pl  # noqa: E402
 import pytest  # noqa: E402
+import torch  # noqa: E402
 import yaml  # noqa: E402
 from fsdp_cpu import CPUDDPSpawnStrategy  # noqa: E402
 
@@ -136,6 +137,45 @@ def test_cli_bad_input_is_one_line_and_leaves_the_run_directory_alone(run, tmp_p
     assert len(err.splitlines()) == 1 and err.startswith("lnstab: error:")
     assert __import__("re").search(match, err), err
     assert snapshot(run["dir"]) == before
+
+
+class UsersOwn(pl.LightningModule):
+    """A module of a user's own project: a checkpoint of it is not lnstab's GPT."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.layer = torch.nn.Linear(width, width)
+
+
+def test_a_checkpoint_of_another_project_or_of_weights_only_for_a_fit_is_one_line_and_writes_nothing(
+        run, tmp_path, capsys) -> None:
+    """A user's own Lightning checkpoint gave 'Error(s) in loading state_dict for GPTModule' as a traceback (exit 1)
+    after config-test-1.yaml and an event file were written, or LightningCLI's 'Parsing of ckpt_path
+    hyperparameters failed!'; a weights-only checkpoint resumed a fit into a KeyError traceback and a 'failed' run."""
+    cfg = write_configs(tmp_path)
+    users = tmp_path / "users.ckpt"
+    module = UsersOwn()
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams),
+                "optimizer_states": [{}], "global_step": 3}, users)
+    weights_only = tmp_path / "weights.ckpt"
+    torch.save({k: v for k, v in torch.load(run["ckpt"], weights_only=True).items() if k != "optimizer_states"},
+               weights_only)
+    for command in ("evaluate", "validate", "test", "fit"):
+        out = tmp_path / f"out-{command}"
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as info:
+            cli([command, "--config", str(cfg), "--ckpt_path", str(users), "--run_dir", str(out)])
+        err = capsys.readouterr().err.strip()
+        assert info.value.code == 2 and len(err.splitlines()) == 1, err
+        assert f"--ckpt_path {users} is not a checkpoint of lnstab's GPT (its weights are layer.weight, layer.bias)" \
+            in err, err
+        assert not out.exists()
+    with pytest.raises(SystemExit) as info:
+        cli(["fit", "--config", str(cfg), "--ckpt_path", str(weights_only), "--run_dir", str(tmp_path / "resumed")])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and len(err.splitlines()) == 1 and "holds the weights only" in err, err
+    assert not (tmp_path / "resumed").exists()
 
 
 def test_cli_rejects_a_file_that_is_not_a_checkpoint(tmp_path, capsys) -> None:
