@@ -253,10 +253,14 @@ def test_lnstab_check_on_a_full_disk_ends_in_one_line_naming_the_file_and_exit_3
 
 def test_a_threshold_of_nan_or_inf_is_refused_not_swapped_for_the_absolute_one(tmp_path, capsys) -> None:
     thresholds = tmp_path / "t.yaml"
-    for text in ("divergence:\n  fail: .nan\n", "loss:\n  warn: .inf\n", "loss:\n  absolute: {warn: -.inf}\n"):
+    for text in ("divergence:\n  fail: .nan\n", "loss:\n  warn: .inf\n", "loss:\n  absolute: {warn: -.inf}\n",
+                 # as expressions: 'log(-1)'/'log(0)' made a model whose every run diverged PASS (no threshold left)
+                 "divergence:\n  absolute: {warn: 'log(-1)', fail: 'log(0)'}\n", "loss:\n  fail: 1/0\n",
+                 "overflow:\n  warn: fp16_max * 1e308\n"):
         thresholds.write_text(text)
         code, err = run_check(capsys, *GPT, *ONE_RUN, "--thresholds", str(thresholds), "--out", str(tmp_path / "c"))
-        assert code == 2 and "is not allowed; give a finite number, null or an expression" in err, err
+        assert code == 2 and "is not allowed; " in err and "give a finite number, null or an expression" in err, err
+        assert len(err.strip().splitlines()) == 1 and not (tmp_path / "c").exists()
 
 
 def test_a_threshold_function_given_the_wrong_number_of_arguments_is_refused_before_any_training(tmp_path,

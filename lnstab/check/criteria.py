@@ -382,10 +382,14 @@ def check_expression(where: str, text: Any, names: tuple[str, ...] = NAMES + OWN
     if not isinstance(text, str):
         raise LNStabError(f"{where}={shown} is not allowed; give a number, null or an expression")
     try:
-        evaluate_expression(text, dict.fromkeys(names, 1.0))
+        value = evaluate_expression(text, dict.fromkeys(names, 1.0))
     except LNStabError as exc:
         raise LNStabError(f"{where}={shown} is not allowed; {exc}{why if 'are allowed' in str(exc) else ''}"
                           ) from None
+    uses = {n.id for n in ast.walk(ast.parse(text, mode="eval")) if isinstance(n, ast.Name)} & set(NAMES + OWN)
+    if not uses and (value is None or not math.isfinite(value)):  # 1/0, log(0): it would silently grade nothing
+        raise LNStabError(f"{where}={shown} is not allowed; it is {value} (not a finite number); give a finite "
+                          "number, null or an expression")
 
 
 def evaluate_expression(text: Any, names: dict[str, float]) -> float | None:
