@@ -167,7 +167,7 @@ class OpenWebTextDataModule(pl.LightningDataModule):
         source, path, val_documents = args["source"], args["path"], args["val_documents"]
         require.choice("data.source", source, SOURCES, error=DataError)
         for name, low in (("block_size", 1), ("batch_size", 1), ("num_workers", 0), ("tokenizer_threads", 1),
-                          ("synthetic_tokens", 2), ("synthetic_vocab_size", 2)):
+                          ("synthetic_tokens", 2), ("synthetic_vocab_size", 2), ("seed", 0)):
             require.integer(f"data.{name}", args[name], low, error=DataError)
         if args["val_tokens"] is not None:
             require.positive_int("data.val_tokens", args["val_tokens"], error=DataError)

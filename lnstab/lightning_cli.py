@@ -67,7 +67,7 @@ def _check_run_numbers(c: Any, sub: str) -> None:
         raise ConfigError(f"trainer.val_check_interval={interval} is not allowed; it must be > 0 (a fraction of an "
                           "epoch, a number of batches or a duration), or null")
     clip = t.get("gradient_clip_val")
-    if clip is not None and clip < 0:
+    if clip is not None and not clip >= 0:  # NaN too (from a YAML .nan): Lightning then failed at step 0
         raise ConfigError(f"trainer.gradient_clip_val={float(clip)} is not allowed; it must be > 0, or 0 or null "
                           "for no clipping")
 

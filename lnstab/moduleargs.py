@@ -57,6 +57,7 @@ def checked_config(hparams: dict[str, Any]) -> GPTConfig:
             "weight_decay_mode='independent' is not allowed with learning_rate=0 and weight_decay > 0; it sets "
             "AdamW's decay to weight_decay/learning_rate (use learning_rate > 0 or weight_decay 0)"
         )
+    require.number("eps", get["eps"], 0.0, low_open=True)  # AdamW's: torch refused -1 only as the optimizer was built
     if not all(0.0 <= b < 1.0 for b in get["betas"]):
         raise ConfigError(f"betas={tuple(get['betas'])!r} is not allowed; each must be in [0, 1)")
     return gpt_config(hparams)

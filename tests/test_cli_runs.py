@@ -222,6 +222,9 @@ def test_validate_and_evaluate_use_the_run_and_its_data(tmp_path, caplog) -> Non
         # before: accepted, and Lightning then clipped nothing (FSDP's clip_grad_norm_ would flip the gradients)
         (["--trainer.gradient_clip_val", "-1"], "trainer.gradient_clip_val=-1.0 is not allowed; it must be > 0, or "
                                                  "0 or null for no clipping"),
+        # before: tracebacks from torch's AdamW and numpy, after the run directory was written and left 'failed'
+        (["--model.eps=-1"], "model.eps=-1.0 is not allowed; it must be a finite number > 0"),
+        (["--data.seed=-1"], "data.seed=-1 is not allowed; it must be an integer >= 0"),
         # before: a "completed" run of 0 steps
         (["--trainer.max_epochs", "0"], "trainer.max_epochs=0 is not allowed; it must be an integer >= 1, or -1 "
                                         "or null"),
@@ -231,6 +234,16 @@ def test_bad_run_options_are_one_line(tmp_path, capsys, args, expected) -> None:
     err = one_line_error(capsys, "fit", "--config", str(tiny_config(tmp_path)), *args)
     assert expected in err, err
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_nan_from_a_config_file_is_refused_where_a_number_is_checked(tmp_path, capsys) -> None:
+    """YAML's .nan passed 'gradient_clip_val < 0' and Lightning failed at step 0 ('Please use only one of them'),
+    leaving the run 'failed'; for eps torch's AdamW refused it in a traceback."""
+    for key, expected in (("trainer.gradient_clip_val", "trainer.gradient_clip_val=nan is not allowed; it must be > 0"),
+                          ("model.eps", "model.eps=nan is not allowed; it must be a finite number > 0")):
+        err = one_line_error(capsys, "fit", "--config", str(tiny_config(tmp_path, **{key: float("nan")})))
+        assert expected in err, err
+        assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.parametrize(
