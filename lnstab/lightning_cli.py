@@ -277,6 +277,12 @@ class LNStabCLI(LightningCLI):
                 f"model.vocab_size={vocab} is not allowed with this data: its token ids go up to {needed() - 1}; "
                 f"it must be >= {needed()}"
             )
+        if self.subcommand == "fit":  # a BERTScore model that cannot load failed only after all the training
+            from lnstab.evaluation import metrics
+
+            for cb in self.trainer.callbacks:
+                if isinstance(cb, FinalEvaluation) and cb.run_on["fit"]:
+                    metrics.check_bertscore_model(cb.settings.bertscore_model)
         if self.subcommand == "fit" and runlock.launched_as_rank_zero():
             # one owner per run directory, taken once every class is built and checked (a bad setting has failed
             # by now, leaving nothing behind) and before the trainer's setup, where the logger creates its event

@@ -225,6 +225,9 @@ def test_validate_and_evaluate_use_the_run_and_its_data(tmp_path, caplog) -> Non
         # before: tracebacks from torch's AdamW and numpy, after the run directory was written and left 'failed'
         (["--model.eps=-1"], "model.eps=-1.0 is not allowed; it must be a finite number > 0"),
         (["--data.seed=-1"], "data.seed=-1 is not allowed; it must be an integer >= 0"),
+        # before: refused only by the final evaluation, after all the training, leaving the run 'failed'
+        (["--evaluation.bertscore_model", "lnstab-test/unreachable"],
+         "bertscore_model='lnstab-test/unreachable' could not be loaded"),
         # before: a "completed" run of 0 steps
         (["--trainer.max_epochs", "0"], "trainer.max_epochs=0 is not allowed; it must be an integer >= 1, or -1 "
                                         "or null"),

