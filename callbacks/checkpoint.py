@@ -10,6 +10,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from .run_status import interrupted
+
 
 def weights_finite(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
     """Whether every parameter of ``pl_module`` is finite on every rank (one fused norm, one host sync, and one
@@ -26,7 +28,8 @@ class RunCheckpoint(ModelCheckpoint):
     are not finite, so a diverged run keeps its last good checkpoint instead of crashing or overwriting it.
 
     The check runs only when this callback may save (a step that is a multiple of ``every_n_train_steps``, the end
-    of an epoch, the end of a validation): one fused norm over the parameters and one host sync then.
+    of an epoch, the end of a validation): one fused norm over the parameters and one host sync then. With
+    ``save_last``, ``last`` is also saved when training ends at a step not saved yet, so it holds the final weights.
 
     **Logged metrics**: none.
 
@@ -67,8 +70,13 @@ class RunCheckpoint(ModelCheckpoint):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning saves `last` here when nothing was saved yet: weights that went non-finite before the first
         # periodic checkpoint (policy continue) made that save raise, and a divergence end as a crash (exit 1)
-        if self._finite(trainer, pl_module):
-            super().on_train_end(trainer, pl_module)
+        if not self._finite(trainer, pl_module):
+            return
+        super().on_train_end(trainer, pl_module)
+        # ... and only then: with max_steps not a multiple of every_n_train_steps a finished run's last.ckpt held an
+        # earlier step's weights than its evaluation (7 steps, every 5: step 5). A signal's own save is at this step.
+        if self.save_last and self._last_global_step_saved != trainer.global_step and not interrupted(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

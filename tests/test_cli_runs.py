@@ -17,7 +17,7 @@ from support.runs import fit, one_line_error, tiny_config, weights
 
 from lnstab.cli import cli_main, main
 from lnstab.datamodules.sample import sample_path
-from lnstab.rundir import read_summary
+from lnstab.rundir import latest_eval, read_summary
 
 
 def test_runs_are_named_after_the_experiment_and_resume_with_last_exactly(tmp_path) -> None:
@@ -488,3 +488,15 @@ def test_auto_starts_afresh_a_run_left_without_a_checkpoint_and_keeps_its_files(
     err = one_line_error(capsys, "fit", "--config", str(cfg), "--run_dir", str(run), "--ckpt_path", "auto")
     assert "already holds a run (status completed); resume it with --ckpt_path last" in err
     assert sorted(p.name for p in (run / "attempts").iterdir()) == ["1"]
+
+
+def test_a_finished_runs_last_checkpoint_holds_its_final_step_when_the_cadence_does_not_divide_it(tmp_path) -> None:
+    """max_steps 5 with a checkpoint every 2 steps: last.ckpt stayed at step 4 while eval.json scored step 5, so
+    'lnstab evaluate --ckpt_path last.ckpt' scored an older model, and '--ckpt_path last' retrained a step."""
+    run = tmp_path / "run"
+    fit("--config", str(tiny_config(tmp_path, **{"trainer.max_steps": 5})), "--run_dir", str(run))
+    last = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 5 == latest_eval(run)["global_step"] == read_summary(run)["final_step"]
+    assert "optimizer_states" in last  # a whole state: a longer run resumes from it
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt",
+                                                                         "last.ckpt"]
