@@ -68,7 +68,9 @@ class DivergenceMonitor(TapCallback):
 
     On a fatal event (``fatal_kinds``; every rank agrees: local verdicts are summed over ranks in that collective)
     the policy acts: ``stop`` drops that update (gradients set to ``None``, so the optimizer leaves the weights
-    alone) and sets ``trainer.should_stop``; ``skip`` drops the update and goes on; ``continue`` only records.
+    alone) and sets ``trainer.should_stop``; ``skip`` drops the update and goes on; ``continue`` only records. With
+    manual optimisation the step is decided at the first optimizer step of a ``training_step``, and a dropped update
+    is dropped for every optimizer stepped in that ``training_step``, not only the first.
     Because ``stop``/``skip`` never apply a non-finite update, the weights stay finite and a ``last`` checkpoint
     is a finite one. Should the weights become non-finite anyway (``continue``), the run stops whatever the policy
     (no later update can repair them); :class:`RunCheckpoint` then writes no further checkpoint, and a plain
@@ -176,6 +178,7 @@ class DivergenceMonitor(TapCallback):
         self._params_bad: torch.Tensor | None = None  # non-finite parameter count after the previous update
         self._checked_through = -1  # weights after this step's update have been checked
         self._acted = False
+        self._dropping = False  # this training step's update was dropped: so is every later optimizer's in it
         self._params: list[torch.nn.Parameter] = []
         self._sharded = self._distributed = False
         self._counted = False  # divergence/events was logged in this fit
@@ -224,6 +227,7 @@ class DivergenceMonitor(TapCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        self._dropping = False
         if not self.step_begins(trainer):
             return
         step = trainer.global_step
@@ -251,6 +255,9 @@ class DivergenceMonitor(TapCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
         if not self._checking:
+            if self._dropping:  # another optimizer stepped in the training step whose update was dropped (manual
+                optimizer.zero_grad(set_to_none=True)  # optimisation): its gradients are the same bad batch's
+                self._checked_through = trainer.global_step
             return
         self._checking = False
         if self.subscription is not None:
@@ -326,6 +333,7 @@ class DivergenceMonitor(TapCallback):
         if self._acted:  # drop the update: the optimizer skips parameters without gradients
             optimizer.zero_grad(set_to_none=True)
             self._checked_through = step  # the weights stay those just checked
+            self._dropping = True
         # Non-finite weights end the run whatever the policy (no later update can repair them): those the previous
         # update left, or those this update will leave when it is applied with a non-finite gradient (the final check
         # in on_train_end then records them).

@@ -9,7 +9,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
-from support.callbacks import SEQ, VOCAB, LitLM, ParamWatch, StepClock, lit, loader, trainer, unchanged
+from support.callbacks import (
+    SEQ,
+    VOCAB,
+    LitLM,
+    ManualLM,
+    ParamWatch,
+    StepClock,
+    gpt,
+    lit,
+    loader,
+    trainer,
+    unchanged,
+)
 
 from lnstab.callbacks import (
     DivergenceMonitor,
@@ -116,6 +128,25 @@ def test_skip_drops_only_that_update_and_continues(tmp_path):
     assert all(torch.isfinite(p).all() for p in module.parameters())
     assert {e["step"] for e in monitor.events} == {NAN_STEP}
     assert read_summary(run_dir(tmp_path))["status"] == "completed"
+
+
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+def test_with_manual_optimisation_a_dropped_update_is_dropped_for_every_optimizer_of_the_step(tmp_path, policy):
+    """Two optimizers stepped in one training_step, a NaN loss on batch 2: neither applies it, and the events are
+    those of one optimizer (the decision, taken at the first optimizer's step, dropped its update only: the second
+    applied the NaN gradient, and a skipped batch ended a diverged run)."""
+    events, status = {}, {}
+    for n in (1, 2):
+        torch.manual_seed(0)
+        module, monitor = ManualLM(gpt(), optimizers=n, nan_batch=2), DivergenceMonitor(policy=policy)
+        t = trainer(tmp_path / str(n), [monitor, RunStatus()], max_steps=-1, max_epochs=1)
+        t.fit(module, loader(n=24))
+        assert all(torch.isfinite(p).all() for p in module.parameters()), n
+        assert t.global_step == n * (6 if policy == "skip" else 3)  # each optimizer's step counts
+        events[n] = [(e["step"] // n, e["kind"]) for e in monitor.events]  # per training step
+        status[n] = read_summary(tmp_path / str(n) / "csv" / "version_0")["status"]
+    assert events[2] == events[1] == [(2, "nonfinite_loss"), (2, "nonfinite_grad")]
+    assert status[2] == status[1] == ("completed" if policy == "skip" else "diverged")
 
 
 def test_continue_stops_once_the_weights_are_nonfinite_and_keeps_the_last_good_checkpoint(tmp_path):

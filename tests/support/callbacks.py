@@ -198,6 +198,35 @@ class SGDLM(LitLM):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
+class ManualLM(LitLM):
+    """Manual optimisation: one ``manual_backward`` a ``training_step``, then ``optimizers`` AdamWs (the parameters
+    split in order) stepped one after the other; the loss of batch ``nan_batch`` is NaN."""
+
+    def __init__(self, model: nn.Module, optimizers: int = 2, nan_batch: int | None = None) -> None:
+        super().__init__(model)
+        self.automatic_optimization = False
+        self.n_optimizers, self.nan_batch = optimizers, nan_batch
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        if batch_idx == self.nan_batch:
+            loss = loss * math.nan
+        optimizers = self.optimizers()
+        optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        self.manual_backward(loss)
+        for optimizer in optimizers:
+            optimizer.step()
+        return loss.detach()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        params = list(self.parameters())
+        k = math.ceil(len(params) / self.n_optimizers)
+        return [torch.optim.AdamW(params[i : i + k], lr=self.lr) for i in range(0, len(params), k)]
+
+
 class ShardedSGD(LitLM):
     """Global batch 8 of fixed sequences split over ranks and micro-batches; SGD (updates linear in the gradient)."""
 
