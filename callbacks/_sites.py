@@ -162,6 +162,35 @@ def no_sites(who: str, layer_pattern: re.Pattern | None, module_types: tuple[typ
             f"index){' or module_types' if module_types is not None else ''}; {consequence}")
 
 
+def no_end_sites(who: str, root: nn.Module, sites: list[Site], embed_pattern: re.Pattern | None,
+                 final_pattern: re.Pattern | None) -> str | None:
+    """The one-line warning of an instrument whose ``embed_pattern`` or ``final_pattern`` (not ``None``) matched no
+    module of ``root``: which site is not measured and how to name it (a final norm outside the blocks is offered
+    by name); ``None`` when each found its module."""
+    from lnstab.layers import NORM_MODULES
+
+    tags = {s.tag for s in sites}
+    ends = (("embed", "embed_pattern", embed_pattern), ("final", "final_pattern", final_pattern))
+    missing = [(arg, p) for tag, arg, p in ends if p is not None and tag not in tags]
+    if not missing:
+        return None
+    given = " and ".join(f"{arg}={p.pattern!r}" for arg, p in missing)
+    what = " and ".join("embedding (X_0)" if arg == "embed_pattern" else "final (the final norm's input)"
+                        for arg, _ in missing)
+    hints = []
+    for arg, _ in missing:
+        if arg == "embed_pattern":
+            hints.append("embed_pattern a regex of the module whose output is X_0 (the embeddings' dropout, say)")
+            continue
+        blocks = [clean_name(s.name) + "." for s in sites if s.tag.startswith("L")]
+        norms = [n for raw, m in root.named_modules() if isinstance(m, NORM_MODULES)
+                 and not (n := clean_name(raw)).startswith(tuple(blocks))]
+        found = f", e.g. final_pattern=r'{re.escape('.'.join(norms[-1].split('.')[-2:]))}$'" if norms else ""
+        hints.append(f"final_pattern a regex of the final norm's name{found}")
+    return (f"{who}: {given} matched no module of the model; the {what} site{'s are' if len(missing) > 1 else ' is'} "
+            f"not measured: give {' and '.join(hints)}, or None not to look for it")
+
+
 def auto_sites(
     root: nn.Module,
     layer_pattern: re.Pattern | None,

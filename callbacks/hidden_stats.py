@@ -21,6 +21,7 @@ from ._sites import (
     FINAL_PATTERN,
     Site,
     auto_sites,
+    no_end_sites,
     no_sites,
     resolve_types,
     tensorboard_writer,
@@ -57,8 +58,13 @@ class HiddenStateStatistics(MeasuringTapCallback):
             ``(h|layers|layer|blocks).<i>`` (Hugging Face GPT-2, ``nn.TransformerEncoder``). For tuple outputs
             the first tensor is used.
         module_types: Module classes (or dotted paths) to watch instead of / besides ``layer_pattern``.
-        embed_pattern: Regex of the module whose output is X_0 (``None`` to skip).
-        final_pattern: Regex of the module whose *input* is the final-norm input (``None`` to skip).
+        embed_pattern: Regex of the module whose output is X_0 (``None`` to skip). The default names lnstab's and
+            Hugging Face GPT-2's ``transformer.drop``; a pattern that matches no module is said in a warning at setup
+            (once), and the ``embed`` site is not measured.
+        final_pattern: Regex of the module whose *input* is the final-norm input (``None`` to skip). The default
+            names ``transformer.ln_f``; a pattern that matches no module (torch's ``TransformerEncoder`` calls its
+            final norm ``encoder.norm``) is said in a warning at setup (once), naming a final norm it could be, and
+            the ``final`` site is not measured.
         log_heatmap: Add the heatmaps to TensorBoard at the end of training.
         series_file: File name of the series in the run directory (``None`` to skip).
         stats: One name or a list of registered residual-stream statistics to log (``None``: every one marked
@@ -116,6 +122,7 @@ class HiddenStateStatistics(MeasuringTapCallback):
         self.values: dict[str, dict[str, list[float]]] = {s: {} for s in self.stats}
         self.last: dict[str, float] = {}
         self._capture_step: int | None = None
+        self._told_ends: set[str] = set()
 
     @property
     @override
@@ -148,6 +155,10 @@ class HiddenStateStatistics(MeasuringTapCallback):
             rank_zero_warn(no_sites(type(self).__name__, self.layer_pattern, self.module_types,
                                     "only the embedding and final sites are measured" if self.sites else
                                     "nothing will be logged"))
+        ends = no_end_sites(type(self).__name__, pl_module, self.sites, self.embed_pattern, self.final_pattern)
+        if ends is not None and ends not in self._told_ends:  # once, not at every setup of a fit, validate, test
+            self._told_ends.add(ends)
+            rank_zero_warn(ends)
         self.subscribe(pl_module, self.sites, [self.stats] * len(self.sites))
         self._unrolled = False
 

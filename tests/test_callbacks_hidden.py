@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -202,6 +203,39 @@ def test_a_layer_pattern_that_matches_no_layer_is_said_although_embed_and_final_
     with pytest.warns(UserWarning, match="matched no module of the model; only the embedding and final sites"):
         trainer(tmp_path, [callback], max_steps=1).fit(lit("gpt"), loader())
     assert callback.tags == ["embed", "final"]
+
+
+def test_an_embedding_or_final_pattern_that_matches_nothing_is_said_once_with_the_final_norm_to_name(tmp_path):
+    """torch's TransformerEncoder with a final norm: the default patterns (lnstab's and Hugging Face's names) find
+    neither end site. Before, nothing was said, and a ModelCheckpoint(monitor="hidden/mean_abs/final") never saved."""
+
+    def said(kind_or_module, callback, name) -> list[str]:
+        module = lit(kind_or_module) if isinstance(kind_or_module, str) else kind_or_module
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer(tmp_path / name, [callback], max_steps=1).fit(module, loader(8))
+        return [str(w.message) for w in caught if "not measured:" in str(w.message)]
+
+    torch.manual_seed(0)
+    module, callback = LitLM(EncoderLM(final_norm=True)), HiddenStateStatistics(every_n_steps=1)
+    assert said(module, callback, "a") == [
+        "HiddenStateStatistics: embed_pattern='(?:^|\\\\.)transformer\\\\.drop$' and final_pattern="
+        "'(?:^|\\\\.)transformer\\\\.ln_f$' matched no module of the model; the embedding (X_0) and final (the final "
+        "norm's input) sites are not measured: give embed_pattern a regex of the module whose output is X_0 (the "
+        "embeddings' dropout, say) and final_pattern a regex of the final norm's name, e.g. "
+        "final_pattern=r'encoder\\.norm$', or None not to look for it"]
+    assert callback.tags == ["L00", "L01"]
+    assert said(module, callback, "again") == []  # once: a second fit of the same instance does not say it again
+    only_final = HiddenStateStatistics(every_n_steps=1, embed_pattern=None)
+    assert said(module, only_final, "b")[0].startswith("HiddenStateStatistics: final_pattern='(?:^|\\\\.)transformer"
+                                                       "\\\\.ln_f$' matched no module of the model; the final (the "
+                                                       "final norm's input) site is not measured: give final_pattern")
+    named = HiddenStateStatistics(every_n_steps=1, embed_pattern=r"embed$", final_pattern=r"encoder\.norm$")
+    assert said(module, named, "c") == [] and named.tags == ["embed", "L00", "L01", "final"]
+    assert "hidden/mean_abs/final" in named.last  # what a ModelCheckpoint can monitor
+    for kind in ("gpt", "hf"):  # lnstab's and Hugging Face GPT-2's names: both found, nothing said
+        callback = HiddenStateStatistics(every_n_steps=1)
+        assert said(kind, callback, kind) == [] and callback.tags[0] == "embed" and callback.tags[-1] == "final"
 
 
 @pytest.mark.parametrize(

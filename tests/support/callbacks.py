@@ -66,14 +66,16 @@ class HFWrapper(nn.Module):
 
 
 class EncoderLM(nn.Module):
-    """``nn.TransformerEncoder``; ``batch_first=False`` (torch's default) runs it on ``(T, B, d)``."""
+    """``nn.TransformerEncoder``; ``batch_first=False`` (torch's default) runs it on ``(T, B, d)``; ``final_norm``:
+    with torch's final ``LayerNorm`` (``encoder.norm``)."""
 
-    def __init__(self, batch_first: bool = True) -> None:
+    def __init__(self, batch_first: bool = True, final_norm: bool = False) -> None:
         super().__init__()
         self.batch_first = batch_first
         self.embed = nn.Embedding(VOCAB, 32)
         layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=batch_first)
-        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        norm = nn.LayerNorm(32) if final_norm else None
+        self.encoder = nn.TransformerEncoder(layer, 2, norm=norm, enable_nested_tensor=False)
         self.head = nn.Linear(32, VOCAB)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
