@@ -137,10 +137,13 @@ def layout_sources(callback: Callback, pl_module: pl.LightningModule) -> set[str
 
 
 class StabilityLayout(Callback):
-    """Adds :func:`stability_layout` to the TensorBoard run once, in ``setup`` (no-op without a TensorBoardLogger):
-    the training charts (z-loss where the module's ``hparams.z_loss`` > 0) and those of the instruments among
+    """Adds :func:`stability_layout` to the TensorBoard run in ``setup`` (no-op without a TensorBoardLogger): the
+    training charts (z-loss where the module's ``hparams.z_loss`` > 0) and those of the instruments among
     ``trainer.callbacks`` (subclasses count) that they will fill (:func:`layout_sources`: Theorem 4's charts only
-    where ``GrowthBoundMonitor`` finds output norms, the evaluation's only where ``FinalEvaluation`` runs).
+    where ``GrowthBoundMonitor`` finds output norms, the evaluation's only where ``FinalEvaluation`` runs). Once per
+    TensorBoard run (log directory): a new run, such as each fit of a seed loop that reuses one callbacks list with a
+    new trainer and logger, gets its own layout; a later ``setup`` into the run it was added to (a ``validate`` after
+    the fit, a resume in the same process) adds nothing.
 
     **Logged metrics**: none (a layout in the TensorBoard *Custom Scalars* tab; docs/dashboard.md).
 
@@ -150,20 +153,23 @@ class StabilityLayout(Callback):
     """
 
     def __init__(self) -> None:
-        self.added = False
+        self.added_to: str | None = None  # the log directory of the TensorBoard run the layout was last added to
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if not self.added:
-            self._add(trainer, pl_module)
-            self.added = True
+        self._add(trainer, pl_module)
 
     @rank_zero_only
     def _add(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         writer = tensorboard_writer(trainer)
-        if writer is not None:
-            sources = {source for callback in trainer.callbacks for source in layout_sources(callback, pl_module)}
-            z_loss = pl_module.hparams.get("z_loss")
-            if isinstance(z_loss, int | float) and z_loss > 0:
-                sources.add("z_loss")
-            writer.add_custom_scalars(stability_layout(sources))
+        if writer is None:
+            return
+        log_dir = str(writer.get_logdir())
+        if log_dir == self.added_to:
+            return  # this run has it: a later stage, or a resume into it
+        sources = {source for callback in trainer.callbacks for source in layout_sources(callback, pl_module)}
+        z_loss = pl_module.hparams.get("z_loss")
+        if isinstance(z_loss, int | float) and z_loss > 0:
+            sources.add("z_loss")
+        writer.add_custom_scalars(stability_layout(sources))
+        self.added_to = log_dir

@@ -10,7 +10,7 @@ import pytest
 import torch
 from fsdp_cpu import CPUDDPSpawnStrategy
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from support.callbacks import LitLM, gpt, lit, loader, tokens, trainer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
@@ -78,6 +78,28 @@ def test_every_callback_runs_unchanged(tmp_path, kind):
     categories = [c.title for c in written.category]
     assert ("Growth bound" in categories) == (kind == "gpt") and "Growth across depth" in categories
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in t.lightning_module.modules())
+
+
+def layouts_in(log_dir) -> int:
+    """How many custom-scalars layouts the TensorBoard run in ``log_dir`` holds."""
+    events = EventAccumulator(str(log_dir), size_guidance={"tensors": 0})
+    events.Reload()
+    tag = "custom_scalars__config__"
+    return len(events.Tensors(tag)) if tag in events.Tags()["tensors"] else 0
+
+
+def test_each_tensorboard_run_of_a_reused_callbacks_list_gets_its_layout_once(tmp_path):
+    """A seed loop: one callbacks list, a new trainer and TensorBoardLogger each fit (version_0, version_1). Before,
+    the instance remembered it had added the layout, and only version_0 had one; a later fit into a run that has it
+    (a resume in the same process) adds none."""
+    callbacks = [StabilityLayout(), HiddenStateStatistics(every_n_steps=1)]
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        trainer(tmp_path, callbacks, max_steps=2, tensorboard=True).fit(lit("gpt"), loader(8))
+    assert [layouts_in(tmp_path / "tb" / f"version_{v}") for v in (0, 1)] == [1, 1]
+    again = TensorBoardLogger(tmp_path, name="tb", version=1)
+    trainer(tmp_path, callbacks, max_steps=2, logger=again).fit(lit("gpt"), loader(8))
+    assert layouts_in(tmp_path / "tb" / "version_1") == 1
 
 
 def test_layout_charts_each_statistic_per_layer():
