@@ -10,6 +10,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lnstab.rundir import writes_files
+
 from .run_status import interrupted
 
 
@@ -30,6 +32,8 @@ class RunCheckpoint(ModelCheckpoint):
     The check runs only when this callback may save (a step that is a multiple of ``every_n_train_steps``, the end
     of an epoch, the end of a validation): one fused norm over the parameters and one host sync then. With
     ``save_last``, ``last`` is also saved when training ends at a step not saved yet, so it holds the final weights.
+    Under ``fast_dev_run`` it writes nothing: Lightning's own ``save_last`` save at the end of training does not check
+    ``fast_dev_run`` (Lightning 2.6), and wrote ``checkpoints/last.ckpt`` into the current directory.
 
     **Logged metrics**: none.
 
@@ -69,8 +73,9 @@ class RunCheckpoint(ModelCheckpoint):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning saves `last` here when nothing was saved yet: weights that went non-finite before the first
-        # periodic checkpoint (policy continue) made that save raise, and a divergence end as a crash (exit 1)
-        if not self._finite(trainer, pl_module):
+        # periodic checkpoint (policy continue) made that save raise, and a divergence end as a crash (exit 1);
+        # under fast_dev_run Lightning saves nothing else, yet this save of `last` does not ask
+        if not writes_files(trainer) or not self._finite(trainer, pl_module):
             return
         super().on_train_end(trainer, pl_module)
         # ... and only then: with max_steps not a multiple of every_n_train_steps a finished run's last.ckpt held an

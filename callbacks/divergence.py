@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from lnstab import validation as require
 from lnstab.errors import ConfigError
-from lnstab.rundir import EVENTS_FILE, atomic_write_text, json_safe, run_dir, update_summary
+from lnstab.rundir import EVENTS_FILE, atomic_write_text, json_safe, run_dir, update_summary, writes_files
 
 from ._captures import HEAD_PATTERN, qk_arguments
 from ._sites import Site, auto_sites, no_sites
@@ -79,7 +79,7 @@ class DivergenceMonitor(TapCallback):
     ``diverged_step`` (the first step the ``stop`` policy acted on or the weights became non-finite) and
     ``divergence_events``; :class:`RunStatus` turns that into ``status: diverged``. A diverged run says so in one
     line as the fit ends (the step, its event kinds, the events file), since Lightning is silent when a callback
-    stops it.
+    stops it. Under ``fast_dev_run`` it checks and acts as ever but writes no file.
 
     Args:
         policy: ``stop``, ``skip`` or ``continue``.
@@ -398,7 +398,7 @@ class DivergenceMonitor(TapCallback):
         self._counted = True  # the count is logged at a fit's first check too, where it is usually 0
         self.events.extend(new)
         self.log_step(trainer, {"divergence/events": float(len(self.events))}, step)
-        if new:
+        if new and writes_files(trainer):  # none under fast_dev_run
             self._write_events(trainer)
 
     @rank_zero_only
@@ -417,9 +417,9 @@ class DivergenceMonitor(TapCallback):
         # Lightning says nothing when a callback stops the run: say why, once the progress bar has closed its line
         if self.diverged_step is not None:
             kinds = dict.fromkeys(e["kind"] for e in self.events if e["step"] == self.diverged_step)
+            where = f"in {run_dir(trainer) / EVENTS_FILE}" if writes_files(trainer) else "(fast_dev_run: not written)"
             rank_zero_info(f"DivergenceMonitor: the run diverged at step {self.diverged_step} ({', '.join(kinds)}) "
-                           f"and ended at step {trainer.global_step}; {len(self.events)} events in "
-                           f"{run_dir(trainer) / EVENTS_FILE}")
+                           f"and ended at step {trainer.global_step}; {len(self.events)} events {where}")
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

@@ -13,7 +13,7 @@ from typing_extensions import override
 
 from lnstab import validation as require
 from lnstab.errors import ConfigError
-from lnstab.rundir import HIDDEN_SERIES_FILE, atomic_write_text, json_safe, run_dir
+from lnstab.rundir import HIDDEN_SERIES_FILE, atomic_write_text, json_safe, run_dir, writes_files
 
 from . import _stats
 from ._sites import (
@@ -47,9 +47,9 @@ class HiddenStateStatistics(MeasuringTapCallback):
     otherwise), pooled over every micro-batch of that optimizer step, reduced across ranks (DDP, FSDP) so that every
     value equals one process seeing the whole global batch, and read with one host sync per logging event. Per-entry
     moments for ``var_data`` are one float32 vector of ``N`` per site, merged with Chan's update and allocated only
-    on logging steps. The whole series is written to ``<run dir>/hidden_stats.json`` at the end of training, and a
-    layer × step heatmap per statistic is added to TensorBoard (``hidden/heatmap/<stat>``) when a TensorBoardLogger
-    is attached.
+    on logging steps. The whole series is written to ``<run dir>/hidden_stats.json`` at the end of training (not
+    under ``fast_dev_run``, which measures and writes no file), and a layer × step heatmap per statistic is added to
+    TensorBoard (``hidden/heatmap/<stat>``) when a TensorBoardLogger is attached.
 
     Args:
         every_n_steps: Log on optimizer steps ``0, N, 2N, …``.
@@ -229,7 +229,7 @@ class HiddenStateStatistics(MeasuringTapCallback):
     def _write(self, trainer: pl.Trainer) -> None:
         if not self.steps:
             return
-        if self.series_file is not None:
+        if self.series_file is not None and writes_files(trainer):  # none under fast_dev_run
             series = {"tags": self.tags, "steps": self.steps, "stats": self.values}
             # strict JSON: a diverged run's NaN/inf are tagged {"$float": "nan"}, which read_hidden_series gives back
             text = json.dumps(json_safe(series), indent=1, allow_nan=False)

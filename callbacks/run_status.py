@@ -30,6 +30,7 @@ from lnstab.rundir import (
     read_summary,
     run_dir,
     update_summary,
+    writes_files,
 )
 
 from ._aside import bar_cleared
@@ -96,6 +97,10 @@ class RunStatus(Callback):
     (:mod:`lnstab.runlock`) for the rest of the process: a second fit into a directory a live run holds is refused
     in one line before it writes anything.
 
+    **fast_dev_run.** Lightning suppresses logging and checkpointing there (its logger is a ``DummyLogger``, so the
+    run directory would be ``default_root_dir``, the current directory by default): no lock is taken and no
+    ``summary.json`` or ``last.ckpt`` is written; signals still stop the run at a step boundary.
+
     Args:
         signals: Signal names to handle, one or a list (any of ``SIGINT``, ``SIGTERM``, ``SIGUSR1``, ``SIGHUP``);
             ``[]`` handles none.
@@ -137,7 +142,7 @@ class RunStatus(Callback):
             return
         self._started = time.monotonic()
         self.requested = self.signal = self.interrupted_step = None
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and writes_files(trainer):  # fast_dev_run: no lock, no summary
             directory = run_dir(trainer)
             note = runlock.hold(directory)  # RunDirInUse (one line) while another live run trains here
             self._owns_dir = True
@@ -149,7 +154,7 @@ class RunStatus(Callback):
             update_summary(trainer, status="running", started_at=before.get("started_at") or _now(), ended_at=None,
                            error=None, signal=None, interrupted_step=None)
         else:
-            self._owns_dir = True  # rank zero holds the lock for the run
+            self._owns_dir = True  # rank zero holds the lock for the run (fast_dev_run: none, and nothing is written)
 
     def _wall(self) -> float:
         return round(self._wall_before + time.monotonic() - self._started, 3)
@@ -207,8 +212,8 @@ class RunStatus(Callback):
         step: int | None = trainer.global_step
         if isinstance(exception, RunInterrupted) and not exception.at_once:
             pass  # after the last step (the final evaluation): last.ckpt holds that step
-        elif self._at_boundary and self.save_on_interrupt and trainer.world_size == 1 and not isinstance(
-                exception, KeyboardInterrupt | RunInterrupted):
+        elif self._at_boundary and self.save_on_interrupt and writes_files(trainer) and trainer.world_size == 1 and \
+                not isinstance(exception, KeyboardInterrupt | RunInterrupted):
             # a signal, then an error between two steps (e.g. a loader worker the same signal killed): the state is
             # that of a step boundary, so this checkpoint resumes exactly (one process only: a save may be collective)
             with contextlib.suppress(Exception):
@@ -300,7 +305,7 @@ class RunStatus(Callback):
             return
         signum = self.requested if self.requested is not None else signal.SIGTERM  # another rank's signal
         self.signal, self.interrupted_step, self.requested = signum, trainer.global_step, None
-        if self.save_on_interrupt:
+        if self.save_on_interrupt and writes_files(trainer):  # fast_dev_run: Lightning saves no checkpoint either
             path = self._save_resumable(trainer)
             with bar_cleared(trainer):  # the bar may have drawn this step since the signal's line
                 rank_zero_info(f"lnstab: saved {path} at step {trainer.global_step}; resume with ckpt_path={path} "

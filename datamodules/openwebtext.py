@@ -351,7 +351,10 @@ class OpenWebTextDataModule(pl.LightningDataModule):
             raise DataError(f"model.vocab_size={size} is not allowed with --data.vocab {vm.kind}: the relabelled "
                             f"vocabulary has {vm.size} ids; set --model.vocab_size {vm.size}")
         if trainer.is_global_zero:
-            from lnstab.rundir import run_dir, write_json
+            from lnstab.rundir import run_dir, write_json, writes_files
+
+            if not writes_files(trainer):
+                return  # fast_dev_run: no file
 
             try:
                 directory = run_dir(trainer)

@@ -24,7 +24,8 @@ A run directory is what ``lnstab fit`` writes (``runs/<experiment>/version_N/``,
     started_at, ended_at (ISO 8601, UTC), wall_s (seconds of this process, summed over resumptions)
 
 Writers: :func:`update_summary` (inside a run, rank zero) and :func:`merge_summary` (anywhere). Every file is
-written through :func:`atomic_write_text`, so a reader never sees half a file.
+written through :func:`atomic_write_text`, so a reader never sees half a file. A run under Lightning's
+``fast_dev_run`` writes none of these files (:func:`writes_files`).
 
 Non-finite numbers (a diverged run has them; strict JSON has none) are written as the tagged object
 ``{"$float": "nan"}`` (``"inf"``, ``"-inf"``) and only that object is read back as a float: a string is always a
@@ -93,6 +94,14 @@ def run_dir(trainer: pl.Trainer) -> Path:
         if directory:
             return Path(directory)
     return Path(trainer.default_root_dir)
+
+
+def writes_files(trainer: pl.Trainer) -> bool:
+    """Whether ``trainer``'s run writes files in its run directory: not under ``fast_dev_run``, where Lightning
+    suppresses logging and checkpointing. Its logger is then a ``DummyLogger``, so :func:`run_dir` would be the
+    trainer's ``default_root_dir`` (the current directory by default), where a real run's files may be; the callbacks
+    still measure, so a smoke test exercises them, and write nothing."""
+    return not getattr(trainer, "fast_dev_run", False)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int = 0o644) -> None:
@@ -226,8 +235,9 @@ def merge_summary(directory: str | os.PathLike, **fields: Any) -> dict[str, Any]
 
 
 def update_summary(trainer: pl.Trainer, **fields: Any) -> None:
-    """:func:`merge_summary` into the run directory of ``trainer``, on global rank zero only."""
-    if trainer.is_global_zero:
+    """:func:`merge_summary` into the run directory of ``trainer``, on global rank zero only, and only where the run
+    writes files (:func:`writes_files`)."""
+    if trainer.is_global_zero and writes_files(trainer):
         merge_summary(run_dir(trainer), **fields)
 
 

@@ -22,6 +22,7 @@ from lnstab.callbacks import (
     GrowthBoundMonitor,
     HiddenStateStatistics,
     JacobianSensitivity,
+    RunCheckpoint,
     RunStatus,
     StabilityLayout,
     Throughput,
@@ -100,6 +101,22 @@ def test_each_tensorboard_run_of_a_reused_callbacks_list_gets_its_layout_once(tm
     again = TensorBoardLogger(tmp_path, name="tb", version=1)
     trainer(tmp_path, callbacks, max_steps=2, logger=again).fit(lit("gpt"), loader(8))
     assert layouts_in(tmp_path / "tb" / "version_1") == 1
+
+
+def test_fast_dev_run_measures_and_writes_no_file(tmp_path, monkeypatch):
+    """Lightning suppresses logging and checkpointing under fast_dev_run (its logger a DummyLogger, so the run
+    directory is default_root_dir, the current directory): lnstab's callbacks wrote summary.json, hidden_stats.json,
+    divergence_events.jsonl and .lnstab.lock there, over a real run's. They measure all the same."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    callbacks = [*all_callbacks(), RunCheckpoint(save_last=True, every_n_train_steps=1)]
+    hidden, growth, monitor = callbacks[1], callbacks[2], callbacks[5]
+    module = lit("gpt", loss_scale_at={1: math.nan})  # step 1 diverges: an event, and the run stops
+    trainer(tmp_path, callbacks, fast_dev_run=2, enable_checkpointing=True).fit(module, loader())
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["cwd"]
+    assert hidden.steps == [0, 1] and growth.last and callbacks[3].last  # measured
+    assert [e["kind"] for e in monitor.events][:1] == ["nonfinite_loss"] and monitor.diverged_step == 1
 
 
 def test_layout_charts_each_statistic_per_layer():

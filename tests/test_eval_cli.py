@@ -75,6 +75,20 @@ def test_callback_logs_eval_scalars_and_text_to_tensorboard(run) -> None:
     assert {"eval/sample_00/text_summary", "eval/sample_01/text_summary"} <= set(acc.Tags()["tensors"])
 
 
+def test_fast_dev_run_evaluates_and_writes_no_file(tmp_path, monkeypatch) -> None:
+    """Under fast_dev_run (a DummyLogger: the run directory is the current one) the evaluation runs and neither
+    eval.json nor the summary (val from GPTModule, eval, status from RunStatus) is written there."""
+    from lnstab.callbacks import RunStatus
+
+    monkeypatch.chdir(tmp_path)
+    callback = FinalEvaluation(n_samples=2, batch_size=2)
+    trainer = pl.Trainer(accelerator="cpu", fast_dev_run=True, callbacks=[callback, RunStatus()],
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(GPTModule(**MODEL), SyntheticDataModule(**DATA))
+    assert callback.result is not None and set(callback.result["metrics"]) == set(METRICS)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_callback_rejects_bad_arguments() -> None:
     with pytest.raises(LNStabError, match="protocol='x' is not allowed"):
         FinalEvaluation(protocol="x")

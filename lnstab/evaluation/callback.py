@@ -17,7 +17,7 @@ from lnstab.errors import LNStabError
 from lnstab.evaluation import metrics
 from lnstab.evaluation.core import eval_scalars, evaluate_model, write_eval_json
 from lnstab.evaluation.settings import EvalSettings
-from lnstab.rundir import run_dir, update_summary
+from lnstab.rundir import run_dir, update_summary, writes_files
 
 
 class FinalEvaluation(Callback):
@@ -30,7 +30,8 @@ class FinalEvaluation(Callback):
 
     The validation stream comes from ``trainer.datamodule.validation_tokens()`` (the lnstab datamodule contract).
     Every rank runs its shard of the samples; results are gathered, so the scores equal a single-process run. Rank
-    zero writes ``eval.json`` in the run directory (``eval-1.json``, … if one exists: nothing is overwritten), logs
+    zero writes ``eval.json`` in the run directory (``eval-1.json``, … if one exists: nothing is overwritten; nothing
+    under ``fast_dev_run``, which evaluates all the same), logs
     the scalars at ``trainer.global_step`` and, with a TensorBoardLogger, ``num_text_samples`` prediction/reference
     pairs as text. A diverged model's non-finite loss and perplexities are kept (``inf``/``nan``, listed under
     ``nonfinite`` in ``eval.json``), never an error.
@@ -117,14 +118,17 @@ class FinalEvaluation(Callback):
         self.result = result
         step = trained_steps(trainer, pl_module)
         if trainer.is_global_zero:
-            self.path = write_eval_json(run_dir(trainer), result, stage=stage, global_step=step)
-            update_summary(trainer, eval={**result["metrics"], "protocol": result["protocol"], "file": self.path.name})
+            if writes_files(trainer):  # fast_dev_run: evaluated, nothing written
+                self.path = write_eval_json(run_dir(trainer), result, stage=stage, global_step=step)
+                update_summary(trainer, eval={**result["metrics"], "protocol": result["protocol"],
+                                              "file": self.path.name})
             self._log(trainer, result, step)
             note = ""
             if _data_source(trainer) == "synthetic":
                 note = (" (synthetic token stream, not text: ROUGE is expected to be ~0 there; train on text, e.g. "
                         "--data.source sample, for scores that mean something)")
-            rank_zero_info(f"FinalEvaluation: {json.dumps(result['metrics'])} -> {self.path}{note}")
+            where = self.path if writes_files(trainer) else "not written (fast_dev_run)"
+            rank_zero_info(f"FinalEvaluation: {json.dumps(result['metrics'])} -> {where}{note}")
         return result
 
     def _log(self, trainer: pl.Trainer, result: dict[str, Any], step: int) -> None:
