@@ -338,6 +338,28 @@ def is_run_dir(directory: str | os.PathLike) -> bool:
     return any((directory / name).exists() for name in (CONFIG_FILE, SUMMARY_FILE, CHECKPOINT_DIR))
 
 
+def check_name_lengths(path: str | os.PathLike, option: str = "--run_dir") -> None:
+    """Refuse a path with a name longer than its filesystem takes (``NAME_MAX``, 255 on Linux's), or longer in all
+    than ``PATH_MAX``: every later call on it raised ``OSError: File name too long``.
+
+    Raises:
+        ConfigError: Naming the option, the first too-long name (shortened) and the limit.
+    """
+    path = Path(path).absolute()
+    existing = next((p for p in (path, *path.parents) if os.path.isdir(p)), Path("/"))
+    try:
+        name_max, path_max = os.pathconf(existing, "PC_NAME_MAX"), os.pathconf(existing, "PC_PATH_MAX")
+    except (OSError, ValueError):  # a filesystem or platform that does not say
+        name_max, path_max = 255, 4096
+    for name in path.parts:
+        if len(os.fsencode(name)) > name_max:
+            raise ConfigError(f"{option} is not allowed with a name of {len(os.fsencode(name))} bytes "
+                              f"({name[:20]}…); this filesystem takes names of at most {name_max}")
+    if len(os.fsencode(str(path))) >= path_max:
+        raise ConfigError(f"{option} is not allowed: its path has {len(os.fsencode(str(path)))} bytes; this system "
+                          f"takes paths of fewer than {path_max}")
+
+
 def check_writable(run_dir: str | os.PathLike, option: str = "--run_dir") -> None:
     """Refuse, before anything runs, a run (or output) directory ``option`` that cannot be created or written.
 
@@ -346,6 +368,7 @@ def check_writable(run_dir: str | os.PathLike, option: str = "--run_dir") -> Non
             symbolic link on the way points nowhere or into a loop.
     """
     path = Path(run_dir).absolute()
+    check_name_lengths(path, option)
     probe = path
     while not os.path.lexists(probe) and probe != probe.parent:  # a dangling link "lexists" and stops here
         probe = probe.parent

@@ -318,3 +318,9 @@ def test_a_warn_threshold_above_its_fail_threshold_is_refused_before_any_trainin
     for warn, fail in ((3, "3"), (5, "pre"), (5, "null")):
         thresholds.write_text(f"loss:\n  warn: {warn}\n  fail: {fail}\n")
         assert load_thresholds(thresholds)["loss"]["warn"] == warn
+
+
+def test_an_out_with_a_name_longer_than_the_filesystem_takes_is_a_usage_error(tmp_path, capsys) -> None:
+    """It was 'the check failed: OSError: [Errno 36] File name too long', exit 3 (a model's or the check's fault)."""
+    code, err = run_check(capsys, *GPT, *ONE_RUN, "--out", str(tmp_path / ("a" * 300)))
+    assert code == 2 and "--out is not allowed with a name of 300 bytes" in err and len(err.strip().splitlines()) == 1

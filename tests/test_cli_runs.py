@@ -204,6 +204,9 @@ def test_validate_and_evaluate_use_the_run_and_its_data(tmp_path, caplog) -> Non
         (["--checkpoint.every_n_train_steps", "-2"], "every_n_train_steps"),
         (["--evaluation.top_k", "0"], "top_k=0 is not allowed"),
         (["--run_dir", "."], "run_dir='.' is not allowed"),
+        # before: OSError 'File name too long' as a traceback, exit 1
+        (["--run_dir", "a" * 300], "--run_dir is not allowed with a name of 300 bytes (aaaaaaaaaaaaaaaaaaaa…); this "
+                                   "filesystem takes names of at most 255"),
         # before: jsonargparse's ~1,000 characters of every subtype and why each failed
         (["--trainer.precision", "bf17"], "trainer.precision='bf17' is not allowed; choose one of: 64, 32, 16, "
                                           "transformer-engine, transformer-engine-float16, 16-true, 16-mixed, "

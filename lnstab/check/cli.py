@@ -54,7 +54,7 @@ from lnstab.check.subjects import Subject, context_length, hf_subject, lnstab_su
 from lnstab.check.validation import supplement_argv
 from lnstab.check.workers import RunPool
 from lnstab.errors import LNStabError, MachineError, one_line, refused_write
-from lnstab.rundir import atomic_write_text, check_writable
+from lnstab.rundir import atomic_write_text, check_name_lengths, check_writable
 
 DEFAULT_ROOT = Path("runs") / "check"
 INTERRUPTED = "interrupted.txt"  # in a run directory a signal ended: no verdict
@@ -101,6 +101,7 @@ def check_out(out: str | None) -> None:
     if not out:
         return
     path = Path(out)
+    check_name_lengths(path, "--out")  # before is_dir(), which raised 'File name too long' (exit 3)
     if path.is_dir() and any(path.iterdir()):
         what = (" (a check a signal ended: its interrupted.txt says so; remove it to check again there)"
                 if (path / INTERRUPTED).is_file() else "")
