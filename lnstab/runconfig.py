@@ -22,28 +22,136 @@ UNNAMED = (None, "", "lightning_logs")
 RUN_LOCATION = ("extends", "run_dir", "ckpt_path", "trainer.default_root_dir", "trainer.enable_autolog_hparams")
 
 
+# jsonargparse's names of the value types of lnstab's config fields, as lnstab says them: (one, several).
+TYPE_WORDS = {"str": ("a string", "strings"), "int": ("an integer", "integers"), "float": ("a number", "numbers"),
+              "bool": ("true or false", "true/false values"), "NoneType": ("null", "nulls"),
+              "Any": ("a value", "values")}
+SEQUENCES = ("list", "List", "tuple", "Tuple", "Sequence")
+
+
 def choices_message(message: str) -> str | None:
-    """jsonargparse's error for a value outside a union of literals (``trainer.precision``: 14 lines, every subtype
-    and why it failed, folded into one of ~1,000 characters) as lnstab says it: ``KEY='VALUE' is not allowed;
-    choose one of: …``. ``None`` for any other error, or a union that also takes a type of value (an int, a path)."""
-    key = re.search(r'^Parser key "([^"]+)":\s*Does not validate against any of the Union subtypes', message)
-    subtypes = re.search(r"^\s*Subtypes: \[(.*)\]\s*$", message, re.MULTILINE)
-    given = re.search(r"^\s*Given value: (.*?)\s*$", message, re.MULTILINE)
-    if not (key and subtypes and given):
-        return None
-    nested = re.fullmatch(r"NestedArg\(key='([^']*)', val=.*\)", given.group(1))
-    if nested:  # --data.nonsense 3: an argument the chosen class does not take, not a choice of class
+    """jsonargparse's error for a value of the wrong type (``trainer.precision``'s union of literals: 14 lines, every
+    subtype and why it failed, folded into one of ~1,000 characters; a data module's argument: its class's whole
+    account under ``data``) as lnstab says it: ``KEY='VALUE' is not allowed; choose one of: …`` for a union of
+    literals, ``…; it must be a string or null`` for one that takes types of value (``list[str] | None``: ``a list
+    of strings or null``). KEY is the field itself, inside a class's arguments too (``data.path``, or
+    ``data.init_args.path`` where the config wrote ``init_args``). ``None`` for any other error, or a type lnstab
+    has no words for (jsonargparse's own account says more)."""
+    failure = _failure(message.splitlines())
+    if failure is not None:
+        field, value, allowed = failure
+        return f"{field}={value!r} is not allowed; {allowed}"
+    key = re.match(r'Parser key "([^"]+)":', message)
+    given = re.search(r"^  Given value: (.*?)\s*$", message, re.MULTILINE)
+    nested = given and re.fullmatch(r"NestedArg\(key='([^']*)', val=.*\)", given.group(1))
+    if key and nested:  # --data.nonsense 3: an argument the chosen class does not take, not a choice of class
         return f"unrecognized arguments: --{key.group(1)}.{nested.group(1)} (not an argument of {key.group(1)}'s class)"
+    return None
+
+
+def _failure(lines: list[str]) -> tuple[str, str, str] | None:
+    """(field, value as given, what is allowed) of one ``Parser key "…":`` block of jsonargparse's error, from the
+    innermost key that failed: a class's argument (``Problem with given class_path …``) rather than the class."""
+    head = re.fullmatch(r'Parser key "([^"]+)":\s*(.*)', lines[0].strip()) if lines else None
+    if head is None:
+        return None
+    key = head.group(1)
+    body = [line[2:] for line in lines[1:]]  # one level in
+    single = re.fullmatch(r"Expected a (.+?)\. Got value: (.*)", (head.group(2) or (body[0] if body else "")).strip())
+    if single:  # one type: "Expected a <class 'int'>. Got value: abc"
+        words = _type_words(single.group(1))
+        return None if words is None else (key, single.group(2), f"it must be {words}")
+    if not body or body[0].strip() != "Does not validate against any of the Union subtypes":
+        return None
+    subtypes = next((m.group(1) for line in body if (m := re.fullmatch(r"Subtypes: \[(.*)\]", line.strip()))), None)
+    given = next((line.removeprefix("Given value: ") for line in reversed(body) if line.startswith("Given value: ")),
+                 None)
+    if subtypes is None or given is None:
+        return None
+    for i, line in enumerate(body):  # a class's account of its own argument: that argument is the field
+        if re.fullmatch(r"\s*- Problem with given class_path '[^']*':", line):
+            indent = len(line) - len(line.lstrip())
+            block = []
+            for inner in body[i + 1:]:
+                if len(inner) - len(inner.lstrip()) <= indent:
+                    break
+                block.append(inner)
+            depth = min((len(b) - len(b.lstrip()) for b in block if b.strip()), default=0)
+            found = _failure([b[depth:] for b in block])
+            if found is None:
+                return None
+            inner_key = f"init_args.{found[0]}" if re.search(r"\binit_args\b", given) else found[0]
+            return f"{key}.{inner_key}", found[1], found[2]
+    return _union(key, given, _split(subtypes))
+
+
+def _union(key: str, given: str, subtypes: list[str]) -> tuple[str, str, str] | None:
+    """What a union allows: ``choose one of: …`` for literals (and null), else ``it must be …`` in words."""
     choices: list[str] = []
-    for literal, other in re.findall(r"typing\.Literal\[([^\]]*)\]|<class '(\w+)'>", subtypes.group(1)):
-        if other == "NoneType":
+    words: list[str] = []
+    for subtype in subtypes:
+        literal = re.fullmatch(r"typing\.Literal\[(.*)\]", subtype)
+        if literal:
+            choices += [c.strip().strip("'\"") for c in _split(literal.group(1))]
+        elif subtype == "<class 'NoneType'>":
             choices.append("null")
-        elif other:
-            return None  # a type of value, not a choice: jsonargparse's own account says more
+        elif (word := _type_words(subtype)) is not None:
+            words.append(word)
         else:
-            choices += [c.strip().strip("'\"") for c in literal.split(",")]
-    return (f"{key.group(1)}={given.group(1)!r} is not allowed; choose one of: "
-            f"{', '.join(dict.fromkeys(choices))}")
+            return None  # a class or a type lnstab has no words for: jsonargparse's own account says more
+    choices = list(dict.fromkeys(choices))
+    if not words:
+        return key, given, f"choose one of: {', '.join(choices)}"
+    if "a number" in words:  # an int is a number too
+        words = [w for w in words if w != "an integer"]
+    named = [*(repr(c) for c in choices if c != "null"), *dict.fromkeys(words)]
+    named += ["null"] if "null" in choices else []
+    return key, given, "it must be " + (" or ".join(named) if len(named) < 3 else
+                                        f"{', '.join(named[:-1])} or {named[-1]}")
+
+
+def _type_words(subtype: str) -> str | None:
+    """One of jsonargparse's type names (``<class 'str'>``, ``list[str]``, ``dict[str, int]``) in words, or
+    ``None``."""
+    plain = re.fullmatch(r"<class '([\w.]+)'>|(?:typing\.)?(\w+)", subtype.strip())
+    if plain:
+        name = (plain.group(1) or plain.group(2)).rsplit(".", 1)[-1]
+        return TYPE_WORDS[name][0] if name in TYPE_WORDS else None
+    generic = re.fullmatch(r"(?:typing\.|collections\.abc\.)?(\w+)\[(.*)\]", subtype.strip())
+    if generic is None:
+        return None
+    outer, args = generic.group(1), [a.strip() for a in _split(generic.group(2)) if a.strip() != "..."]
+    many = [_plural(a) for a in args]
+    if None in many:
+        return None
+    if outer in SEQUENCES and len(many) == 1:
+        return f"a list of {many[0]}"
+    if outer in ("dict", "Dict", "Mapping") and len(many) == 2:
+        return f"a mapping of {many[0]} to {many[1]}"
+    return None
+
+
+def _plural(name: str) -> str | None:
+    name = name.removeprefix("typing.").removeprefix("<class '").removesuffix("'>").rsplit(".", 1)[-1]
+    return TYPE_WORDS[name][1] if name in TYPE_WORDS else None
+
+
+def _split(text: str) -> list[str]:
+    """``text`` split at its top-level commas (not those inside brackets or quotes)."""
+    parts, depth, quote, start = [], 0, "", 0
+    for i, char in enumerate(text):
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "[(":
+            depth += 1
+        elif char in "])":
+            depth -= 1
+        elif char == "," and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    return [*parts, text[start:].strip()] if text.strip() else parts
 
 
 class LNStabArgumentParser(LightningArgumentParser):

@@ -114,7 +114,7 @@ def test_extends_chain_expands_base_first_and_refuses_cycles(tmp_path) -> None:
         (["--model.residual_scale", "0"], "model.residual_scale=0.0 is not allowed; it must be a finite number > 0"),
         (["--model.n_embd", "102"], "model.n_embd=102 is not allowed with n_head=4"),
         (["--data.source", "nonsense"], "data.source='nonsense' is not allowed; choose one of: hf, files, prepared"),
-        (["--model.residual_scale", "abc"], 'Parser key "model.residual_scale": Expected a <class \'float\'>'),
+        (["--model.residual_scale", "abc"], "model.residual_scale='abc' is not allowed; it must be a number"),
         (["--model.colour", "red"], "unrecognized arguments: --model.colour red"),
         (["--data.colour", "red"], "unrecognized arguments: --data.colour (not an argument"),  # was NestedArg(key=…
         (["--model.min_lr", "1", "--model.learning_rate", "0.1"], "model.min_lr=1.0 is not allowed; it must be <="),
@@ -134,6 +134,33 @@ def test_bad_model_input_is_one_line_exit_2_and_writes_nothing(args, expected, t
     assert err.startswith("lnstab: error: ") and expected in err and "\n" not in err
     assert not run_root.exists()
     assert "lnstab data:" not in caplog.text and "precision auto" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [  # before: "instruments.fatal_kinds='3' is not allowed; choose one of: " (an empty list), and each data field
+        # as "data='True' is not allowed; choose one of: null", naming the data module instead of its argument
+        ("instruments: {fatal_kinds: 3}\n", "instruments.fatal_kinds='3' is not allowed; it must be a list of strings"),
+        ("data: {init_args: {path: true}}\n", "data.init_args.path='True' is not allowed; it must be a string or null"),
+        ("data: {path: true}\n", "data.path='True' is not allowed; it must be a string or null"),
+        ("data: {val_documents: [1]}\n", "data.val_documents='[1]' is not allowed; it must be a number or null"),
+        ("data: {init_args: {data_files: {a: 1}}}\n",
+         "data.init_args.data_files=\"{'a': 1}\" is not allowed; it must be a string, a list of strings or null"),
+        ("data: {init_args: {seed: abc}}\n", "data.init_args.seed='abc' is not allowed; it must be an integer"),
+        ("model: {norm_placement: [pre]}\n", "model.norm_placement=\"['pre']\" is not allowed; it must be a string"),
+    ],
+)
+def test_a_config_value_of_the_wrong_type_names_its_field_and_what_it_takes(text, expected, tmp_path, capsys) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    run_root = tmp_path / "runs"
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--config", str(ROOT / "experiments" / "quickstart.yaml"), "--trainer.max_steps", "1",
+              "--data.source", "synthetic", "--trainer.logger.init_args.save_dir", str(run_root), "--config", str(bad)])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and err.startswith("lnstab: error: ") and "\n" not in err, err
+    assert expected in err, err
+    assert not run_root.exists()
 
 
 @pytest.mark.slow

@@ -105,7 +105,7 @@ BAD = [
     # a combination no parsed run holds: 64 and 3 were each parsed in a valid run (64 x 4, 96 x 3)
     ({"axes": {"model.n_embd": [64, 96], "model.n_head": [4, 3]}}, "run 'n_embd64_n_head3': lnstab fit refuses "
                                                                     "it: model.n_embd=64 "),
-    ({"axes": {"model.residual_scale": ["abc"]}}, 'Parser key "model.residual_scale"'),
+    ({"axes": {"model.residual_scale": ["abc"]}}, "model.residual_scale='abc' is not allowed; it must be a number"),
     ({"axes": {"model.norm_placement": []}}, "axis 'model.norm_placement' values=[] is not allowed"),
     ({"axes": {}}, "axes={} is not allowed"),
     ({"axes": {"model.residual_scale": {"label": "x", "values": [0.1, 0.10]}}}, "two runs are named 'x0.1'"),
