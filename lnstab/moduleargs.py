@@ -1,18 +1,21 @@
-""":class:`~lnstab.module.GPTModule`'s arguments without importing Lightning: which build the model, their defaults,
-and the :class:`~lnstab.model.GPTConfig` they make.
+""":class:`~lnstab.module.GPTModule`'s arguments without importing Lightning: which build the model, their defaults
+and types, and the :class:`~lnstab.model.GPTConfig` they make.
 
 ``lnstab check`` reads these in its parent process, which never trains (its workers do), so it starts without
-Lightning's import (seconds on a slow CPU). ``tests/test_model_options.py`` holds them equal to ``GPTModule``'s
-signature.
+Lightning's import (seconds on a slow CPU); ``lnstab report`` checks a saved config's types with them, without torch's
+(the model is imported only to build a :class:`GPTConfig`). ``tests/test_model_options.py`` holds them equal to
+``GPTModule``'s signature.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lnstab import validation as require
 from lnstab.errors import ConfigError
-from lnstab.model import GPTConfig
+
+if TYPE_CHECKING:
+    from lnstab.model import GPTConfig
 
 # GPTModule's arguments that are GPTConfig fields, with GPTModule's defaults ("preset" first: the rest override it).
 MODEL_DEFAULTS: dict[str, Any] = {
@@ -28,13 +31,45 @@ TRAINING_DEFAULTS: dict[str, Any] = {
     "weight_decay_mode": "coupled", "betas": (0.9, 0.95), "eps": 1e-8, "compile": False,
 }
 TRAINING_ARGS = tuple(TRAINING_DEFAULTS)
+# GPTModule's annotation of each argument, as its signature has it.
+MODULE_TYPES: dict[str, str] = {
+    "preset": "str", "norm_placement": "str", "norm_type": "str", "residual_scale": "float", "block_size": "int",
+    "n_layer": "int | None", "n_head": "int | None", "n_embd": "int | None", "vocab_size": "int | None",
+    "pad_vocab_multiple": "int | None", "bias": "bool | None", "dropout": "float | None", "qk_norm": "bool",
+    "z_loss": "float", "dyt_alpha_init": "float", "residual_gate": "str", "layerscale_init": "float | None",
+    "tie_embeddings": "bool", "init": "str", "learning_rate": "float", "min_lr": "float", "warmup_steps": "int",
+    "lr_decay_steps": "int | None", "weight_decay": "float", "weight_decay_mode": "str",
+    "betas": "tuple[float, float]", "eps": "float", "compile": "bool",
+}
+# Each part of those annotations: whether a config's value is of it, and the words for it.
+TYPE_CHECKS: dict[str, tuple[Any, str]] = {
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "float": (lambda v: isinstance(v, int | float) and not isinstance(v, bool), "a number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "None": (lambda v: v is None, "null"),
+    "tuple[float, float]": (lambda v: isinstance(v, list | tuple) and len(v) == 2 and all(
+        isinstance(x, int | float) and not isinstance(x, bool) for x in v), "a list of two numbers"),
+}
 # How AdamW's decay relates to the learning rate (GPTModule's weight_decay_mode).
 WEIGHT_DECAY_MODES = ("coupled", "independent")
 MODULE_ARGS = (*MODEL_DEFAULTS, *TRAINING_ARGS)
 
 
+def argument_type(name: str, value: Any) -> str | None:
+    """What GPTModule's argument ``name`` takes, in words (``a string``, ``an integer or null``), when ``value`` is
+    of no type it takes; ``None`` when it is (or ``name`` is none of its arguments). Types only: the values
+    themselves are GPTModule's to judge."""
+    if name not in MODULE_TYPES:
+        return None
+    parts = [TYPE_CHECKS[part.strip()] for part in MODULE_TYPES[name].split("|")]
+    return None if any(fits(value) for fits, _ in parts) else " or ".join(words for _, words in parts)
+
+
 def gpt_config(hparams: dict[str, Any]) -> GPTConfig:
     """The :class:`GPTConfig` that ``GPTModule(**hparams)`` builds; missing arguments take the signature's defaults."""
+    from lnstab.model import GPTConfig
+
     get = {k: hparams.get(k, default) for k, default in MODEL_DEFAULTS.items()}
     return GPTConfig.preset(get["preset"], **{k: get[k] for k in MODEL_ARGS})
 

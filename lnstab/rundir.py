@@ -30,8 +30,9 @@ written through :func:`atomic_write_text`, so a reader never sees half a file. A
 Non-finite numbers (a diverged run has them; strict JSON has none) are written as the tagged object
 ``{"$float": "nan"}`` (``"inf"``, ``"-inf"``) and only that object is read back as a float: a string is always a
 string (a run named ``nan``, a grid value ``"inf"``). Readers read within :mod:`lnstab.safeload`'s bounds and
-raise :class:`RunFileError` for a damaged file (truncated, not JSON, the wrong shape), naming it and the problem
-in one line; callers count such a run as damaged and go on with the others.
+raise :class:`RunFileError` for a damaged file (truncated, not JSON, the wrong shape, a value of a kind the
+schema does not give it), naming it and the problem in one line; callers count such a run as damaged and go on with
+the others.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ EVAL_FILE = "eval.json"
 CHECKPOINT_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.ckpt"
 STATUSES = ("running", "completed", "diverged", "interrupted", "failed")
+# summary.json's keys that hold one kind of value (or null); another kind is not what lnstab writes: damaged.
+SUMMARY_STEPS = ("final_step", "diverged_step", "interrupted_step", "divergence_events")
+SUMMARY_TEXTS = ("started_at", "ended_at", "error", "signal")
 FLOAT_TAG = "$float"  # {"$float": "nan" | "inf" | "-inf"}: a non-finite number in lnstab's JSON files
 NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
@@ -212,14 +216,37 @@ def read_summary(directory: str | os.PathLike) -> dict[str, Any]:
     """The run summary in ``directory`` (``{}`` when there is none yet).
 
     Raises:
-        RunFileError: ``summary.json`` is damaged (not JSON, not an object, or ``val``/``eval`` not objects).
+        RunFileError: ``summary.json`` is damaged (not JSON, not an object, ``val``/``eval`` not objects, a
+            ``status`` not one of :data:`STATUSES`, a step or ``wall_s`` not a number, a time or message not text).
     """
     path = Path(directory) / SUMMARY_FILE
     summary = read_object(path, "a run summary (an object)") or {}
     for key in ("val", "eval"):
         if summary.get(key) is not None and not isinstance(summary[key], dict):
             raise RunFileError(path, f"'{key}' holds a JSON {type(summary[key]).__name__}, not an object")
+    kinds = {"status": (lambda v: v in STATUSES, f"a run status ({', '.join(STATUSES[:-1])} or {STATUSES[-1]})"),
+             "wall_s": (_is_number, "a number of seconds"),
+             **dict.fromkeys(SUMMARY_STEPS, (_is_int, "a step (an integer)")),
+             **dict.fromkeys(SUMMARY_TEXTS, (lambda v: isinstance(v, str), "text (a string)"))}
+    for key, (fits, what) in kinds.items():
+        if summary.get(key) is not None and not fits(summary[key]):
+            raise RunFileError(path, f"'{key}' holds {shown(summary[key])}, not {what} or null")
     return summary
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def shown(value: Any, limit: int = 40) -> str:
+    """A value read from a run file as its JSON, cut to ``limit`` characters: how a damaged file's wrong value is
+    quoted."""
+    text = json.dumps(value, default=str, ensure_ascii=False)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def merge_summary(directory: str | os.PathLike, **fields: Any) -> dict[str, Any]:
@@ -303,10 +330,23 @@ def latest_eval(directory: str | os.PathLike) -> dict[str, Any] | None:
     """The newest final evaluation record of a run, or ``None``.
 
     Raises:
-        RunFileError: The newest ``eval*.json`` is damaged (not JSON, or not an object).
+        RunFileError: The newest ``eval*.json`` is damaged (:func:`read_eval`).
     """
     files = eval_files(directory)
-    return read_object(files[-1], "an evaluation record (an object)") if files else None
+    return read_eval(files[-1]) if files else None
+
+
+def read_eval(path: str | os.PathLike) -> dict[str, Any] | None:
+    """One ``eval*.json`` record (``None`` when the file does not exist).
+
+    Raises:
+        RunFileError: Damaged: not JSON, not an object, or its ``metrics``/``copying`` not objects.
+    """
+    record = read_object(path, "an evaluation record (an object)")
+    for key in ("metrics", "copying"):
+        if record is not None and record.get(key) is not None and not isinstance(record[key], dict):
+            raise RunFileError(path, f"'{key}' holds a JSON {type(record[key]).__name__}, not an object")
+    return record
 
 
 def fit_eval(directory: str | os.PathLike) -> dict[str, Any] | None:
@@ -315,12 +355,12 @@ def fit_eval(directory: str | os.PathLike) -> dict[str, Any] | None:
     evaluate`` of it on other data or settings.
 
     Raises:
-        RunFileError: An ``eval*.json`` read on the way is damaged (not JSON, or not an object).
+        RunFileError: An ``eval*.json`` read on the way is damaged (:func:`read_eval`).
     """
     files = eval_files(directory)
     newest = None
     for path in reversed(files):
-        record = read_object(path, "an evaluation record (an object)")
+        record = read_eval(path)
         newest = newest or record
         if record.get("stage", "fit") == "fit":
             return record

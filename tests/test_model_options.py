@@ -18,7 +18,7 @@ from lnstab.layers import DyT, Gate, cait_layerscale_init
 from lnstab.memory import estimate_memory, total_params
 from lnstab.model import GPT, PLACEMENTS, GPTConfig
 from lnstab.module import GPTModule
-from lnstab.moduleargs import MODEL_ARGS, MODEL_DEFAULTS, MODULE_ARGS, TRAINING_DEFAULTS, gpt_config
+from lnstab.moduleargs import MODEL_ARGS, MODEL_DEFAULTS, MODULE_ARGS, MODULE_TYPES, TRAINING_DEFAULTS, gpt_config
 
 VOCAB = 97
 
@@ -309,8 +309,10 @@ def test_module_exposes_every_option() -> None:
 def test_the_lightning_free_copy_of_the_modules_arguments_is_its_signature() -> None:
     """``lnstab.moduleargs`` (read by ``lnstab check``'s parent, which never imports Lightning) names GPTModule's
     arguments in order, with the same defaults, and tells which build the model."""
-    params = {k: p.default for k, p in inspect.signature(GPTModule.__init__).parameters.items() if k != "self"}
+    signature = {k: p for k, p in inspect.signature(GPTModule.__init__).parameters.items() if k != "self"}
+    params = {k: p.default for k, p in signature.items()}
     assert tuple(params) == MODULE_ARGS
+    assert {k: p.annotation for k, p in signature.items()} == MODULE_TYPES  # what lnstab report checks a config by
     assert {k: params[k] for k in MODEL_DEFAULTS} == MODEL_DEFAULTS
     assert {k: params[k] for k in TRAINING_DEFAULTS} == TRAINING_DEFAULTS
     assert set(MODEL_ARGS) == {f.name for f in dataclasses.fields(GPTConfig)} & set(params)

@@ -351,6 +351,82 @@ def test_lnstab_report_counts_a_run_with_a_number_too_long_as_damaged(grid, tmp_
     assert "8 runs in 3 configuration(s): 3 completed, 2 damaged, 1 diverged," in (out / "report.md").read_text()
 
 
+# run -> (file, what it is made to hold, what the line says). Before: read silently, as a configuration of None (or
+# of ["pre"]) whose data was used, a status shown as unknown, a run at step abc, an evaluation without scores.
+WRONG_KIND = {
+    "pre_s0": ("config.yaml", "model: 5\ntrainer: [1]\n", "config.yaml is damaged: 'model' holds 5, not a config "
+                                                           "section (a mapping)"),
+    "pre_s1": ("config.yaml", "model: {norm_placement: [pre], residual_scale: 1.0}\n",
+               "config.yaml is damaged: 'model.norm_placement' holds [\"pre\"], not a string"),
+    "pre_s2": ("config.yaml", "model: {norm_placement: pre, residual_scale: abc}\n",
+               "config.yaml is damaged: 'model.residual_scale' holds \"abc\", not a number"),
+    "peri_s0": ("summary.json", {"status": 5}, "summary.json is damaged: 'status' holds 5, not a run status"),
+    "peri_s1": ("summary.json", {"final_step": "abc"}, "summary.json is damaged: 'final_step' holds \"abc\", not a "
+                                                       "step"),
+    "none_s1": ("eval.json", {"metrics": "nope"}, "eval.json is damaged: 'metrics' holds a JSON str, not an object"),
+}
+
+
+def test_run_files_holding_values_of_a_kind_lnstab_never_writes_are_damaged_runs(grid, tmp_path, capsys) -> None:
+    for run, (name, content, _) in WRONG_KIND.items():
+        path = grid / run / name
+        if isinstance(content, str):
+            path.write_text(content)
+        else:
+            write_json(path, {**json.loads(path.read_text()), **content})
+    out = tmp_path / "report"
+    main(["report", str(grid), "--out", str(out)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == len(WRONG_KIND), lines
+    for run, (name, _, said) in WRONG_KIND.items():
+        assert any(f"{grid / run / name}" in line and said in line and f"{run} is counted as a damaged run" in line
+                   for line in lines), (run, lines)
+    assert "8 runs in 3 configuration(s): 6 damaged, 1 diverged, 1 missing." in (out / "report.md").read_text()
+    records = collect([grid], warn=lambda line: None)
+    assert {r.name for r in records if r.status == "damaged"} == set(WRONG_KIND)
+    performance = {row["norm_placement"]: row for row in performance_table(records).rows}
+    assert set(performance) == {"pre", "peri", "none"}  # no phantom configuration of None or ["pre"]
+    assert performance["pre"]["n"] == 0 and performance["pre"]["runs"] == 3
+
+
+def event_file(run: Path) -> Path:
+    (path,) = run.glob("events.out.tfevents.*")
+    return path
+
+
+@pytest.mark.parametrize(("how", "said"), [
+    ("truncate", "it ends inside its record at byte"),
+    ("empty", "it is empty, not a TensorBoard event file"),
+    ("random", "the record at byte 0 fails its length checksum: not a TensorBoard event file"),
+])
+def test_a_damaged_event_file_makes_its_run_damaged(grid, tmp_path, capsys, how, said) -> None:
+    path = event_file(grid / "none_s1")
+    data = path.read_bytes()
+    path.write_bytes({"truncate": data[:-7], "empty": b"", "random": bytes(range(256)) * 3}[how])
+    out = tmp_path / "report"
+    main(["report", str(grid), "--out", str(out)])  # before: silent, the run's scalars cut short or none at all
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"{path} is damaged: {said}" in lines[0], lines
+    assert "none_s1 is counted as a damaged run" in lines[0]
+    records = {r.name: r for r in collect([grid], warn=lambda line: None)}
+    assert records["none_s1"].status == "damaged" and records["none_s1"].scalars() == {}
+    assert all(r.status != "damaged" for name, r in records.items() if name != "none_s1")
+
+
+def test_a_live_runs_event_file_may_end_inside_a_record(grid) -> None:
+    """A running run's newest event file is being written: empty at first, and a flush may end inside a record."""
+    run = grid / "peri_s1"
+    write_json(run / "summary.json", {**json.loads((run / "summary.json").read_text()), "status": "running"})
+    path = event_file(run)
+    whole = read_scalars(run)
+    path.write_bytes(path.read_bytes()[:-7])
+    (record,) = collect([run])
+    assert record.status == "running" and record.problem is None
+    assert record.scalars()["train/loss"] == whole["train/loss"][:len(record.scalars()["train/loss"])]
+    write_json(run / "summary.json", {**json.loads((run / "summary.json").read_text()), "status": "completed"})
+    assert [r.status for r in collect([run], warn=lambda line: None)] == ["damaged"]  # finished: cut short
+
+
 @pytest.mark.system
 def test_lnstab_report_on_a_full_disk_is_one_line_and_exit_1(grid, full_disk, capsys) -> None:
     out = full_disk / "report"

@@ -8,14 +8,16 @@ A path given to :func:`collect` is a run directory, or a directory of run direct
 ``runs/<experiment>``). For a sweep's grid directory the runs its manifest lists that have no directory yet are
 reported as ``missing``, so they show in the tables' counts instead of vanishing. A run with a damaged file
 (a truncated ``summary.json``, ``eval.json`` or ``hidden_stats.json``, a half-written line of
-``divergence_events.jsonl``, a ``config.yaml`` that is not YAML) is reported the same way, as ``damaged``: named
-with its file and problem in one line, counted in the tables' ``n``, none of its data used; a damaged manifest is
-named in one line and left out (its missing runs are then not counted).
+``divergence_events.jsonl``, a ``config.yaml`` that is not YAML, a value of a kind lnstab never writes there, a
+TensorBoard event file that is empty, cut short or not one) is reported the same way, as ``damaged``: named with its
+file and problem in one line, counted in the tables' ``n``, none of its data used; a damaged manifest is named in one
+line and left out (its missing runs are then not counted).
 """
 
 from __future__ import annotations
 
 import math
+import struct
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +26,7 @@ from typing import Any
 
 from lnstab import runlock
 from lnstab.errors import LNStabError
+from lnstab.moduleargs import argument_type
 from lnstab.rundir import (
     CONFIG_FILE,
     RunFileError,
@@ -32,6 +35,7 @@ from lnstab.rundir import (
     read_events,
     read_hidden_series,
     read_summary,
+    shown,
 )
 from lnstab.safeload import DataFileError, load_yaml
 from lnstab.sweep.state import manifest_runs, read_manifest
@@ -42,6 +46,9 @@ IGNORED_PREFIXES = (
     "trainer.logger", "trainer.default_root_dir", "run_dir", "ckpt_path", "extends", "instruments.", "checkpoint.",
     "trainer.callbacks", "trainer.enable_progress_bar", "trainer.log_every_n_steps",
 )
+# The sections of a config lnstab fit saves as mappings (or null).
+CONFIG_GROUPS = ("trainer", "model", "data", "checkpoint", "evaluation", "instruments", "optimizer", "lr_scheduler")
+EVENT_FILES = "events.out.tfevents.*"
 
 
 class ReportError(LNStabError):
@@ -89,7 +96,7 @@ def read_scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
     """The TensorBoard scalars of a run directory; a step written twice keeps its later value."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    if not any(directory.glob("events.out.tfevents.*")):
+    if not any(directory.glob(EVENT_FILES)):
         return {}
     acc = EventAccumulator(str(directory), size_guidance={"scalars": 0}, purge_orphaned_data=False)
     acc.Reload()
@@ -120,7 +127,8 @@ def read_config(directory: Path) -> dict[str, Any]:
     """A run's ``config.yaml``, flattened, without the keys that are not part of a configuration.
 
     Raises:
-        RunFileError: The file is damaged (not YAML, not a mapping, past a bound of :mod:`lnstab.safeload`).
+        RunFileError: The file is damaged (not YAML, not a mapping, past a bound of :mod:`lnstab.safeload`, a section
+            of :data:`CONFIG_GROUPS` not a mapping, a model argument of a type GPTModule does not take).
     """
     path = directory / CONFIG_FILE
     if not path.is_file():
@@ -131,7 +139,60 @@ def read_config(directory: Path) -> dict[str, Any]:
         raise RunFileError.of(path, exc) from None
     if not isinstance(data, dict):
         raise RunFileError(path, f"it holds a YAML {type(data).__name__}, not a config (a mapping)")
+    for group, value in data.items():
+        if group in CONFIG_GROUPS and value is not None and not isinstance(value, dict):
+            raise RunFileError(path, f"'{group}' holds {shown(value)}, not a config section (a mapping)")
+    for name, value in (data.get("model") or {}).items():
+        if (takes := argument_type(str(name), value)) is not None:
+            raise RunFileError(path, f"'model.{name}' holds {shown(value)}, not {takes}")
     return {k: v for k, v in flatten(data).items() if not k.startswith(IGNORED_PREFIXES)}
+
+
+def check_event_files(directory: Path, live: bool = False) -> None:
+    """Refuse a TensorBoard event file of the run that is not one: empty, cut short inside a record, or a record
+    whose length fails its checksum (random bytes, an overwritten file). TensorBoard's reader stops at such a record
+    without a word, so the run's scalars would end there unseen. Only the records' frames are read (length and its
+    CRC-32C), not their contents. A ``live`` run's newest file may be empty or end inside a record: it is being
+    written.
+
+    Raises:
+        RunFileError: The first such file, with what is wrong and where.
+    """
+    files = sorted(directory.glob(EVENT_FILES))
+    try:
+        newest = max(files, key=lambda p: p.stat().st_mtime) if live and files else None
+    except OSError:
+        newest = None
+    for path in files:
+        try:
+            problem = _event_file_problem(path, partial_end=path == newest)
+        except OSError as exc:
+            problem = f"it cannot be read ({exc.strerror or type(exc).__name__})"
+        if problem:
+            raise RunFileError(path, problem)
+
+
+def _event_file_problem(path: Path, partial_end: bool) -> str | None:
+    """What is wrong with the frames of one event file, or ``None`` (``partial_end``: a file being written, which
+    may be empty or end inside a record)."""
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    size = path.stat().st_size
+    if size == 0:
+        return None if partial_end else "it is empty, not a TensorBoard event file (one starts with a version record)"
+    with open(path, "rb") as f:
+        offset = 0
+        while offset < size:
+            f.seek(offset)
+            frame = f.read(12)  # the record's length (8 bytes, little-endian) and its masked CRC-32C (4 bytes)
+            if len(frame) == 12 and masked_crc32c(frame[:8]) != struct.unpack("<I", frame[8:])[0]:
+                return f"the record at byte {offset} fails its length checksum: not a TensorBoard event file, or " \
+                       f"overwritten"
+            end = offset + 12 + (struct.unpack("<Q", frame[:8])[0] if len(frame) == 12 else 0) + 4
+            if len(frame) < 12 or end > size:
+                return None if partial_end else f"it ends inside its record at byte {offset} of {size} (cut short)"
+            offset = end
+    return None
 
 
 def _finite(value: Any) -> float | None:
@@ -156,10 +217,14 @@ def read_run(directory: Path) -> RunRecord:
     except RunFileError as exc:
         return RunRecord(name=directory.name, path=directory, status="damaged", config=config, problem=str(exc),
                          _scalars={})
-    status = summary.get("status")
-    status = status if isinstance(status, str) and status else "unknown"
+    status = summary.get("status") or "unknown"
     if status == "running" and runlock.abandoned(directory):  # SIGKILLed (or out of memory): not training
         status = "killed"
+    try:
+        check_event_files(directory, live=status == "running")
+    except RunFileError as exc:
+        return RunRecord(name=directory.name, path=directory, status="damaged", config=config, problem=str(exc),
+                         _scalars={})
     metrics: dict[str, float] = {}
     val = (summary.get("val") or {}).get("loss")
     if _finite(val) is not None:
