@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import lightning.pytorch as pl
@@ -56,6 +57,31 @@ class RunCheckpoint(ModelCheckpoint):
             )
         self.skipped_nonfinite += 1
         return False
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if self.dirpath and "://" not in str(self.dirpath):  # saved absolute: a resume from anywhere finds it equal
+            self.dirpath = os.path.abspath(self.dirpath)
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # A checkpoint saved with a relative dirpath ("runs/x/version_0/checkpoints") read back under the same
+        # directory named absolutely: Lightning warned "The dirpath has changed", forgot last_model_path, and the
+        # resumed run wrote last-v1.ckpt beside last.ckpt, which stayed at the resumed step.
+        saved = state_dict.get("dirpath")
+        if (saved and self.dirpath and saved != self.dirpath and "://" not in str(saved)
+                and os.path.realpath(saved) == os.path.realpath(self.dirpath)):
+            def here(path: Any) -> Any:
+                inside = isinstance(path, str) and path and os.path.realpath(os.path.dirname(path)) == os.path.realpath(
+                    saved)
+                return os.path.join(self.dirpath, os.path.basename(path)) if inside else path
+
+            state_dict = {**state_dict, "dirpath": self.dirpath,
+                          **{k: here(state_dict[k]) for k in ("best_model_path", "kth_best_model_path",
+                                                              "last_model_path") if k in state_dict},
+                          "best_k_models": {here(k): v for k, v in (state_dict.get("best_k_models") or {}).items()}}
+        super().load_state_dict(state_dict)
 
     @override
     def on_train_batch_end(

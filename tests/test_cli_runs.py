@@ -503,3 +503,32 @@ def test_a_finished_runs_last_checkpoint_holds_its_final_step_when_the_cadence_d
     assert "optimizer_states" in last  # a whole state: a longer run resumes from it
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt",
                                                                          "last.ckpt"]
+
+
+def test_a_run_with_a_relative_directory_resumes_into_its_own_last_checkpoint(tmp_path, monkeypatch) -> None:
+    """The quickstart's runs/ is relative: Lightning saved the checkpoint directory so, found it 'changed' when the
+    resume named it absolutely (a warning), forgot last_model_path, and the resumed run wrote last-v1.ckpt beside
+    last.ckpt, which stayed at the resumed step (README's own '--ckpt_path last')."""
+    import warnings
+
+    from lnstab.callbacks import RunCheckpoint
+
+    monkeypatch.chdir(tmp_path)
+    logger = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": "runs"}}
+    cfg = tiny_config(tmp_path, **{"trainer.logger": logger})
+    fit("--config", str(cfg))
+    run = tmp_path / "runs" / "tiny" / "version_0"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit("--config", str(cfg), "--ckpt_path", "last", "--trainer.max_steps", "6")
+    assert not [str(w.message) for w in caught if "dirpath has changed" in str(w.message)]
+    assert sorted(p.name for p in (run / "checkpoints").glob("last*")) == ["last.ckpt"]
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
+    # a checkpoint an earlier lnstab saved with the relative directory is read as the same directory
+    callback = RunCheckpoint(dirpath=str(run / "checkpoints"), save_last=True)
+    relative = "runs/tiny/version_0/checkpoints"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        callback.load_state_dict({"dirpath": relative, "best_model_score": None, "best_model_path": "",
+                                  "last_model_path": f"{relative}/last.ckpt", "best_k_models": {}})
+    assert not caught and callback.last_model_path == str(run / "checkpoints" / "last.ckpt")
