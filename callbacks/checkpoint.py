@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -46,6 +47,7 @@ class RunCheckpoint(ModelCheckpoint):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.skipped_nonfinite = 0
+        self.resuming = False  # set by whoever resumes a fit from this directory (lnstab fit --ckpt_path)
 
     def _finite(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
         if weights_finite(trainer, pl_module):
@@ -60,7 +62,10 @@ class RunCheckpoint(ModelCheckpoint):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
+        with warnings.catch_warnings():
+            if self.resuming:  # a resume finds its own checkpoints there: Lightning warned on every one
+                warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+            super().setup(trainer, pl_module, stage)
         if self.dirpath and "://" not in str(self.dirpath):  # saved absolute: a resume from anywhere finds it equal
             self.dirpath = os.path.abspath(self.dirpath)
 
