@@ -42,6 +42,7 @@ from lnstab.datamodules.text import (
     iter_documents,
     open_text_stream,
 )
+from lnstab.rundir import check_name_lengths
 
 
 def _atomic_json(path: Path, data: dict) -> None:
@@ -142,6 +143,7 @@ def prepare(
     if split_method == "nanogpt" and not 0 < test_size < 1:
         raise DataError(f"test_size={test_size} is not allowed; it must be in (0, 1)")
     out = Path(out)
+    check_name_lengths(out, "--out")  # exists() raised 'File name too long' as a traceback
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} is not a directory; give a new directory, or one prepared before")
     split = {"method": split_method}

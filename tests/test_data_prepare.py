@@ -250,6 +250,17 @@ def test_prepare_errors_are_one_line_name_its_flags_and_leave_no_partial(tmp_pat
     assert not out.exists()  # no empty .partial/ left behind
 
 
+def test_prepare_out_with_a_name_longer_than_the_filesystem_takes_is_one_line(docs_file, tmp_path, capsys):
+    """It was OSError 'File name too long' as a traceback (exit 1)."""
+    path, _ = docs_file
+    with pytest.raises(SystemExit) as e:
+        cli_main(["prepare", "--source", "files", "--path", str(path), "--out", str(tmp_path / ("a" * 300)),
+                  "--no_progress"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "\n" not in err, err
+    assert err.startswith("lnstab: error: --out is not allowed with a name of 300 bytes"), err
+
+
 @pytest.mark.parametrize("under", [False, True])
 def test_prepare_out_on_a_file_is_a_one_line_error_and_the_file_is_kept(docs_file, tmp_path, capsys, under):
     path, _ = docs_file
