@@ -17,30 +17,28 @@ from lnstab.errors import ConfigError
 if TYPE_CHECKING:
     from lnstab.model import GPTConfig
 
-# GPTModule's arguments that are GPTConfig fields, with GPTModule's defaults ("preset" first: the rest override it).
-MODEL_DEFAULTS: dict[str, Any] = {
-    "preset": "gpt2", "norm_placement": "pre", "norm_type": "layernorm", "residual_scale": 1.0, "block_size": 1024,
-    "n_layer": None, "n_head": None, "n_embd": None, "vocab_size": None, "pad_vocab_multiple": None, "bias": None,
-    "dropout": None, "qk_norm": False, "z_loss": 0.0, "dyt_alpha_init": 0.5, "residual_gate": "none",
-    "layerscale_init": None, "tie_embeddings": True, "init": "gpt2",
+# GPTModule's arguments as its signature has them, (annotation, default): first those that are GPTConfig fields
+# ("preset" first: the rest override it), then optimisation and compilation. Written once; the tables below are
+# read from these.
+_MODEL_ARGUMENTS: dict[str, tuple[str, Any]] = {
+    "preset": ("str", "gpt2"), "norm_placement": ("str", "pre"), "norm_type": ("str", "layernorm"),
+    "residual_scale": ("float", 1.0), "block_size": ("int", 1024), "n_layer": ("int | None", None),
+    "n_head": ("int | None", None), "n_embd": ("int | None", None), "vocab_size": ("int | None", None),
+    "pad_vocab_multiple": ("int | None", None), "bias": ("bool | None", None), "dropout": ("float | None", None),
+    "qk_norm": ("bool", False), "z_loss": ("float", 0.0), "dyt_alpha_init": ("float", 0.5),
+    "residual_gate": ("str", "none"), "layerscale_init": ("float | None", None), "tie_embeddings": ("bool", True),
+    "init": ("str", "gpt2"),
 }
+_TRAINING_ARGUMENTS: dict[str, tuple[str, Any]] = {
+    "learning_rate": ("float", 6e-4), "min_lr": ("float", 6e-5), "warmup_steps": ("int", 2000),
+    "lr_decay_steps": ("int | None", None), "weight_decay": ("float", 0.1), "weight_decay_mode": ("str", "coupled"),
+    "betas": ("tuple[float, float]", (0.9, 0.95)), "eps": ("float", 1e-8), "compile": ("bool", False),
+}
+MODEL_DEFAULTS: dict[str, Any] = {k: default for k, (_, default) in _MODEL_ARGUMENTS.items()}
 MODEL_ARGS = tuple(k for k in MODEL_DEFAULTS if k != "preset")
-# The rest of GPTModule's arguments, with its defaults: optimisation and compilation.
-TRAINING_DEFAULTS: dict[str, Any] = {
-    "learning_rate": 6e-4, "min_lr": 6e-5, "warmup_steps": 2000, "lr_decay_steps": None, "weight_decay": 0.1,
-    "weight_decay_mode": "coupled", "betas": (0.9, 0.95), "eps": 1e-8, "compile": False,
-}
+TRAINING_DEFAULTS: dict[str, Any] = {k: default for k, (_, default) in _TRAINING_ARGUMENTS.items()}
 TRAINING_ARGS = tuple(TRAINING_DEFAULTS)
-# GPTModule's annotation of each argument, as its signature has it.
-MODULE_TYPES: dict[str, str] = {
-    "preset": "str", "norm_placement": "str", "norm_type": "str", "residual_scale": "float", "block_size": "int",
-    "n_layer": "int | None", "n_head": "int | None", "n_embd": "int | None", "vocab_size": "int | None",
-    "pad_vocab_multiple": "int | None", "bias": "bool | None", "dropout": "float | None", "qk_norm": "bool",
-    "z_loss": "float", "dyt_alpha_init": "float", "residual_gate": "str", "layerscale_init": "float | None",
-    "tie_embeddings": "bool", "init": "str", "learning_rate": "float", "min_lr": "float", "warmup_steps": "int",
-    "lr_decay_steps": "int | None", "weight_decay": "float", "weight_decay_mode": "str",
-    "betas": "tuple[float, float]", "eps": "float", "compile": "bool",
-}
+MODULE_TYPES: dict[str, str] = {k: kind for k, (kind, _) in {**_MODEL_ARGUMENTS, **_TRAINING_ARGUMENTS}.items()}
 # Each part of those annotations: whether a config's value is of it, and the words for it.
 TYPE_CHECKS: dict[str, tuple[Any, str]] = {
     "str": (lambda v: isinstance(v, str), "a string"),
