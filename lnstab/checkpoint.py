@@ -160,8 +160,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 def _write_error(path: Path, exc: OSError) -> CheckpointWriteError:
     code = f"errno {exc.errno} {errno.errorcode.get(exc.errno, '')}".strip() if exc.errno else type(exc).__name__
-    return CheckpointWriteError(f"checkpoint {path} cannot be written: {exc.strerror or exc} ({code}); the previous "
-                                f"checkpoint is kept and no partial file is left")
+    kept = "the previous checkpoint is kept" if path.exists() else "there was no earlier file of that name"
+    return CheckpointWriteError(f"checkpoint {path} cannot be written: {exc.strerror or exc} ({code}); {kept} and "
+                                "no partial file is left")
 
 
 def checkpoints_of(directory: str | os.PathLike) -> list[Path]:

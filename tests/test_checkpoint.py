@@ -69,6 +69,21 @@ def test_a_file_size_limit_is_one_line_too(tmp_path) -> None:
     assert sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt"]
 
 
+def test_a_refused_first_write_does_not_claim_a_previous_checkpoint(tmp_path) -> None:
+    """The first save of a name refused (a run's final ``last.ckpt`` on a disk that filled during training) said
+    "the previous checkpoint is kept" of a file that never existed."""
+    path = tmp_path / "ckpts" / "last.ckpt"
+    script = SAVE_TWICE.replace('io.save_checkpoint({"state_dict": {"w": torch.ones(8)}}, path)\n', "")
+    assert script != SAVE_TWICE
+    done = subprocess.run([sys.executable, "-c", script, str(path), "300000"], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    error = json.loads(done.stdout.strip().splitlines()[-1])["error"]
+    assert error == (f"checkpoint {path} cannot be written: File too large (errno 27 EFBIG); there was no earlier "
+                     "file of that name and no partial file is left"), error
+    assert list(path.parent.iterdir()) == []
+
+
 def test_lnstab_fit_records_the_refused_write_in_one_line(tmp_path) -> None:
     cfg = tiny_config(tmp_path)
     run = tmp_path / "run"
