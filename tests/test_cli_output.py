@@ -46,7 +46,8 @@ def test_a_quickstart_fit_ends_with_its_run_directory_and_shows_no_lightning_noi
     assert yaml.safe_load((run / "config.yaml").read_text())["data"]["init_args"]["source"] == "sample"
 
 
-def test_the_final_evaluation_says_rouge_is_expected_near_zero_on_a_synthetic_stream(tmp_path, caplog) -> None:
+def synthetic_fit(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> str:
+    """A tiny fit on a synthetic stream with a final evaluation of two samples; its ``FinalEvaluation`` line."""
     from lightning.pytorch.loggers import TensorBoardLogger
 
     trainer = pl.Trainer(
@@ -59,8 +60,33 @@ def test_the_final_evaluation_says_rouge_is_expected_near_zero_on_a_synthetic_st
     with caplog.at_level("INFO"):
         trainer.fit(GPTModule(preset="tiny", vocab_size=64, block_size=32, warmup_steps=1), data)
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("FinalEvaluation: ")]
-    assert line.endswith("(synthetic token stream, not text: ROUGE is expected to be ~0 there; train on text, e.g. "
-                         "--data.source sample, for scores that mean something)")
+    return line
+
+
+def test_the_final_evaluation_says_scores_on_a_synthetic_stream_mean_nothing(tmp_path, caplog) -> None:
+    # It said "ROUGE is expected to be ~0 there", and this very fit scores ROUGE-1 ~0.7 (64 ids, letters among them).
+    line = synthetic_fit(tmp_path, caplog)
+    assert line.endswith("(synthetic token stream, not text: its ROUGE and BERTScore say nothing about language; "
+                         "train on text, e.g. --data.source sample, for scores that mean something)"), line
+
+
+def test_the_final_evaluation_counts_empty_predictions_instead_of_bert_scores_print(tmp_path, caplog, capfd,
+                                                                                   monkeypatch) -> None:
+    """A prediction that decodes to nothing (early in training) made bert-score print "Warning: Empty candidate
+    sentence detected" on its own; the evaluation line says how many there were and what they score."""
+    from lnstab.evaluation import core
+
+    real = core._score
+    spaces = [220]  # GPT-2's " ": a prediction of spaces only decodes to an empty text for both scorers
+
+    def predicts_spaces(samples, *args):
+        return real([{**s, "pred": spaces * len(s["pred"])} for s in samples], *args)
+
+    monkeypatch.setattr(core, "_score", predicts_spaces)
+    line = synthetic_fit(tmp_path, caplog)
+    assert "(2 of 2 predictions empty: their ROUGE and BERTScore are 0, as the reference packages score an empty " \
+           "text)" in line, line
+    assert "Empty candidate" not in capfd.readouterr().err
 
 
 def test_a_one_process_fit_on_a_slurm_host_shows_no_srun_hint_and_a_multi_process_one_still_does() -> None:

@@ -125,8 +125,12 @@ class FinalEvaluation(Callback):
             self._log(trainer, result, step)
             note = ""
             if _data_source(trainer) == "synthetic":
-                note = (" (synthetic token stream, not text: ROUGE is expected to be ~0 there; train on text, e.g. "
-                        "--data.source sample, for scores that mean something)")
+                note = (" (synthetic token stream, not text: its ROUGE and BERTScore say nothing about language; "
+                        "train on text, e.g. --data.source sample, for scores that mean something)")
+            empty = sum(not s["prediction"].strip() for s in result["samples"])
+            if empty:
+                note += (f" ({empty} of {len(result['samples'])} predictions empty: their ROUGE and BERTScore are 0, "
+                         "as the reference packages score an empty text)")
             where = self.path if writes_files(trainer) else "not written (fast_dev_run)"
             rank_zero_info(f"FinalEvaluation: {json.dumps(result['metrics'])} -> {where}{note}")
         return result

@@ -11,8 +11,11 @@ not comparable, so every result records the model and layer it used (:func:`bert
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import os
+import sys
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
@@ -23,6 +26,10 @@ ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
 PAPER_BERTSCORE_MODEL = "roberta-large"
 PAPER_BERTSCORE_LAYERS = 17
 DEFAULT_BERTSCORE_LAYERS = 6
+# bert-score's own lines when a prediction or reference is empty (it scores it 0, as documented); FinalEvaluation
+# says how many predictions were empty instead, once per evaluation.
+EMPTY_SENTENCE_LINES = ("Warning: Empty candidate sentence detected; setting raw BERTscores to 0.\n",
+                        "Warning: Empty reference sentence detected; setting raw BERTScores to 0.\n")
 
 
 def default_bertscore_model() -> str:
@@ -164,7 +171,11 @@ def bertscore_scores(
     """Per-sample BERTScore precision/recall/F1 (keys ``bertscore_precision``, ``_recall``, ``_f1``), batched."""
     _check_pairs(predictions, references)
     scorer = load_bertscore(model, num_layers, device, batch_size)
-    p, r, f = scorer.score(list(predictions), list(references), batch_size=batch_size)
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed):  # bert-score prints (not warns) when it scores an empty sentence 0
+        p, r, f = scorer.score(list(predictions), list(references), batch_size=batch_size)
+    rest = "".join(line for line in printed.getvalue().splitlines(keepends=True) if line not in EMPTY_SENTENCE_LINES)
+    sys.stderr.write(rest)  # anything else it printed, as it was; empty sentences are counted by the caller instead
     return {
         "bertscore_precision": p.tolist(),
         "bertscore_recall": r.tolist(),
