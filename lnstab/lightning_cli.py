@@ -38,7 +38,7 @@ from lnstab.module import GPTModule
 from lnstab.moduleargs import MODULE_ARGS, checked_config
 from lnstab.precision import precision_warning, resolve_precision
 from lnstab.runconfig import CKPT_SUBCOMMANDS, NOT_GIVEN, UNNAMED, LNStabArgumentParser, SaveRunConfig, logger_args
-from lnstab.rundir import CHECKPOINT_DIR, CONFIG_FILE, check_writable
+from lnstab.rundir import CHECKPOINT_DIR, CONFIG_FILE, check_writable, writes_files
 from lnstab.rundir import run_dir as trainer_run_dir
 from lnstab.safeload import load_yaml
 from lnstab.trainer import LNStabTrainer
@@ -287,7 +287,8 @@ class LNStabCLI(LightningCLI):
             for cb in self.trainer.callbacks:
                 if isinstance(cb, FinalEvaluation) and cb.run_on["fit"]:
                     metrics.check_bertscore_model(cb.settings.bertscore_model)
-        if self.subcommand == "fit" and runlock.launched_as_rank_zero():
+        if self.subcommand == "fit" and runlock.launched_as_rank_zero() and writes_files(self.trainer):
+            # fast_dev_run writes nothing (its run directory is the current one): no lock file left there
             # one owner per run directory, taken once every class is built and checked (a bad setting has failed
             # by now, leaving nothing behind) and before the trainer's setup, where the logger creates its event
             # file (RunStatus.setup takes it too, for Trainers used without this CLI)
@@ -439,7 +440,9 @@ def run(argv: list[str]) -> None:
             raise SystemExit(128 + int(status.signal)) from None
         exit_for_user_error(exc)
         raise
-    if argv[0] == "fit" and cli.trainer.is_global_zero:  # the last line: where the run is and how to look at it
+    if argv[0] == "fit" and cli.trainer.is_global_zero and not writes_files(cli.trainer):
+        rank_zero_info("lnstab: fast_dev_run: nothing was written (no run directory, checkpoint or event file)")
+    elif argv[0] == "fit" and cli.trainer.is_global_zero:  # the last line: where the run is and how to look at it
         where = trainer_run_dir(cli.trainer)
         rank_zero_info(f"lnstab: run directory {where}; to view it: tensorboard --logdir {shlex.quote(str(where))}")
     status = next((cb for cb in getattr(cli.trainer, "callbacks", []) if isinstance(cb, RunStatus)), None)

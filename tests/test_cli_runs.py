@@ -534,3 +534,19 @@ def test_a_run_with_a_relative_directory_resumes_into_its_own_last_checkpoint(tm
         callback.load_state_dict({"dirpath": relative, "best_model_score": None, "best_model_path": "",
                                   "last_model_path": f"{relative}/last.ckpt", "best_k_models": {}})
     assert not caught and callback.last_model_path == str(run / "checkpoints" / "last.ckpt")
+
+
+def test_fast_dev_run_leaves_no_lock_and_names_no_run_directory(tmp_path, monkeypatch, caplog) -> None:
+    """``lnstab fit --trainer.fast_dev_run true`` (Lightning's debug run, a DummyLogger: its run directory is the
+    current one) left ``.lnstab.lock`` in the current directory and ended "run directory <cwd>; to view it:
+    tensorboard --logdir <cwd>", a directory with nothing to view."""
+    cfg = tiny_config(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    with caplog.at_level("INFO"):
+        main(["fit", "--config", str(cfg), "--trainer.fast_dev_run", "true"])
+    assert list(work.iterdir()) == []
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("lnstab: ")]
+    assert said[-1] == "lnstab: fast_dev_run: nothing was written (no run directory, checkpoint or event file)", said
+    assert not [m for m in said if "to view it" in m]
