@@ -324,3 +324,15 @@ def test_an_out_with_a_name_longer_than_the_filesystem_takes_is_a_usage_error(tm
     """It was 'the check failed: OSError: [Errno 36] File name too long', exit 3 (a model's or the check's fault)."""
     code, err = run_check(capsys, *GPT, *ONE_RUN, "--out", str(tmp_path / ("a" * 300)))
     assert code == 2 and "--out is not allowed with a name of 300 bytes" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_help_says_what_the_check_is(capsys) -> None:
+    """Its description was the first line of options.py's docstring once the parser moved there ("``lnstab check``'s
+    command line: the parser, the ``--model.*`` arguments, and the :class:`Protocol` and worker"), cut mid-sentence."""
+    with pytest.raises(SystemExit) as info:
+        main(["check", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert info.value.code == 0
+    assert "A stability report card for any Transformer, measured beside Pre-LN and" in text  # argparse may wrap
+    assert "references of its shape." in text
+    assert "command line: the parser" not in text and ":class:" not in text

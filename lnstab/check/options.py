@@ -19,6 +19,9 @@ from lnstab.errors import LNStabError
 from lnstab.safeload import load_yaml
 
 EXIT_FAILED = 3  # the checked model or the check itself failed: not a verdict
+# What `lnstab check --help` says first (the first line of lnstab.check.cli's docstring, which this module cannot
+# import: cli imports it).
+DESCRIPTION = "A stability report card for any Transformer, measured beside Pre-LN and Peri-LN references of its shape."
 # The options that describe a --factory model (argparse dests; --name-with-dashes on the command line).
 FACTORY_OPTIONS = ("layer_pattern", "module_types", "embed_pattern", "final_pattern", "norm_pattern", "head_pattern",
                    "q_pattern", "k_pattern", "n_head")
@@ -80,7 +83,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every option but ``--model.KEY VALUE`` (collected by :func:`split_model_args`)."""
-    p = _Parser(prog="lnstab check", description=__doc__.splitlines()[0], allow_abbrev=False,
+    p = _Parser(prog="lnstab check", description=DESCRIPTION, allow_abbrev=False,
                 epilog="--model.KEY VALUE: any lnstab GPTModule argument (preset, norm_placement, norm_type, "
                        "residual_scale, n_layer, ...). Exit status: 0 no criterion fails, 1 one fails, 2 usage error, "
                        f"{EXIT_FAILED} the checked model or the check itself failed (one line; traceback in "
