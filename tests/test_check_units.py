@@ -11,7 +11,7 @@ from lnstab.check.analysis import layer_depths
 from lnstab.check.card import relation
 from lnstab.check.criteria import DEFAULT_THRESHOLDS, evaluate_expression, load_thresholds, resolve, status
 from lnstab.check.factory import factory_subject
-from lnstab.check.options import build_parser, make_protocol, split_model_args
+from lnstab.check.options import build_parser, make_protocol, split_model_args, worker_counts
 from lnstab.check.subjects import context_length, lnstab_subject, references
 from lnstab.errors import LNStabError
 from lnstab.measures import deep_doublings, fit_line, growth_fit
@@ -170,3 +170,13 @@ def test_factory_blocks_by_type_get_exact_patterns() -> None:
     names = [n for n, _ in model.named_modules() if hidden.search("model." + n)]
     assert names == ["encoder.layers.0", "encoder.layers.1"]
     assert isinstance(model(torch.zeros(1, 8, dtype=torch.long)), torch.Tensor)
+
+
+def test_no_more_workers_than_runs(monkeypatch) -> None:
+    """--workers 1000 on a check of one run spawned a thousand processes, each importing Lightning (minutes on two
+    cores, then a traceback); a worker beyond the runs has nothing to do."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert worker_counts(build_parser().parse_args(["--workers", "1000"]), 1) == (1, 2)
+    assert worker_counts(build_parser().parse_args(["--workers", "1000"]), 3) == (3, 1)
+    assert worker_counts(build_parser().parse_args(["--workers", "2"]), 18) == (2, 1)
+    assert worker_counts(build_parser().parse_args([]), 18) == (2, 1)  # the default: one per thread

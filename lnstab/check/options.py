@@ -258,7 +258,9 @@ def tier_thresholds(tier: str, path: str | None) -> dict[str, dict[str, Any]]:
 
 
 def worker_counts(args: argparse.Namespace, n_runs: int) -> tuple[int, int]:
-    """``(workers, torch threads per worker)`` from ``--workers`` and the thread count."""
+    """``(workers, torch threads per worker)`` from ``--workers`` and the thread count; never more workers than the
+    ``n_runs`` runs (a worker beyond them would only be spawned and import Lightning: ``--workers 1000`` on one run
+    spawned a thousand processes, and a check of a few runs waited for each)."""
     threads = torch.get_num_threads()
-    workers = args.workers or auto_workers(n_runs, threads)
+    workers = min(args.workers or auto_workers(n_runs, threads), max(1, n_runs))
     return workers, max(1, threads // workers)
