@@ -336,3 +336,16 @@ def test_the_help_says_what_the_check_is(capsys) -> None:
     assert "A stability report card for any Transformer, measured beside Pre-LN and" in text  # argparse may wrap
     assert "references of its shape." in text
     assert "command line: the parser" not in text and ":class:" not in text
+
+
+@pytest.mark.parametrize("name", ["../../x", "a/b", "/abs/card", ".", "..", "n" * 300])
+def test_a_name_that_is_not_one_directory_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch, name) -> None:
+    """--name ../../x wrote the card two levels above runs/check (into the working directory), /abs anywhere; a/b
+    and a name longer than the filesystem takes were exit 3 ('the check failed: FileNotFoundError', 'OSError: File
+    name too long') after the data was read; '.' and '..' gave runs/check/.-1 and ..-1."""
+    work = tmp_path / "w" / "d"
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)
+    code, err = run_check(capsys, *GPT, *ONE_RUN, "--name", name.replace("/abs", str(tmp_path / "abs")))
+    assert code == 2 and "--name" in err and "is not allowed" in err, err
+    assert not any(tmp_path.rglob("report.json")) and not (work / "runs").exists() and not (tmp_path / "abs").exists()

@@ -109,6 +109,18 @@ def check_out(out: str | None) -> None:
     check_writable(out, "--out")  # a file in the way, a dangling link, no write permission
 
 
+def check_name(name: str | None) -> None:
+    """Refuse, before anything runs, a ``--name`` that is not one directory name under ``runs/check``: with a slash it
+    went elsewhere (``../../x`` into the working directory, ``/abs`` anywhere) or failed after the data was read
+    (``a/b``: exit 3), as did a name longer than the filesystem takes; ``.`` and ``..`` became ``.-1`` and ``..-1``."""
+    if not name:
+        return
+    if "/" in name or os.sep in name or (os.altsep and os.altsep in name) or name in (".", "..") or "\0" in name:
+        raise LNStabError(f"--name {name!r} is not allowed; it names one directory under {DEFAULT_ROOT} (no '/', "
+                          "not '.' or '..'); give --out DIR for a directory elsewhere")
+    check_name_lengths(DEFAULT_ROOT / name, "--name")
+
+
 def run_directory(args: argparse.Namespace, name: str) -> Path:
     """A new, empty run directory: ``--out`` (refused if it holds anything) or ``runs/check/<name>[-N]``."""
     if args.out:
@@ -217,6 +229,7 @@ def run_check(args: argparse.Namespace, model_args: dict[str, Any], command: str
     """Validate everything, then train, grade and write the card into a new run directory; the card."""
     started = time.perf_counter()
     check_out(args.out)
+    check_name(args.name)
     subject, extra = checked_subject(args, tier_model_args(args.tier, model_args))
     protocol = make_protocol(args, extra)
     thresholds = tier_thresholds(args.tier, args.thresholds)
