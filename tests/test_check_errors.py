@@ -349,3 +349,19 @@ def test_a_name_that_is_not_one_directory_is_one_line_and_writes_nothing(tmp_pat
     code, err = run_check(capsys, *GPT, *ONE_RUN, "--name", name.replace("/abs", str(tmp_path / "abs")))
     assert code == 2 and "--name" in err and "is not allowed" in err, err
     assert not any(tmp_path.rglob("report.json")) and not (work / "runs").exists() and not (tmp_path / "abs").exists()
+
+
+@pytest.mark.parametrize("accelerator", ["gpu", "cuda", "mps"])
+def test_an_accelerator_the_machine_lacks_is_one_line_before_anything_runs(tmp_path, capsys, monkeypatch,
+                                                                         accelerator) -> None:
+    """--accelerator gpu on a machine without one was exit 3, 'checked (...) failed in its stress run at lr ...:
+    MisconfigurationException: No supported gpu backend found!', as if the model had failed, with a run directory
+    holding error.txt."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    out = tmp_path / "card"
+    code, err = run_check(capsys, *GPT, *ONE_RUN, "--accelerator", accelerator, "--out", str(out))
+    assert code == 2 and f"--accelerator {accelerator} is not allowed here" in err and "--accelerator cpu" in err, err
+    assert not out.exists()

@@ -138,6 +138,12 @@ class Protocol:
         if self.data_source == "synthetic" and self.data_path:
             raise LNStabError(f"--data.path {self.data_path} is not used with --data.source synthetic; drop one")
         validation.choice("--accelerator", self.accelerator, ("cpu", "gpu", "cuda", "mps", "auto"))
+        # Lightning refuses a missing one only in the first stress run: exit 3 as if the model had failed, after the
+        # data was read and the run directory made
+        missing = {"gpu": "CUDA GPU", "cuda": "CUDA GPU", "mps": "MPS device"}.get(self.accelerator)
+        if missing and not (torch.cuda.is_available() if missing == "CUDA GPU" else torch.backends.mps.is_available()):
+            raise LNStabError(f"--accelerator {self.accelerator} is not allowed here: torch {torch.__version__} sees "
+                              f"no {missing}; give --accelerator cpu (the default) or auto")
         if self.vocab_top_k is not None:
             validation.positive_int("vocab_top_k", self.vocab_top_k)
             if self.source != "files":
