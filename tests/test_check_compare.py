@@ -124,6 +124,8 @@ def test_two_single_cards_compare(tmp_path) -> None:
     ("setup", "expected"),
     [
         ("empty", "is not allowed: give a card directory (report.json) or a validation directory (summary.json)"),
+        ("interrupted", "(a check a signal ended there, with no card: see its interrupted.txt)"),
+        ("failed", "(a check that failed there, with no card: see its error.txt)"),
         ("garbage", "report.json is damaged: not valid JSON at line 1"),
         ("foreign", "report.json is not lnstab check's (no criteria)"),
         ("row-missing", "row deepnorm of its summary.json has no deepnorm/report.json"),
@@ -138,7 +140,12 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, setup, expected) -> 
     side.mkdir()
     old = str(VALIDATION)
     extra: list[str] = []
-    if setup == "garbage":
+    if setup == "interrupted":  # what lnstab check leaves where a signal ended it, or where it failed
+        (side / "interrupted.txt").write_text("SIGTERM ended this check after 0 of 6 stress runs finished\n")
+        (side / "tb").mkdir()
+    elif setup == "failed":
+        (side / "error.txt").write_text("Traceback ...\n")
+    elif setup == "garbage":
         (side / "report.json").write_text("{not json")
     elif setup == "foreign":
         (side / "report.json").write_text('{"status": "pass"}')

@@ -51,8 +51,12 @@ def load_cards(path: str) -> tuple[str, dict[str, dict[str, Any]]]:
             return "validation", {r: _read(where / r / "report.json", path) for r in rows}
     except OSError as exc:
         raise LNStabError(f"--compare {path} cannot be read ({exc.strerror or type(exc).__name__})") from None
+    # what a check that wrote no card leaves there (lnstab.check.cli: interrupted.txt, error.txt), said as such
+    ended = (" (a check a signal ended there, with no card: see its interrupted.txt)"
+             if (where / "interrupted.txt").is_file() else
+             " (a check that failed there, with no card: see its error.txt)" if (where / "error.txt").is_file() else "")
     raise LNStabError(f"--compare {path} is not allowed: give a card directory (report.json) or a validation "
-                      "directory (summary.json), as lnstab check writes them")
+                      f"directory (summary.json), as lnstab check writes them{ended}")
 
 
 def _read(file: Path, path: str) -> dict[str, Any]:
