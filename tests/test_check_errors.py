@@ -365,3 +365,20 @@ def test_an_accelerator_the_machine_lacks_is_one_line_before_anything_runs(tmp_p
     code, err = run_check(capsys, *GPT, *ONE_RUN, "--accelerator", accelerator, "--out", str(out))
     assert code == 2 and f"--accelerator {accelerator} is not allowed here" in err and "--accelerator cpu" in err, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(("left", "said"), [
+    ("error.txt", "(a check that failed: its error.txt says why; remove it to check again there)"),
+    (".claimed", "(a check is writing into it, or one killed before it ended (kill -9, out of memory) left its "
+                 ".claimed there; remove it to check again there)"),
+])
+def test_an_out_a_failed_or_killed_check_left_says_so(tmp_path, capsys, left, said) -> None:
+    """A check into the --out of one that failed (exit 3: error.txt and the runs' logs) or was killed (kill -9: its
+    .claimed and tb/) was refused only as 'already exists and is not empty', a directory with nothing else to read
+    there for the killed one; a signal's interrupted.txt was already named."""
+    out = tmp_path / "card"
+    (out / "tb").mkdir(parents=True)
+    (out / left).write_text("")
+    code, err = run_check(capsys, *GPT, *ONE_RUN, "--out", str(out))
+    assert code == 2 and f"--out {out} already exists and is not empty {said}; a check never overwrites" in err, err
+    assert sorted(p.name for p in out.iterdir()) == sorted([left, "tb"])

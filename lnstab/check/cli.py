@@ -104,7 +104,11 @@ def check_out(out: str | None) -> None:
     check_name_lengths(path, "--out")  # before is_dir(), which raised 'File name too long' (exit 3)
     if path.is_dir() and any(path.iterdir()):
         what = (" (a check a signal ended: its interrupted.txt says so; remove it to check again there)"
-                if (path / INTERRUPTED).is_file() else "")
+                if (path / INTERRUPTED).is_file() else
+                " (a check that failed: its error.txt says why; remove it to check again there)"
+                if (path / "error.txt").is_file() else
+                " (a check is writing into it, or one killed before it ended (kill -9, out of memory) left its "
+                f"{CLAIM} there; remove it to check again there)" if (path / CLAIM).is_file() else "")
         raise LNStabError(f"--out {out} already exists and is not empty{what}; a check never overwrites")
     check_writable(out, "--out")  # a file in the way, a dangling link, no write permission
 
