@@ -416,3 +416,25 @@ def meta_lm() -> nn.Module:
     """A model built on the meta device (no values)."""
     with torch.device("meta"):
         return TriplingLM()
+
+
+class DictBlocksLM(EncoderLM):
+    """``encoder_lm`` whose blocks are an ``nn.ModuleDict``'s ``b0`` and ``b1``: an index, not after a dot."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleDict({f"b{i}": layer for i, layer in enumerate(self.encoder.layers)})
+        del self.encoder
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.size(1)
+        x = self.embed(idx) + self.pos(torch.arange(T, device=idx.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(T, device=idx.device)
+        for block in self.blocks.values():
+            x = block(x, src_mask=mask, is_causal=True)
+        return self.head(x)
+
+
+def dict_blocks_lm() -> nn.Module:
+    """A model whose blocks are in an nn.ModuleDict."""
+    return DictBlocksLM()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -427,3 +428,19 @@ def test_blocks_named_without_an_index_say_why_gradient_spread_is_not_measured(t
     row = rows(report)["grad_spread"]
     assert row["status"] == "n/a" and row["why"] == ("no per-layer gradient norms (block names need a numeric index, "
                                                      "e.g. layers.3)"), row
+
+
+def test_blocks_in_a_module_dict_get_their_gradient_spread_from_the_layer_pattern(tmp_path) -> None:
+    """An nn.ModuleDict's blocks.b0, blocks.b1 under --layer-pattern 'blocks\\.b(\\d+)$' (the index its first group
+    captures, as the option asks) got no gradient spread: the parameter pattern wanted names ending in '.<index>', and
+    the card said the names 'need a numeric index'."""
+    from lnstab.check.factory import param_pattern
+
+    pattern = re.compile(r"blocks\.b(\d+)$")
+    assert param_pattern(["blocks.b0", "blocks.b1"], pattern) == r"(?:^|\.)(?:blocks\.b)(\d+)\."
+    assert param_pattern(["layers.0", "layers.1"], pattern) == r"(?:^|\.)(?:layers)\.(\d+)\."  # as before
+    assert param_pattern(["first", "second"], re.compile("^(?:first|second)$")) is None
+    code, report = check(tmp_path / "card", "--factory", "check_factories:dict_blocks_lm", "--layer-pattern",
+                         r"blocks\.b(\d+)$", "--lrs", "1e-2", *TINY, "--no-reference")
+    row = rows(report)["grad_spread"]
+    assert row["status"] != "n/a" and math.isfinite(row["measured"]), row

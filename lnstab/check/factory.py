@@ -166,13 +166,22 @@ def exact_pattern(names: list[str], pattern: re.Pattern | None = None) -> str:
     return r"(?:^|\.)(?:" + "|".join(parts) + r")$"
 
 
-def param_pattern(names: list[str]) -> str | None:
-    """A parameter regex whose group is the layer index, when every block name ends in ``.<index>``."""
+def param_pattern(names: list[str], pattern: re.Pattern | None = None) -> str | None:
+    """A parameter regex whose group is the layer index, when every block name ends in ``.<index>``, else when
+    ``pattern``'s first group captures an integer in every name with the same text after it (an ``nn.ModuleDict``'s
+    ``blocks.b0`` under ``blocks\.b(\d+)$``, an attribute's ``layer_0``; those got no gradient spread)."""
     parts = [re.fullmatch(r"(.*)\.(\d+)", n) for n in names]
-    if not names or any(p is None for p in parts):
+    if names and all(p is not None for p in parts):
+        prefixes = sorted({p.group(1) for p in parts})
+        return r"(?:^|\.)(?:" + "|".join(re.escape(p) for p in prefixes) + r")\.(\d+)\."
+    if not names or any(layer_index(pattern, n) is None for n in names):
         return None
-    prefixes = sorted({p.group(1) for p in parts})
-    return r"(?:^|\.)(?:" + "|".join(re.escape(p) for p in prefixes) + r")\.(\d+)\."
+    spans = [pattern.search(n).span(1) for n in names]
+    suffixes = {n[end:] for n, (_, end) in zip(names, spans, strict=True)}
+    if len(suffixes) != 1:
+        return None
+    prefixes = sorted({n[:start] for n, (start, _) in zip(names, spans, strict=True)})
+    return r"(?:^|\.)(?:" + "|".join(re.escape(p) for p in prefixes) + r")(\d+)" + re.escape(suffixes.pop()) + r"\."
 
 
 def factory_subject(
@@ -246,7 +255,7 @@ def factory_subject(
         embed_pattern=embed_pattern,
         final_pattern=final_pattern,
         block_pattern=exact,
-        param_pattern=param_pattern(names),
+        param_pattern=param_pattern(names, pattern),
         norm_pattern=norm_pattern,
         head_pattern=head_pattern,
         attention=attention,
