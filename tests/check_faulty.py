@@ -96,6 +96,18 @@ class SkipsABlock(EncoderLM):
         self.extra = nn.ModuleList([nn.Linear(WIDTH, WIDTH)])
 
 
+class DiscardsItsBlocks(EncoderLM):
+    """Calls each block and drops what it returns (``block(x)`` for ``x = block(x)``): a bigram model."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.size(1)
+        x = self.embed(idx) + self.pos(torch.arange(T, device=idx.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(T, device=idx.device)
+        for layer in self.encoder.layers:
+            layer(x, src_mask=mask, is_causal=True)
+        return self.head(x)
+
+
 def fails_with_grad() -> nn.Module:
     """A model whose forward fails only in training."""
     return FailsWithGrad()
@@ -144,3 +156,8 @@ def detached_logits() -> nn.Module:
 def skips_a_block() -> nn.Module:
     """A model with a matched block that is never called."""
     return SkipsABlock()
+
+
+def discards_its_blocks() -> nn.Module:
+    """A model whose logits depend on none of its blocks."""
+    return DiscardsItsBlocks()

@@ -135,6 +135,17 @@ def test_a_selected_block_the_forward_never_calls_is_a_usage_error(tmp_path, cap
     assert not out.exists()
 
 
+def test_blocks_whose_output_the_forward_discards_are_a_usage_error(tmp_path, capsys) -> None:
+    """A forward that calls each block and drops what it returns ('block(x)' for 'x = block(x)') trains a bigram
+    model: its card graded the unused blocks and said WARN, exit 0, 'Learns: PASS, learns faster than both
+    references', with gradient spread n/a as if no run had been measured."""
+    out = tmp_path / "card"
+    code, err = run_check(capsys, "--factory", "check_faulty:discards_its_blocks", "--layer-pattern",
+                          r"layers\.(\d+)$", *ONE_RUN, "--out", str(out))
+    assert code == 2 and "its logits depend on none of the 2 blocks" in err and "'x = block(x)'" in err, err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize(("args", "said"), [
     (["--lrs", ""], "--lrs '' is not allowed; give a comma-separated list"),
     (["--lrs", " , "], "--lrs '' is not allowed"),

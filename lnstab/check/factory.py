@@ -367,4 +367,32 @@ def probe_factory(model: nn.Module, spec: str, names: list[str], seq_len: int) -
                           "it must return floating-point logits over at least 2 tokens")
     if not widths:
         raise LNStabError(f"--factory {spec!r}: block {names[0]!r} did not return a tensor")
+    if torch.equal(out, blocks_perturbed(model, spec, [modules[n] for n in names], ids)):
+        raise LNStabError(f"--factory {spec!r}: its logits depend on none of the {len(names)} blocks the layer "
+                          "pattern or types select: noise added to what every one of them returns leaves the logits "
+                          "unchanged (the forward calls them but discards what they return, e.g. 'block(x)' for "
+                          "'x = block(x)'), so the card would grade blocks the model does not use")
     return int(out.shape[-1]), int(widths[0]), sum(called.values())
+
+
+def blocks_perturbed(model: nn.Module, spec: str, blocks: list[nn.Module], ids: torch.Tensor) -> Any:
+    """The logits of ``model`` on ``ids`` with seeded noise (about 1 % of its largest entry, at least 1) added to
+    what each of ``blocks`` returns (the first item of a tuple or list)."""
+    generator = torch.Generator().manual_seed(0)
+
+    def noisy(module: nn.Module, args: Any, out: Any) -> Any:
+        first = out[0] if isinstance(out, list | tuple) and out else out
+        if not isinstance(first, torch.Tensor) or not first.is_floating_point():
+            return None
+        scale = float(first.detach().abs().amax()) * 1e-2 + 1.0 if first.numel() else 1.0
+        moved = first + scale * torch.randn(first.shape, generator=generator).to(first)
+        if first is out:
+            return moved
+        return type(out)(moved, *out[1:]) if hasattr(out, "_fields") else type(out)([moved, *out[1:]])  # namedtuple
+
+    handles = [block.register_forward_hook(noisy) for block in blocks]
+    try:
+        return probe_forward(model, ids, f"--factory {spec!r}: the model")
+    finally:
+        for handle in handles:
+            handle.remove()
