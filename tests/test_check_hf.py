@@ -193,3 +193,18 @@ def test_training_only_branches_and_ignored_custom_code_are_said_on_the_card(tmp
     gpt2.config.auto_map = {"AutoModelForCausalLM": "modeling_mine.MyLM"}
     assert "left on as training-only branches: layerdrop 0.2" in hf_subject(saved(tmp_path, "opt", opt), True).dropout
     assert "its auto_map (custom code) is ignored" in hf_subject(saved(tmp_path, "gpt2", gpt2), True).dropout
+
+
+def test_trained_weights_load_without_a_progress_bar(tmp_path, capfd) -> None:
+    """Each process that built an --hf model with trained weights (the parent's probes, every worker) printed
+    transformers' 'Loading weights: 100%|████' bar on stderr: three on a one-run check, with --no-progress too."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    directory = saved(tmp_path, "gpt2", GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64,
+                                                                   n_positions=16)))
+    capfd.readouterr()  # save_pretrained's own bars
+    assert hf_logging.is_progress_bar_enabled()
+    hf_subject(directory, init=False).build()
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()  # given back as it was

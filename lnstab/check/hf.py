@@ -196,8 +196,9 @@ class HFRecipe:
         config = self.config()
         # transformers' construction advice (is_decoder for an encoder, bos/eos ids outside the protocol vocabulary)
         # is not the check's to print: what matters for the check it says itself, in one line
-        level = hf_logging.get_verbosity()
+        level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
         hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()  # a 'Loading weights' bar on stderr each time a process builds the model
         try:
             if self.init:
                 config.pad_token_id = None  # the windows hold no padding: no real token gets a zero, frozen embedding
@@ -206,6 +207,8 @@ class HFRecipe:
                 model = AutoModelForCausalLM.from_pretrained(self.name, config=config, trust_remote_code=False)
         finally:
             hf_logging.set_verbosity(level)
+            if bars:
+                hf_logging.enable_progress_bar()
         for module in model.modules():  # trained weights: the padding row trains like any token's (no padding here)
             if isinstance(module, nn.Embedding):
                 module.padding_idx = None
