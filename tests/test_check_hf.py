@@ -208,3 +208,19 @@ def test_trained_weights_load_without_a_progress_bar(tmp_path, capfd) -> None:
     hf_subject(directory, init=False).build()
     assert "Loading weights" not in capfd.readouterr().err
     assert hf_logging.is_progress_bar_enabled()  # given back as it was
+
+
+def test_a_file_given_as_hf_is_one_line_saying_so(tmp_path, capsys) -> None:
+    """--hf of a model's config.json (not its directory) read the file as the config, then torch.load-ed it as the
+    weights: 'Weights only load failed. In PyTorch 2.6, we changed the default value of ... weights_only', with 'not
+    a local directory; without network only local directories work', as if the network were the matter."""
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0,
+               eos_token_id=0).save_pretrained(tmp_path / "gpt2")
+    capsys.readouterr()
+    code, _ = check(tmp_path / "card", "--hf", str(tmp_path / "gpt2" / "config.json"), "--lrs", "1e-2",
+                    "--no-reference", *TINY)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "config.json' is a file; give the directory save_pretrained wrote" in err, err
+    assert "\n" not in err and "weights_only" not in err and not (tmp_path / "card").exists()

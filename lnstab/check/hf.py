@@ -227,6 +227,10 @@ def load_config(name: str) -> Any:
     """The config of ``name`` (a directory or a hub name), or a one-line error."""
     from transformers import AutoConfig
 
+    # a file: transformers reads it as the config, then torch.loads it as the weights ('Weights only load failed')
+    if os.path.isfile(os.path.expanduser(name)):
+        raise LNStabError(f"--hf {name!r} is a file; give the directory save_pretrained wrote (its config.json and "
+                          "weights) or a hub name")
     try:
         return AutoConfig.from_pretrained(name, trust_remote_code=False)
     except Exception as exc:  # OSError offline / missing, ValueError for remote code or unknown types
