@@ -191,8 +191,17 @@ def open_text_stream(spec: TextSpec, streaming: bool = True, cache_dir: str | No
     except DataError:
         raise
     except Exception as exc:  # noqa: BLE001 - one line for the user, whatever datasets raised
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        msg = _reason(exc) or type(exc).__name__
         raise DataError(f"{spec.describe()} could not be loaded (split {spec.split!r}): {msg[:300]}") from None
+
+
+def _reason(exc: BaseException) -> str:
+    """What ``datasets`` says went wrong, in one line: its cause where it wraps one (a ``DatasetGenerationError``
+    says only 'An error occurred while generating the dataset'), every line of the message (a ``CastError`` gives
+    its reason, the column names, on its last)."""
+    if exc.__cause__ is not None and type(exc).__name__ == "DatasetGenerationError":
+        exc = exc.__cause__
+    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
 
 
 def _decode(values: list[bytes | None], stats: DocStats) -> list[str]:
@@ -218,7 +227,7 @@ def _tables(stream, spec: TextSpec, batch_docs: int) -> Iterator:  # noqa: ANN00
         except StopIteration:
             return
         except Exception as exc:  # noqa: BLE001 - malformed JSON, bad parquet, gzip errors, ...
-            msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            msg = _reason(exc)
             raise DataError(f"{spec.describe()} could not be read: {type(exc).__name__}: {msg[:300]}") from None
         yield table
 

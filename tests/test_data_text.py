@@ -324,6 +324,21 @@ def test_malformed_json_or_gzip_is_a_one_line_error(tmp_path, content):
     assert f.name in one_line(e) and "could not be" in str(e.value)
 
 
+def test_json_files_of_other_fields_are_refused_with_datasets_reason(tmp_path):
+    """Two .jsonl files whose records have other fields: the line said only 'could not be loaded (split 'train'): An
+    error occurred while generating the dataset' (lnstab prepare) or 'could not be read: CastError: Couldn't cast'
+    (fit), the first line of datasets' message, whose reason (the column names) is on its last line or its cause's."""
+    write_jsonl(tmp_path / "a.jsonl", DOCS)
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": DOCS[0], "title": "t"}) + "\n")
+    spec = TextSpec("files", path=str(tmp_path))
+    with pytest.raises(DataError) as e:
+        open_text_stream(spec, streaming=False, cache_dir=str(tmp_path / "cache"))
+    assert "column names don't match" in one_line(e) and "title" in str(e.value), str(e.value)
+    with pytest.raises(DataError) as e:
+        module(tmp_path).setup("fit")
+    assert "column names don't match" in one_line(e) and "title" in str(e.value), str(e.value)
+
+
 def test_a_single_text_file_is_cut_at_val_tokens_and_the_rest_trains(tmp_path):
     """One .txt file is one document: validation takes exactly val_tokens of it, training the rest (it used to
     put the whole file in validation and blame val_tokens)."""
