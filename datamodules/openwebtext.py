@@ -274,7 +274,8 @@ class OpenWebTextDataModule(pl.LightningDataModule):
             tok = DocTokenizer(hp.tokenizer, hp.tokenizer_threads)
             stats = DocStats()
             want = hp.val_tokens or 1 << 20
-            self._val_docs, arrays, ended = head_documents(self.text_spec(), tok, want, stats)
+            train = stage in ("fit", None)  # validate/test/evaluate read no training data: all of a short file scores
+            self._val_docs, arrays, ended = head_documents(self.text_spec(), tok, want, stats, train=train)
             note = f", {self._val_docs} documents ({stats.invalid_utf8} invalid UTF-8 replaced, {stats.blank} blank)"
             head = np.concatenate(arrays)
             # validation is exactly the first val_tokens tokens: a long (or the only) document is cut, and training

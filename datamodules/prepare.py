@@ -254,13 +254,16 @@ def recorded_source(source: Any) -> Any:
 
 
 def head_documents(
-    spec: TextSpec, tok: DocTokenizer, val_tokens: int, stats: DocStats | None = None
+    spec: TextSpec, tok: DocTokenizer, val_tokens: int, stats: DocStats | None = None, train: bool = True
 ) -> tuple[int, list, bool]:
     """``(n, token arrays, ended)`` of the first documents of the stream holding at least ``val_tokens`` tokens;
-    ``ended``: they are the whole stream (the training data is then the rest of the last one only).
+    ``ended``: they are the whole stream (the training data is then the rest of the last one only). With ``train``
+    False (a validate, test or evaluate, which read no training data) a stream of ``val_tokens`` tokens or fewer is
+    returned whole.
 
     Raises:
-        DataError: If the whole stream holds ``val_tokens`` tokens or fewer (nothing would be left to train on).
+        DataError: If ``train`` and the whole stream holds ``val_tokens`` tokens or fewer (nothing would be left to
+            train on).
     """
     arrays, total = [], 0
     for texts in iter_documents(open_text_stream(spec), spec, stats, batch_docs=64):
@@ -269,7 +272,7 @@ def head_documents(
                 return len(arrays), arrays, False
             arrays.append(arr)
             total += len(arr)
-    if total > val_tokens:  # the last document is longer than what validation needs: its rest is for training
+    if total > val_tokens or not train:  # the last document is longer than validation needs: its rest trains
         return len(arrays), arrays, True
     raise DataError(
         f"val_tokens={val_tokens} is not allowed for {spec.describe()}: the data holds only {total} tokens "

@@ -257,6 +257,20 @@ def test_data_too_short_for_a_batch_is_refused_at_setup_when_validation_read_all
     assert len(one_pass(dm)) == (total - 40 - 1) // 8 // 2
 
 
+def test_validate_test_and_evaluate_score_all_of_data_shorter_than_val_tokens(tmp_path):
+    """``lnstab evaluate --data.path held-out.jsonl`` on a file of fewer tokens than --data.val_tokens was refused,
+    'it must be below N so that some are left to train on', though an evaluation trains on nothing (and val_tokens N,
+    all of it, was refused too): a validate, test or evaluate scores the whole file; a fit still refuses it."""
+    f = write_jsonl(tmp_path / "held-out.jsonl", DOCS)
+    ref = reference_tokens(DOCS)
+    for val_tokens in (len(ref), 4096):
+        dm = module(f, val_tokens=val_tokens)
+        dm.setup("test")
+        assert dm.validation_tokens().tolist() == ref.tolist()
+        with pytest.raises(DataError, match="left to train on"):
+            module(f, val_tokens=val_tokens).setup("fit")
+
+
 def test_bad_options_fail_in_init():
     with pytest.raises(DataError, match="data.source='web' is not allowed"):
         OpenWebTextDataModule(source="web")
