@@ -12,13 +12,15 @@ in both).
 
 Writes go to ``DIR/.partial/`` with a ``progress.json`` updated after every fsync'ed chunk, so an interrupted run
 resumes where it stopped; the finished files are moved into place and ``meta.json`` is written last (atomically).
-An existing prepared directory is never overwritten.
+An existing prepared directory is never overwritten; rerun with the same options it is a no-op, unless ``--source
+files``'s files were added, removed or changed in size since (``meta.json``'s ``inputs``): that is refused.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -41,6 +43,7 @@ from lnstab.datamodules.text import (
     TextSpec,
     iter_documents,
     open_text_stream,
+    resolve_files,
 )
 from lnstab.rundir import check_name_lengths
 
@@ -149,22 +152,26 @@ def prepare(
     split = {"method": split_method}
     split.update({"val_tokens": val_tokens} if split_method == "head" else {"test_size": test_size, "seed": split_seed})
     options = {"source": recorded_source(dataclasses.asdict(spec)), "split": split, "tokenizer": tokenizer}
+    inputs = input_files(spec)
     if (out / "meta.json").exists():
         meta = read_meta(out)
         if {k: meta.get(k) for k in options} | {"source": recorded_source(meta.get("source"))} != options:
             raise DataError(f"--out {out} already holds prepared data from other options; choose another --out")
+        _check_inputs(meta.get("inputs"), inputs, spec.path, f"--out {out} was prepared", f"or remove {out}")
         print(f"lnstab prepare: {out} is already prepared with these options; nothing to do")
         return meta
     for name in ("train.bin", "val.bin"):
         if (out / name).exists():
             raise DataError(f"--out {out} already has {name} but no meta.json; refusing to overwrite it")
     partial = out / ".partial"
-    progress: dict = {"options": options}
+    progress: dict = {"options": options, "inputs": inputs}
     if (partial / "progress.json").exists():
         progress = json.loads((partial / "progress.json").read_text(encoding="utf-8"))
         kept = progress.get("options")
         if not isinstance(kept, dict) or {**kept, "source": recorded_source(kept.get("source"))} != options:
             raise DataError(f"--out {out} holds an unfinished prepare with other options; remove {partial} first")
+        _check_inputs(progress.get("inputs"), inputs, spec.path, f"--out {out} holds an unfinished prepare",
+                      f"or remove {partial}")
         print(f"lnstab prepare: resuming in {partial}")
     tok = DocTokenizer(tokenizer, num_threads or os.cpu_count() or 1)
     # open the source before creating anything under out, so bad input leaves no trace
@@ -197,6 +204,8 @@ def prepare(
             train_docs = _flat_docs(iter_documents(open_text_stream(spec), spec, stats))
             _write_split("train", _drop(train_docs, n_val), partial, progress, tok, batch_docs, show, None, prefix=rest)
         meta = {"format": META_FORMAT, **options, "dtype": tok.dtype.name, "eot": tok.eot, "splits": {}}
+        if inputs:
+            meta["inputs"] = inputs
         if split_method == "head" and len(rest):
             progress["train"]["documents"] += 1  # the cut document's rest opens train.bin
         meta.update(invalid_utf8_documents=stats.invalid_utf8, blank_documents=stats.blank)
@@ -243,6 +252,31 @@ def _drop(it: Iterator[str], n: int) -> Iterator[str]:
 
 
 HUB_FIELDS = ("dataset", "dataset_config", "revision", "data_files")  # what only --source hf reads
+
+
+def input_files(spec: TextSpec) -> dict | None:
+    """What ``--source files`` reads, as ``meta.json`` records it (``inputs``): how many files, their bytes, and a
+    digest of their names and sizes, so a file added, removed, renamed or grown since shows (an edit that keeps the
+    size does not); None for ``hf``."""
+    if spec.source != "files":
+        return None
+    digest, total = hashlib.sha256(), 0
+    files = resolve_files(spec.path)[1]
+    for name in files:
+        size = os.path.getsize(name)
+        digest.update(f"{name}\0{size}\n".encode())
+        total += size
+    return {"files": len(files), "bytes": total, "sha256": digest.hexdigest()}
+
+
+def _check_inputs(was: Any, now: dict | None, path: str | None, what: str, remedy: str) -> None:
+    """Refuses, in one line, files that are not those ``was`` records (a directory prepared before ``inputs`` was
+    recorded has none: it is taken as it is)."""
+    if not isinstance(was, dict) or now is None or was == now:
+        return
+    raise DataError(f"{what} from --path {path} when it held {was.get('files')} file(s) of {was.get('bytes')} bytes; "
+                    f"it now holds {now['files']} of {now['bytes']}: files were added, removed or changed since; "
+                    f"choose another --out, {remedy} to prepare them again")
 
 
 def recorded_source(source: Any) -> Any:

@@ -5,6 +5,7 @@
     {"format": "lnstab-prepared/1", "tokenizer": "gpt2", "dtype": "uint16", "eot": 50256,
      "source": {...the TextSpec...}, "split": {"method": "nanogpt", "test_size": 0.0005, "seed": 2357},
      "invalid_utf8_documents": 0, "blank_documents": 0,
+     "inputs": {"files": F, "bytes": B, "sha256": "..."},   # --source files only: the files' names and sizes
      "splits": {"train": {"file": "train.bin", "tokens": N, "documents": D, "bytes": 2N, "sha256": "..."},
                 "val":   {...}}}
 """

@@ -128,6 +128,42 @@ def test_prepare_never_overwrites(docs_file, tmp_path, capsys):
     assert (other / "train.bin").read_bytes() == b"keep me"
 
 
+def test_a_rerun_after_the_files_changed_is_refused_not_a_no_op(docs_file, tmp_path, capsys):
+    """A file added to --path's directory since it was prepared: the same command said 'already prepared with these
+    options; nothing to do' and the new file was never read; an unfinished prepare resumed on the changed files. A
+    meta.json from before ``inputs`` was recorded is taken as it is."""
+    path, docs = docs_file
+    src = tmp_path / "src"
+    src.mkdir()
+    path.rename(src / "a.jsonl")
+    spec, out = TextSpec("files", str(src)), tmp_path / "out"
+    meta = prepare(spec, out, split_method="head", val_tokens=50, show=False)
+    assert meta["inputs"]["files"] == 1 and json.loads((out / "meta.json").read_text())["inputs"] == meta["inputs"]
+    before = {p.name: sha256_file(p) for p in out.iterdir()}
+    added = (src / "b.jsonl").write_text(json.dumps({"text": "a document added later"}) + "\n", encoding="utf-8")
+    with pytest.raises(DataError) as e:
+        prepare(spec, out, split_method="head", val_tokens=50, show=False)
+    assert str(e.value) == (f"--out {out} was prepared from --path {src} when it held 1 file(s) of "
+                            f"{meta['inputs']['bytes']} bytes; it now holds 2 of {meta['inputs']['bytes'] + added}: "
+                            f"files were added, removed or changed since; choose another --out, or remove {out} to "
+                            "prepare them again")
+    assert {p.name: sha256_file(p) for p in out.iterdir()} == before
+    on_disk = json.loads((out / "meta.json").read_text())
+    del on_disk["inputs"]  # as an earlier lnstab wrote it
+    (out / "meta.json").write_text(json.dumps(on_disk))
+    capsys.readouterr()
+    prepare(spec, out, split_method="head", val_tokens=50, show=False)
+    assert "nothing to do" in capsys.readouterr().out
+    (out / ".partial").mkdir()  # an unfinished prepare of the one file, resumed after the second was added
+    options = {k: meta[k] for k in ("source", "split", "tokenizer")}
+    (out / ".partial" / "progress.json").write_text(json.dumps({"options": options, "inputs": meta["inputs"]}))
+    (out / "meta.json").unlink()
+    for name in ("train.bin", "val.bin"):
+        (out / name).unlink()
+    with pytest.raises(DataError, match=f"holds an unfinished prepare from --path {src} when it held 1 file"):
+        prepare(spec, out, split_method="head", val_tokens=50, show=False)
+
+
 def test_files_meta_records_no_hub_fields_and_an_earlier_meta_with_them_is_the_same_options(docs_file, tmp_path,
                                                                                                  capsys):
     """``--source files`` never reads the hub's dataset, config, revision or data_files: meta.json left them out of
