@@ -139,3 +139,20 @@ def test_every_figure_draws_no_empty_axes_or_unplotted_legend_entries(name, tmp_
     assert set(legend_labels(fig)) <= plotted, name
     paths = draw_all(group(runs)[1], tmp_path)
     assert paths[name] is not None and paths[name].stat().st_size > 0
+
+
+def test_a_legend_of_long_labels_draws_without_a_warning(tmp_path):
+    """Two runs that differ in many settings (`lnstab report` over two experiments) label each line with all of them:
+    matplotlib's tight_layout found no room beside such a legend and printed 'UserWarning: Tight layout not applied'
+    on every report; the saved figure takes the legend in anyway (``bbox_inches="tight"``)."""
+    import warnings
+
+    runs = [record("pre", 1e-3, scalars={"train/loss": curve(5.0)}),
+            record("peri", 1e-2, seed=1, scalars={"train/loss": curve(4.0)})]
+    for i, run in enumerate(runs):
+        run.config.update({f"data.init_args.setting_{k}": f"/a/long/path/value/{i}/{k}" for k in range(6)})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        paths = draw_all(group(runs)[1], tmp_path)
+    assert paths["loss_curves.png"] is not None and paths["loss_curves.png"].is_file()
+    assert [str(w.message) for w in caught if "tight" in str(w.message).lower()] == []

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -77,7 +78,9 @@ def _mean_by_key(pairs: list[tuple[Any, float]]) -> tuple[list[Any], list[float]
 
 
 def _save(fig: Figure, path: Path) -> Path:
-    fig.tight_layout()
+    with warnings.catch_warnings():  # a legend of long labels leaves it no room; bbox_inches="tight" takes it in
+        warnings.filterwarnings("ignore", message="Tight layout not applied", category=UserWarning)
+        fig.tight_layout()
     fig.savefig(path, dpi=DPI, bbox_inches="tight")  # the legend sits outside the panels
     return path
 
