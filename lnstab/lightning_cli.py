@@ -390,7 +390,7 @@ def cli_main(args: list[str] | None = None, run: bool = True) -> LNStabCLI:
     expanded = expand_extends(raw)
     LNStabCLI.experiment, LNStabCLI.argv = experiment_name(raw), raw
     LNStabArgumentParser.experiment = LNStabCLI.experiment
-    LNStabArgumentParser.given_logger = NOT_GIVEN
+    LNStabArgumentParser.given_logger, LNStabArgumentParser.argv = NOT_GIVEN, expanded
     LNStabCLI.run_status = LNStabCLI.created_run_dir = LNStabCLI.created_root = None
     return LNStabCLI(
         GPTModule,

@@ -49,6 +49,20 @@ def choices_message(message: str) -> str | None:
     return None
 
 
+def missing_value_message(message: str, argv: list[str]) -> str | None:
+    """argparse's 'expected one argument' for a class's argument given without a value (``--data.path`` at the end,
+    or before the next option, as an unset ``$LNSTAB_OWT_SAMPLE`` leaves it) names the argument, not its group: it
+    said ``argument --data: expected one argument``. ``None`` for any other error."""
+    group = re.fullmatch(r"argument (--[\w.]+): expected one argument", message.strip())
+    if group is None:
+        return None
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"{group.group(1)}.") and "=" not in arg and (i + 1 == len(argv) or
+                                                                         argv[i + 1].startswith("--")):
+            return f"argument {arg}: expected one argument"
+    return None
+
+
 def _failure(lines: list[str]) -> tuple[str, str, str] | None:
     """(field, value as given, what is allowed) of one ``Parser key "…":`` block of jsonargparse's error, from the
     innermost key that failed: a class's argument (``Problem with given class_path …``) rather than the class."""
@@ -160,12 +174,14 @@ class LNStabArgumentParser(LightningArgumentParser):
 
     experiment: str | None = None
     given_logger: Any = NOT_GIVEN  # trainer.logger as given, before --run_dir placed it (NOT_GIVEN: dumped as it is)
+    argv: list[str] = []  # the command line parsed, to name a class's argument given without its value
 
     def error(self, message: str, ex: Exception | None = None):  # noqa: ANN201 - NoReturn in the parent
         if not self.exit_on_error or os.environ.get("LNSTAB_DEBUG"):
             return super().error(message, ex)
         parser = getattr(ex, "subcommand_parser", None) or self
-        folded = choices_message(message) or " ".join(part.strip() for part in message.splitlines() if part.strip())
+        folded = (choices_message(message) or missing_value_message(message, self.argv)
+                  or " ".join(part.strip() for part in message.splitlines() if part.strip()))
         sys.stderr.write(f"lnstab: error: {folded} (see: {parser.prog.replace(' [options]', '')} --help)\n")
         self.exit(2)
 

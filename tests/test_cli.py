@@ -120,6 +120,9 @@ def test_extends_chain_expands_base_first_and_refuses_cycles(tmp_path) -> None:
         (["--model.min_lr", "1", "--model.learning_rate", "0.1"], "model.min_lr=1.0 is not allowed; it must be <="),
         (["--data.batch_size", "0"], "data.batch_size=0 is not allowed; it must be an integer >= 1"),
         (["--data.val_documents", "5"], "--data.val_documents 5 is not used with --data.val_split head"),
+        (["--data.path"], "argument --data.path: expected one argument"),  # was 'argument --data: …'
+        (["--data.path", "--model.n_layer", "2"], "argument --data.path: expected one argument"),  # an unset $VAR
+        (["--model.n_layer"], "argument --model.n_layer: expected one argument"),
     ],
 )
 def test_bad_model_input_is_one_line_exit_2_and_writes_nothing(args, expected, tmp_path, capsys, caplog) -> None:
