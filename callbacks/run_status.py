@@ -234,8 +234,24 @@ class RunStatus(Callback):
 
     # ------------------------------------------------------------------ signals
     @override
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._take_over_signals(trainer)
+
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._install_handlers(trainer)
+        self._take_over_signals(trainer)
+
+    def _take_over_signals(self, trainer: pl.Trainer) -> None:
+        """Install the handlers (once a fit), and take as this callback's a SIGTERM that Lightning's own handler got
+        first: Lightning puts it in after the setup hooks, and its flag ended the loop after the first step (or the
+        sanity check at its next batch) with ``SIGTERMException``, a ``SystemExit`` of status 0, so a run the sweep
+        stopped as its loaders started was ``failed``, exit 0, without a checkpoint."""
+        if not self._previous:
+            self._install_handlers(trainer)
+        connector = getattr(trainer, "_signal_connector", None)
+        if getattr(connector, "received_sigterm", False) and "SIGTERM" in self.signals:
+            connector.received_sigterm = False
+            self._handle(signal.SIGTERM, None)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -143,6 +143,9 @@ class SignalAt(Callback):
     def __init__(self, at: int = 2, signum: int = 15, times: int = 1, mid_step: bool = False) -> None:
         self.at, self.signum, self.times, self.sent, self.mid_step = at, signum, times, False, mid_step
 
+    def on_sanity_check_start(self, trainer, pl_module) -> None:
+        self._send(-1)  # at: -1: as the run starts, to Lightning's handler before the fit's first step
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not self.mid_step:
             self._send(trainer.global_step)
@@ -208,6 +211,25 @@ def test_a_second_ctrl_c_stops_at_once_with_exit_130(tmp_path, monkeypatch, caps
     assert last.startswith("lnstab: stopped at once by a second SIGINT, without a checkpoint of this step"), last
     fit("--config", str(cfg), "--run_dir", str(run), "--ckpt_path", "auto", "--trainer.callbacks", "[]")
     assert read_summary(run)["status"] == "completed" and read_summary(run)["final_step"] == 8
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("sanity_batches", [1, 2])
+def test_a_sigterm_as_the_run_starts_stops_it_after_its_first_step_resumably(tmp_path, monkeypatch, sanity_batches,
+                                                                             caplog) -> None:
+    """A SIGTERM after Lightning's handler went in and before lnstab's (a sweep stopped as its run's loaders started)
+    reached Lightning's alone: the run ended after its first step (or in the sanity check) ``failed`` with
+    'SIGTERMException: ', exit status 0 and no checkpoint."""
+    cfg = with_helpers(tmp_path, monkeypatch, callback={"at": -1, "signum": int(signal.SIGTERM)})
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--config", str(cfg), "--run_dir", str(run), "--trainer.num_sanity_val_steps",
+              str(sanity_batches), "--trainer.limit_val_batches", "2"])
+    assert info.value.code == 128 + signal.SIGTERM
+    summary = read_summary(run)
+    assert summary["status"] == "interrupted" and summary["signal"] == "SIGTERM", summary
+    assert summary["interrupted_step"] == 1 and ckpt_step(run / "checkpoints" / "last.ckpt") == 1
+    assert "lnstab: received SIGTERM; stopping after this optimizer step" in caplog.text
 
 
 @pytest.mark.system
