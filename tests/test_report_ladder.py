@@ -168,3 +168,15 @@ def test_pool_joins_runs_that_differ_only_in_where_they_ran(tmp_path, capsys) ->
     err = capsys.readouterr().err.strip()
     assert info.value.code == 2 and "--pool trainer.acelerator: no run's config has this key" in err and "\n" not in err
     assert not (tmp_path / "out2" / "report.md").exists()
+
+
+def test_pool_says_numbers_in_their_order_and_one_run_as_one() -> None:
+    """Pooled val_check_interval 6 and 20 read '20 (2 runs), 6 (4 runs)' (sorted as text), and one run '(1 runs)'."""
+    from lnstab.report.cli import pool
+    from lnstab.report.collect import RunRecord
+
+    runs = [RunRecord(f"r{i}", Path(f"/r{i}"), "completed", config={"trainer.val_check_interval": v, "x": "b" * i})
+            for i, v in enumerate([6, 20, 20, 100, 6])]
+    assert pool(runs, ["trainer.val_check_interval", "x"]) == [
+        "Pooled over `trainer.val_check_interval`: 6 (2 runs), 20 (2 runs), 100 (1 run).",
+        "Pooled over `x`:  (1 run), b (1 run), bb (1 run), bbb (1 run), bbbb (1 run)."]

@@ -62,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _value_order(item: tuple[str, int]) -> tuple[int, float, str]:
+    """Numbers first, in their order (6 before 20), then the other values as text."""
+    try:
+        return 0, float(item[0]), ""
+    except ValueError:
+        return 1, 0.0, item[0]
+
+
 def pool(records: list[RunRecord], keys: list[str]) -> list[str]:
     """Drop ``keys`` (dotted config paths) from every record's config; returns report.md's lines saying what was
     pooled (each key's values and their run counts).
@@ -79,7 +87,8 @@ def pool(records: list[RunRecord], keys: list[str]) -> list[str]:
         if not counts:
             raise LNStabError(f"--pool {key}: no run's config has this key; give a dotted config key such as "
                               f"trainer.accelerator")
-        lines.append(f"Pooled over `{key}`: " + ", ".join(f"{v} ({n} runs)" for v, n in sorted(counts.items())) + ".")
+        said = (f"{v} ({n} run{'s' * (n != 1)})" for v, n in sorted(counts.items(), key=_value_order))
+        lines.append(f"Pooled over `{key}`: " + ", ".join(said) + ".")
     return lines
 
 
