@@ -256,6 +256,7 @@ def iter_documents(stream, spec: TextSpec, stats: DocStats | None = None, batch_
         texts = _decode(raw, stats)
         if text_builder:  # the text builder already replaced invalid bytes while reading: count U+FFFD docs
             stats.invalid_utf8 += sum(1 for b in raw if b and b"\xef\xbf\xbd" in b)
+            texts = [t.removeprefix("\ufeff") for t in texts]  # a UTF-8 byte-order mark (Notepad's) is not text
         seen += len(texts)
         kept = [t for t in texts if t.strip()]
         stats.blank += len(texts) - len(kept)

@@ -207,6 +207,17 @@ def test_invalid_utf8_is_replaced_and_counted(tmp_path, kind):
     assert texts == ["caf\ufffd au lait", "fine"] and stats.invalid_utf8 == 1
 
 
+def test_a_text_file_s_byte_order_mark_is_not_tokenized(tmp_path):
+    """A .txt file saved with a UTF-8 byte-order mark (Windows Notepad's) began its document with U+FEFF, tokens of
+    no text in every prepared or trained file."""
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "a.txt").write_bytes(b"\xef\xbb\xbf" + DOCS[0].encode())
+    (tmp_path / "t" / "b.txt").write_bytes(DOCS[1].encode())
+    spec = TextSpec("files", path=str(tmp_path / "t"))
+    texts = [t for b in iter_documents(open_text_stream(spec), spec) for t in b]
+    assert texts == [DOCS[0], DOCS[1]]
+
+
 def test_whitespace_only_documents_are_skipped_and_all_blank_is_an_error(tmp_path):
     f = write_jsonl(tmp_path / "d.jsonl", ["  \n\t ", DOCS[0], "", DOCS[3]])
     spec = TextSpec("files", path=str(f))
