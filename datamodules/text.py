@@ -90,7 +90,8 @@ def resolve_files(path: str | None) -> tuple[str, list[str]]:
             raise DataError(f"--data.path {part} is a directory lnstab prepare wrote (meta.json, train.bin), not text "
                             "files; give --data.source prepared with it")  # its meta.json was read as a document
         if os.path.isdir(part):
-            found = sorted(str(p) for p in Path(part).rglob("*") if p.is_file() and _builder_of(str(p)))
+            found = sorted(str(p) for p in Path(part).rglob("*")
+                           if p.is_file() and _builder_of(str(p)) and not _prepared_below(p, Path(part)))
         else:
             found = sorted(glob.glob(part)) if glob.has_magic(part) else ([part] if os.path.exists(part) else [])
         if not found:
@@ -113,6 +114,18 @@ def resolve_files(path: str | None) -> tuple[str, list[str]]:
         if os.path.getsize(f) == 0:
             raise DataError(f"--data.path {f} is empty (0 bytes); it must hold at least one document")
     return builders.pop(), files
+
+
+def _prepared_below(path: Path, top: Path) -> bool:
+    """Whether ``path`` lies in a directory below ``top`` that lnstab prepare wrote, or is writing (``--out`` inside
+    ``--path``): its meta.json and progress.json are not text, and were read as documents."""
+    for parent in path.parents:
+        if parent == top:
+            return False
+        if ((parent / "meta.json").is_file() and (parent / "train.bin").is_file()) or \
+                (parent.name == ".partial" and (parent / "progress.json").is_file()):
+            return True
+    return False
 
 
 def _builder_of(name: str) -> str | None:

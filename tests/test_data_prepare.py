@@ -17,7 +17,7 @@ from lnstab.datamodules import DataError, OpenWebTextDataModule
 from lnstab.datamodules.packing import ShardPlan
 from lnstab.datamodules.prepare import prepare
 from lnstab.datamodules.prepared import sha256_file
-from lnstab.datamodules.text import DocTokenizer, TextSpec, open_text_stream
+from lnstab.datamodules.text import DocTokenizer, TextSpec, iter_documents, open_text_stream
 from lnstab.tokenizer import EOT_TOKEN, gpt2_encoding
 
 SAMPLE = Path(
@@ -162,6 +162,22 @@ def test_a_rerun_after_the_files_changed_is_refused_not_a_no_op(docs_file, tmp_p
         (out / name).unlink()
     with pytest.raises(DataError, match=f"holds an unfinished prepare from --path {src} when it held 1 file"):
         prepare(spec, out, split_method="head", val_tokens=50, show=False)
+
+
+def test_an_out_inside_the_path_is_not_read_as_text(docs_file, tmp_path, capsys):
+    """``--path data --out data/prepared``: the rerun read the prepared meta.json as a document of data (refused as
+    files added since), and so did a fit of --data.path data."""
+    path, docs = docs_file
+    src = tmp_path / "data"
+    src.mkdir()
+    path.rename(src / "a.jsonl")
+    spec, out = TextSpec("files", str(src)), src / "prepared"
+    prepare(spec, out, split_method="head", val_tokens=50, show=False)
+    capsys.readouterr()
+    prepare(spec, out, split_method="head", val_tokens=50, show=False)
+    assert "nothing to do" in capsys.readouterr().out
+    texts = [t for batch in iter_documents(open_text_stream(spec), spec) for t in batch]
+    assert texts == docs
 
 
 def test_files_meta_records_no_hub_fields_and_an_earlier_meta_with_them_is_the_same_options(docs_file, tmp_path,
