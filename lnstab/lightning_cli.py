@@ -80,6 +80,7 @@ class LNStabCLI(LightningCLI):
     run_status: RunStatus | None = None  # the RunStatus of the trainer being run
     created_run_dir: Path | None = None  # the fit's run directory, when this fit created it
     created_root: Path | None = None  # the outermost directory this fit created on the way to it
+    scored_run_dir: Path | None = None  # the run directory a validate, test or evaluate writes into
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -182,6 +183,8 @@ class LNStabCLI(LightningCLI):
                 runs.check_data_against_checkpoint(loaded, _plain(c.data.get("init_args") or {}))
         if sub == "fit" and ckpt is not None and run_dir:
             runs.check_resumable(run_dir)
+        if sub in CKPT_SUBCOMMANDS and run_dir:
+            LNStabCLI.scored_run_dir = Path(run_dir)
         if sub in CKPT_SUBCOMMANDS and run_dir and not runs.explicit_keys(self.argv, "data"):
             self._data_from_run(sub, Path(run_dir))
 
@@ -391,7 +394,7 @@ def cli_main(args: list[str] | None = None, run: bool = True) -> LNStabCLI:
     LNStabCLI.experiment, LNStabCLI.argv = experiment_name(raw), raw
     LNStabArgumentParser.experiment = LNStabCLI.experiment
     LNStabArgumentParser.given_logger, LNStabArgumentParser.argv = NOT_GIVEN, expanded
-    LNStabCLI.run_status = LNStabCLI.created_run_dir = LNStabCLI.created_root = None
+    LNStabCLI.run_status = LNStabCLI.created_run_dir = LNStabCLI.created_root = LNStabCLI.scored_run_dir = None
     return LNStabCLI(
         GPTModule,
         LightningDataModule,
@@ -420,6 +423,8 @@ def run(argv: list[str]) -> None:
             if LNStabCLI.created_run_dir is not None:
                 # never one holding a summary: the run began
                 runs.discard_unbegun(LNStabCLI.created_run_dir, LNStabCLI.created_root)
+            if LNStabCLI.scored_run_dir is not None:  # an evaluate refused at its data: no empty event file left
+                runs.discard_unwritten_events(LNStabCLI.scored_run_dir)
             raise
     except RunInterrupted as exc:  # a signal during the final evaluation, a validate or test, or a second Ctrl-C
         if argv[0] != "fit":

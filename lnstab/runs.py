@@ -143,6 +143,19 @@ UNBEGUN = (runlock.LOCK_FILE, "hparams.yaml")
 EVENT_FILE_PREFIX = "events.out.tfevents."
 
 
+def discard_unwritten_events(run_dir: str | os.PathLike) -> None:
+    """Remove the event files this process began in ``run_dir`` that hold nothing but their header (the file
+    version, one record): a validate, test or evaluate refused at its data's setup, after the logger opened its
+    file, left one in the run's directory each time."""
+    for path in Path(run_dir).glob(f"{EVENT_FILE_PREFIX}*.{os.getpid()}.*"):
+        try:
+            data = path.read_bytes() if path.stat().st_size <= 1024 else b""
+            if len(data) >= 12 and len(data) == 12 + int.from_bytes(data[:8], "little") + 4:
+                path.unlink()
+        except OSError:  # gone already, or not ours to remove: leave it
+            pass
+
+
 def discard_unbegun(run_dir: str | os.PathLike, created: str | os.PathLike | None = None) -> bool:
     """Remove a run directory that this fit created and that was refused before the run began (``--data.path``
     missing, a vocabulary the data module refuses): left, it would take a version number and be refused by

@@ -153,6 +153,21 @@ def test_cli_bad_input_is_one_line_and_leaves_the_run_directory_alone(run, tmp_p
     assert snapshot(run["dir"]) == before
 
 
+def test_cli_evaluate_refused_by_its_data_leaves_no_event_file(tmp_path, capsys):
+    """Data refused at its setup, after the TensorBoard logger opened its file in the run's directory: each refused
+    ``lnstab evaluate --ckpt_path <run>/checkpoints/last.ckpt --data.*`` left an empty event file (its header alone)
+    there."""
+    from support.runs import fit, tiny_config
+
+    run = tmp_path / "run"
+    fit("--config", str(tiny_config(tmp_path)), "--run_dir", str(run))
+    before = snapshot(run)
+    with pytest.raises(SystemExit) as info:  # a validation set shorter than one window, refused at the data's setup
+        cli(["evaluate", "--ckpt_path", str(run / "checkpoints" / "last.ckpt"), "--data.init_args.val_tokens", "4"])
+    assert info.value.code == 2 and "is longer than the validation data" in capsys.readouterr().err
+    assert snapshot(run) == before
+
+
 class UsersOwn(pl.LightningModule):
     """A module of a user's own project: a checkpoint of it is not lnstab's GPT."""
 
