@@ -79,9 +79,10 @@ class RunStatus(Callback):
     ``status``.
 
     **Signals.** In a validate or test of its own (``lnstab validate``, ``test``, ``evaluate``) a handled signal ends it
-    at once, with nothing written. In a fit, from ``on_train_start`` to ``teardown`` the handled signals (SIGINT =
-    Ctrl-C, SIGTERM = a scheduler's or ``kill``'s stop, SIGUSR1 = SLURM's requeue signal, SIGHUP = a closed terminal or
-    ssh session) only set a flag; at the end of the next optimizer step (every rank agrees through
+    at once, with nothing written. In a fit, from the sanity check's start (else ``on_train_start``) to ``teardown``
+    the handled signals (SIGINT = Ctrl-C, SIGTERM = a scheduler's or ``kill``'s stop, SIGUSR1 = SLURM's requeue
+    signal, SIGHUP = a closed terminal or ssh session) only set a flag (a SIGTERM Lightning's own handler took before,
+    as the run started, too); at the end of the next optimizer step (every rank agrees through
     ``trainer.strategy.reduce_boolean_decision``) the run saves ``checkpoints/last.ckpt`` — resumable exactly, like any
     step checkpoint — records ``status: interrupted``, ``interrupted_step`` and ``signal``, skips the validation
     Lightning would run on stopping and the final evaluation, and stops. Under SLURM, SLURM's requeue signal is then
