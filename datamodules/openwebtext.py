@@ -33,6 +33,7 @@ from lnstab.datamodules.text import (
     DocStats,
     DocTokenizer,
     TextSpec,
+    TooLittleData,
     hub_reachable,
     iter_documents,
     open_text_stream,
@@ -304,9 +305,9 @@ class OpenWebTextDataModule(pl.LightningDataModule):
         where = f"{self.text_spec().describe()} holds {total} tokens, {have} of them left to train on after " \
                 f"validation's {self._val.numel()}"
         if have < need:
-            raise DataError(f"{where}; one batch needs --data.batch_size {hp.batch_size} x --data.block_size "
-                            f"{hp.block_size} + 1 = {need}: give more text, or a smaller --data.val_tokens, "
-                            "batch_size or block_size")
+            raise TooLittleData(f"{where}; one batch needs --data.batch_size {hp.batch_size} x --data.block_size "
+                                f"{hp.block_size} + 1 = {need}: give more text, or a smaller --data.val_tokens, "
+                                "batch_size or block_size")
         if readers > 1:
             raise DataError(f"{where}, all in one document: --data.num_workers {hp.num_workers} on "
                             f"{self.shard_plan().world_size} device(s) makes {readers} readers, which split the "

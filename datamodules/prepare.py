@@ -41,6 +41,7 @@ from lnstab.datamodules.text import (
     DocStats,
     DocTokenizer,
     TextSpec,
+    TooLittleData,
     iter_documents,
     open_text_stream,
     resolve_files,
@@ -296,8 +297,8 @@ def head_documents(
     returned whole.
 
     Raises:
-        DataError: If ``train`` and the whole stream holds ``val_tokens`` tokens or fewer (nothing would be left to
-            train on).
+        TooLittleData: If ``train`` and the whole stream holds ``val_tokens`` tokens or fewer (nothing would be left
+            to train on).
     """
     arrays, total = [], 0
     for texts in iter_documents(open_text_stream(spec), spec, stats, batch_docs=64):
@@ -308,7 +309,7 @@ def head_documents(
             total += len(arr)
     if total > val_tokens or not train:  # the last document is longer than validation needs: its rest trains
         return len(arrays), arrays, True
-    raise DataError(
+    raise TooLittleData(
         f"val_tokens={val_tokens} is not allowed for {spec.describe()}: the data holds only {total} tokens "
         f"({len(arrays)} documents); it must be below {total} so that some are left to train on"
     )

@@ -36,6 +36,11 @@ class DataError(LNStabError):
     """Bad data or data options: a missing, empty or corrupt file, an unknown field, data shorter than a window."""
 
 
+class TooLittleData(DataError):
+    """Data holding fewer tokens than validation and one training batch take (said in ``lnstab fit``'s options;
+    ``lnstab check``, whose options are others, says it in its own)."""
+
+
 @dataclasses.dataclass
 class DocStats:
     """Counts of what :func:`iter_documents` saw (per process)."""

@@ -393,3 +393,17 @@ def test_an_out_a_failed_or_killed_check_left_says_so(tmp_path, capsys, left, sa
     code, err = run_check(capsys, *GPT, *ONE_RUN, "--out", str(out))
     assert code == 2 and f"--out {out} already exists and is not empty {said}; a check never overwrites" in err, err
     assert sorted(p.name for p in out.iterdir()) == sorted([left, "tb"])
+
+
+@pytest.mark.parametrize("words", [2, 40])
+def test_too_little_text_is_said_in_the_checks_own_options(tmp_path, capsys, words) -> None:
+    """A --data.path shorter than a held-out window and one batch was refused in lnstab fit's options: 'one batch
+    needs --data.batch_size 8 x --data.block_size 64 + 1 = 513: give more text, or a smaller --data.val_tokens, ...'
+    or 'val_tokens=65 is not allowed ... (1 documents)', options the check does not have."""
+    text = tmp_path / "short.txt"
+    text.write_text(" ".join(["word"] * words) + "\n")
+    out = tmp_path / "card"
+    code, err = run_check(capsys, *GPT, *ONE_RUN, "--data.source", "files", "--data.path", str(text), "--out", str(out))
+    assert code == 2 and f"--data.path {text} holds less than one window of" in err, err
+    assert "give more text, or a smaller --batch-size, --steps or --seq-len" in err
+    assert "--data.val_tokens" not in err and "val_tokens=" not in err and not out.exists()

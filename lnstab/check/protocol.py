@@ -186,6 +186,7 @@ def load_tokens(protocol: Protocol, vocab_size: int, seq_len: int, own_vocab: bo
         stream = SyntheticDataModule.markov_stream(n * (seq_len + 1), vocab_size, 1234, 0)
         return stream.view(n, seq_len + 1), {"source": "synthetic", "vocab_size": vocab_size, "windows": n}
     from lnstab.datamodules import OpenWebTextDataModule
+    from lnstab.datamodules.text import TooLittleData
 
     if own_vocab and vocab_size < GPT2_VOCAB:
         raise LNStabError(f"--data.path {protocol.data_path} holds GPT-2 tokens (50257), but the model predicts only "
@@ -201,15 +202,22 @@ def load_tokens(protocol: Protocol, vocab_size: int, seq_len: int, own_vocab: bo
         dm = OpenWebTextDataModule(block_size=seq_len, batch_size=protocol.batch_size, source="files", path=path,
                                    val_tokens=seq_len + 1, num_workers=0, tokenizer_threads=1)
     windows: list[torch.Tensor] = []
-    with quiet():
-        for x, y in dm.train_dataloader():
-            windows.append(torch.cat([x, y[:, -1:]], dim=1))  # (B, T + 1)
-            if sum(w.size(0) for w in windows) >= n:
-                break
+    try:
+        with quiet():
+            for x, y in dm.train_dataloader():
+                windows.append(torch.cat([x, y[:, -1:]], dim=1))  # (B, T + 1)
+                if sum(w.size(0) for w in windows) >= n:
+                    break
+    except TooLittleData:  # said in lnstab fit's options (--data.val_tokens, --data.block_size), not the check's
+        raise LNStabError(f"--data.path {protocol.data_path} holds less than one window of {seq_len + 1} tokens held "
+                          f"out and a batch of {protocol.batch_size} to train on; the check needs {n} windows "
+                          "(--batch-size × (--steps + 1)): give more text, or a smaller --batch-size, --steps or "
+                          "--seq-len") from None
     tokens = torch.cat(windows)[:n] if windows else torch.empty(0, seq_len + 1, dtype=torch.long)
     if tokens.size(0) < n:
         raise LNStabError(f"--data.path {protocol.data_path} holds {tokens.size(0)} windows of {seq_len + 1} tokens; "
-                          f"the check needs {n} (--batch-size × (--steps + 1))")
+                          f"the check needs {n} (--batch-size × (--steps + 1)): give more text, or a smaller "
+                          "--batch-size, --steps or --seq-len")
     if protocol.vocab_top_k is not None:
         vocab = dm.vocab_map
         return tokens, {"source": "files", "path": str(protocol.data_path), "windows": n,
