@@ -407,3 +407,16 @@ def test_too_little_text_is_said_in_the_checks_own_options(tmp_path, capsys, wor
     assert code == 2 and f"--data.path {text} holds less than one window of" in err, err
     assert "give more text, or a smaller --batch-size, --steps or --seq-len" in err
     assert "--data.val_tokens" not in err and "val_tokens=" not in err and not out.exists()
+
+
+def test_text_that_would_repeat_its_windows_is_refused(tmp_path, capsys) -> None:
+    """A --data.path holding one batch but fewer windows than the run's steps take was read round again by the
+    training loader: 4,000 characters gave '32 windows of 65 GPT-2 tokens' on the card, 8 distinct ones seen four
+    times over (a model learning one batch by heart), and the refusal written for too few windows never fired."""
+    text = tmp_path / "short.txt"
+    text.write_text(" ".join(f"item{i}" for i in range(120)) + "\n")
+    out = tmp_path / "card"
+    code, err = run_check(capsys, *GPT, *ONE_RUN, "--data.source", "files", "--data.path", str(text), "--out", str(out))
+    assert code == 2 and f"--data.path {text} holds " in err and "the check needs 28 (--batch-size × (--steps + 1)), " \
+        "each seen once" in err, err
+    assert not out.exists()

@@ -214,6 +214,11 @@ def load_tokens(protocol: Protocol, vocab_size: int, seq_len: int, own_vocab: bo
                           "(--batch-size × (--steps + 1)): give more text, or a smaller --batch-size, --steps or "
                           "--seq-len") from None
     tokens = torch.cat(windows)[:n] if windows else torch.empty(0, seq_len + 1, dtype=torch.long)
+    if tokens.size(0) and bool((tokens[1:] == tokens[0]).all(dim=1).any()):  # the training loader ran out, began again
+        held = int(torch.unique(tokens, dim=0).size(0))
+        raise LNStabError(f"--data.path {protocol.data_path} holds {held} windows of {seq_len + 1} tokens to train on; "
+                          f"the check needs {n} (--batch-size × (--steps + 1)), each seen once, not the same windows "
+                          "again: give more text, or a smaller --batch-size, --steps or --seq-len")
     if tokens.size(0) < n:
         raise LNStabError(f"--data.path {protocol.data_path} holds {tokens.size(0)} windows of {seq_len + 1} tokens; "
                           f"the check needs {n} (--batch-size × (--steps + 1)): give more text, or a smaller "
