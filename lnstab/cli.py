@@ -61,6 +61,11 @@ def main(argv: list[str] | None = None) -> None:
     module, func = EXTRA_COMMANDS[argv[0]].split(":")
     try:
         getattr(importlib.import_module(module), func)(argv[1:])
+    except KeyboardInterrupt:  # a Ctrl-C outside the check's own handling: while it imports torch, or prints the card
+        if argv[0] != "check":
+            raise
+        sys.stderr.write("lnstab: lnstab check stopped by SIGINT\n")
+        raise SystemExit(130) from None  # 128 + SIGINT, as the check's own handler exits
     except Exception as exc:
         exit_for_user_error(exc)
         raise

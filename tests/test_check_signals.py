@@ -188,3 +188,30 @@ def test_a_signal_while_the_card_is_written_leaves_no_card_beside_its_no_verdict
     assert info.value.code == 143 and "no verdict" in capsys.readouterr().err
     assert not any((out / name).exists() for name in ("report.md", "report.json", "thresholds.yaml"))
     assert "the card not yet written; no verdict" in (out / "interrupted.txt").read_text()
+
+
+@pytest.mark.parametrize("where", ["import", "print"])
+def test_a_ctrl_c_outside_the_checks_handler_is_one_line_too(capsys, monkeypatch, tmp_path, where) -> None:
+    """A Ctrl-C in the first second or two, while lnstab check imported torch (before its handler was installed),
+    printed a 40-line KeyboardInterrupt traceback, exit 130; so did one while the card was printed."""
+    import importlib
+
+    import lnstab.check.cli as check_cli
+    import lnstab.cli as cli
+
+    if where == "import":
+        real = importlib.import_module
+
+        def importing(name: str, *args, **kwargs):
+            if name == "lnstab.check.cli":
+                raise KeyboardInterrupt
+            return real(name, *args, **kwargs)
+
+        monkeypatch.setattr(cli.importlib, "import_module", importing)
+    else:
+        monkeypatch.setattr(check_cli, "terminal", lambda card: (_ for _ in ()).throw(KeyboardInterrupt()))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main(["check", "--model.preset", "tiny", "--model.vocab_size", "128", "--model.block_size", "32", *TINY,
+              "--lrs", "1e-2", "--no-reference", "--out", str(tmp_path / "card")])
+    assert info.value.code == 130 and capsys.readouterr().err.strip() == "lnstab: lnstab check stopped by SIGINT"
