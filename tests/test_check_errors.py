@@ -420,3 +420,23 @@ def test_text_that_would_repeat_its_windows_is_refused(tmp_path, capsys) -> None
     assert code == 2 and f"--data.path {text} holds " in err and "the check needs 28 (--batch-size × (--steps + 1)), " \
         "each seen once" in err, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(("source", "said"), [
+    ("import sys\nsys.exit(0)\n", "ended the process when imported (sys.exit(0))"),
+    ("import os\nos._exit(0)\n", "ended the process when imported (os._exit(0))"),
+    ("import sys\n\ndef build():\n    sys.exit(0)\n", "ended the process when called (sys.exit(0))"),
+])
+def test_a_factory_that_ends_the_process_on_import_or_call_is_one_line_never_exit_0(tmp_path, capsys, monkeypatch,
+                                                                                     source, said) -> None:
+    """A factory module that ran a script's work at import (sys.exit(0), os._exit(0)) or a factory function that
+    called sys.exit(0) ended lnstab check silently with status 0, which a CI gate reads as 'no criterion fails'."""
+    name = f"exits_{abs(hash(source)) % 10**8}"
+    (tmp_path / f"{name}.py").write_text(source + ("\ndef build():\n    pass\n" if "def build" not in source else ""))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(os, "_exit", lambda code: pytest.fail(f"os._exit({code}) reached the test process"))
+    out = tmp_path / "card"
+    code, err = run_check(capsys, "--factory", f"{name}:build", "--layer-pattern", r"layers\.(\d+)$", *ONE_RUN,
+                          "--out", str(out))
+    assert code == 2 and f"--factory '{name}:build'" in err and said in err, err
+    assert not out.exists()

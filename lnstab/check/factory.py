@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from lnstab.check import hf
-from lnstab.check.runspec import Sites, probe_forward
+from lnstab.check.runspec import Sites, exit_call, exits_caught, probe_forward
 from lnstab.check.subjects import HF_BLOCKS, Shape, Subject, attention_problem, dropout_off, instrument_support
 from lnstab.errors import LNStabError
 
@@ -41,8 +41,11 @@ class FactoryRecipe:
         fn = import_factory(self.spec)
         kwargs = dict(self.kwargs)
         try:  # a config made for the model's own vocabulary names bos/eos ids the protocol's does not hold
-            with hf.outside_vocabulary_quiet() if "vocab_size" in kwargs else contextlib.nullcontext():
+            with exits_caught(), hf.outside_vocabulary_quiet() if "vocab_size" in kwargs else contextlib.nullcontext():
                 model = fn(**kwargs)
+        except SystemExit as exc:  # would end the check with the factory's status: sys.exit(0) read as 'nothing fails'
+            raise LNStabError(f"--factory {self.spec!r} ended the process when called ({exit_call(exc)}); it must "
+                              "return the model") from None
         except Exception as exc:
             raise LNStabError(f"--factory {self.spec!r} raised {type(exc).__name__}: {exc}") from None
         if not isinstance(model, nn.Module):
@@ -77,7 +80,12 @@ def import_factory(spec: str) -> Callable[[], Any]:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        module = importlib.import_module(module_name)
+        with exits_caught():
+            module = importlib.import_module(module_name)
+    except SystemExit as exc:  # would end the check with the module's status: sys.exit(0) read as 'nothing fails'
+        raise LNStabError(f"--factory {spec!r}: module {module_name!r} ended the process when imported "
+                          f"({exit_call(exc)}); a factory's module must define the function without running "
+                          "anything (put a script's own work under if __name__ == '__main__':)") from None
     except Exception as exc:
         raise LNStabError(f"--factory {spec!r}: module {module_name!r} cannot be imported ({type(exc).__name__}: "
                           f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
