@@ -440,3 +440,20 @@ def test_a_factory_that_ends_the_process_on_import_or_call_is_one_line_never_exi
                           "--out", str(out))
     assert code == 2 and f"--factory '{name}:build'" in err and said in err, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(("source", "said"), [
+    ("raise RuntimeError('not today')\n", "cannot be imported (RuntimeError: not today)"),
+    ("import sys\nsys.exit(0)\n", "ended the process when imported (sys.exit(0))"),
+])
+def test_a_module_types_module_that_raises_or_exits_on_import_is_one_line(tmp_path, capsys, monkeypatch, source,
+                                                                          said) -> None:
+    """--module-types pkg.Block whose module raised on import was exit 3, 'the check failed: RuntimeError', as if
+    the check had broken; one that called sys.exit(0) ended the check silently with status 0."""
+    name = f"types_{abs(hash(source)) % 10**8}"
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, err = run_check(capsys, *ENCODER[:2], "--module-types", f"{name}.Block", *ONE_RUN,
+                          "--out", str(tmp_path / "card"))
+    assert code == 2 and f"--module-types '{name}.Block': module '{name}' {said}" in err, err
+    assert not (tmp_path / "card").exists()

@@ -107,9 +107,16 @@ def resolve_types(option: str, value: str | None) -> tuple[type, ...]:
     for item in (v.strip() for v in value.split(",") if v.strip()):
         module_name, _, attr = item.rpartition(".")
         try:
-            cls = getattr(importlib.import_module(module_name), attr)
+            with exits_caught():
+                cls = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError, ValueError):
             raise LNStabError(f"{option} {item!r} cannot be imported; give dotted class paths") from None
+        except SystemExit as exc:  # would end the check with the module's status: sys.exit(0) read as 'nothing fails'
+            raise LNStabError(f"{option} {item!r}: module {module_name!r} ended the process when imported "
+                              f"({exit_call(exc)})") from None
+        except Exception as exc:  # the module itself raised: the user's code, not a failed check (exit 3)
+            raise LNStabError(f"{option} {item!r}: module {module_name!r} cannot be imported ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
         if not isinstance(cls, type):
             raise LNStabError(f"{option} {item!r} is not a class")
         types.append(cls)
