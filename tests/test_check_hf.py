@@ -204,10 +204,14 @@ def test_trained_weights_load_without_a_progress_bar(tmp_path, capfd) -> None:
     directory = saved(tmp_path, "gpt2", GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64,
                                                                    n_positions=16)))
     capfd.readouterr()  # save_pretrained's own bars
-    assert hf_logging.is_progress_bar_enabled()
-    hf_subject(directory, init=False).build()
-    assert "Loading weights" not in capfd.readouterr().err
-    assert hf_logging.is_progress_bar_enabled()  # given back as it was
+    before = hf_logging.is_progress_bar_enabled()  # process-wide: an earlier test in this worker may have set it
+    hf_logging.enable_progress_bar()
+    try:
+        hf_subject(directory, init=False).build()
+        assert "Loading weights" not in capfd.readouterr().err
+        assert hf_logging.is_progress_bar_enabled()  # given back as it was
+    finally:
+        (hf_logging.enable_progress_bar if before else hf_logging.disable_progress_bar)()
 
 
 def test_a_file_given_as_hf_is_one_line_saying_so(tmp_path, capsys) -> None:
