@@ -438,3 +438,19 @@ class DictBlocksLM(EncoderLM):
 def dict_blocks_lm() -> nn.Module:
     """A model whose blocks are in an nn.ModuleDict."""
     return DictBlocksLM()
+
+
+class TableLM(nn.Module):
+    """A bigram table and nothing else: a model with no submodules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.zeros(VOCAB, VOCAB))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.table[idx]  # (B, T, V)
+
+
+def table_lm() -> nn.Module:
+    """A model with no submodules, so no block to select."""
+    return TableLM()

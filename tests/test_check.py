@@ -222,6 +222,9 @@ def test_a_block_skipped_in_training_is_named_as_why_growth_after_training_is_n_
         (["--factory", "check_factories:pooled_lm"], "it must map token ids (B, T) to logits (B, T, V)"),
         (["--factory", "check_factories:last_position_lm", *ENCODER[2:]], "as nanoGPT's GPT returns without targets"),
         ([*ENCODER[:2], "--layer-pattern", r"nomatch\.(\d+)$"], "matched no module"),
+        (["--factory", "check_factories:table_lm", "--layer-pattern", r"blocks\.(\d+)$"],
+         "matched no module of the model from --factory 'check_factories:table_lm' (it has no submodules, only the "
+         "TableLM itself)"),  # it said "(its modules: , …)"
         ([*ENCODER, "--head-pattern", "^lm_head$"], "--head-pattern '^lm_head$' matched no module"),
         ([*ENCODER, "--q-pattern", "q$", "--k-pattern", "k$"], "--q-pattern, --k-pattern and --n-head go together"),
         ([*ENCODER, "--q-pattern", "linear1$", "--k-pattern", "linear2$", "--n-head", "2"],

@@ -241,16 +241,18 @@ def factory_subject(
             raise LNStabError(f"--factory {spec!r}: no numbered blocks (h.N, layers.N, blocks.N) found; "
                               "give --layer-pattern REGEX or --module-types package.Class")
     names = block_names(model, pattern, types)
-    some = ", ".join(n for n, _ in list(model.named_modules())[1:7])
+    children = [n for n, _ in model.named_modules()][1:]
+    some = (f"its modules: {', '.join(children[:6])}{', …' if len(children) > 6 else ''}" if children else
+            f"it has no submodules, only the {type(model).__name__} itself")
     if not names:
         what = f"--layer-pattern {layer_pattern!r}" if layer_pattern else f"--module-types {module_types!r}"
-        raise LNStabError(f"{what} matched no module of the model from --factory {spec!r} (its modules: {some}, …)")
+        raise LNStabError(f"{what} matched no module of the model from --factory {spec!r} ({some})")
     exact_sites: dict[str, str | None] = {}
     for option, regex in given.items():  # searched in the model's own names, as --layer-pattern is: the stress
         matched = block_names(model, regex, ()) if regex is not None else []  # runs see them under a prefix
         if regex is not None and not matched:
             raise LNStabError(f"{option} {regex.pattern!r} matched no module of the model from --factory {spec!r} "
-                              f"(its modules: {some}, …)")
+                              f"({some})")
         exact_sites[option] = exact_pattern(matched) if matched else None
     embed_pattern, final_pattern = exact_sites["--embed-pattern"], exact_sites["--final-pattern"]
     norm_pattern, head_pattern = exact_sites["--norm-pattern"], exact_sites["--head-pattern"]
