@@ -161,6 +161,21 @@ def outside_vocabulary_quiet() -> Iterator[None]:
         logger.removeFilter(quiet)
 
 
+@contextlib.contextmanager
+def progress_bars_off() -> Iterator[None]:
+    """While in it, transformers draws no progress bar ('Loading weights', 'Writing model shards': not the check's
+    to print); after it, the process-wide setting is as it was."""
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def special_ids_in_vocabulary(model: nn.Module, vocab_size: int) -> None:
     """Set every special token id (``*_token_id``) of ``model.config`` that ``vocab_size`` tokens do not hold to
     ``None``: ids that name no row of the model's embedding and that no forward reads (what is trained is
@@ -196,19 +211,17 @@ class HFRecipe:
         config = self.config()
         # transformers' construction advice (is_decoder for an encoder, bos/eos ids outside the protocol vocabulary)
         # is not the check's to print: what matters for the check it says itself, in one line
-        level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+        level = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()  # a 'Loading weights' bar on stderr each time a process builds the model
         try:
-            if self.init:
-                config.pad_token_id = None  # the windows hold no padding: no real token gets a zero, frozen embedding
-                model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
-            else:
-                model = AutoModelForCausalLM.from_pretrained(self.name, config=config, trust_remote_code=False)
+            with progress_bars_off():  # a 'Loading weights' bar on stderr each time a process builds the model
+                if self.init:
+                    config.pad_token_id = None  # the windows hold no padding: no real token gets a zero embedding
+                    model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+                else:
+                    model = AutoModelForCausalLM.from_pretrained(self.name, config=config, trust_remote_code=False)
         finally:
             hf_logging.set_verbosity(level)
-            if bars:
-                hf_logging.enable_progress_bar()
         for module in model.modules():  # trained weights: the padding row trains like any token's (no padding here)
             if isinstance(module, nn.Embedding):
                 module.padding_idx = None

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lnstab.check.hf import progress_bars_off
 from lnstab.check.options import FACTORY_OPTIONS, build_parser, make_protocol, tier_thresholds, worker_counts
 from lnstab.check.protocol import plan, run_ladder, tiers
 from lnstab.check.runner import check_model, grade, lnstab_version, load_data, machine, public_command, public_path
@@ -54,8 +55,8 @@ def row_subject(row: Row, shape: dict[str, Any], workdir: Path) -> tuple[Subject
         make_config, model_class, family = HF_FAMILIES[row.hf]
         directory = workdir / row.hf
         config = make_config(s.n_layer, s.n_embd, s.n_head, s.block_size, s.vocab_size)
-        transformers.utils.logging.disable_progress_bar()  # its "Writing model shards" bars are not the check's
-        getattr(transformers, model_class)(config).save_pretrained(directory)
+        with progress_bars_off():  # its "Writing model shards" bars are not the check's
+            getattr(transformers, model_class)(config).save_pretrained(directory)
         article = "an" if family[0] in "AEIOU" else "a"
         return hf_subject(str(directory), True), ["--hf", f"<{article} {family} directory of this shape>", "--hf-init"]
     model = {**shape, **pairs(row.model)}
