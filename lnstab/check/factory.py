@@ -15,6 +15,7 @@ import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -72,6 +73,27 @@ def takes_vocab_size(fn: Callable[..., Any]) -> bool:
         return False
 
 
+LOOKUP_ERRORS = (ImportError, AttributeError, ValueError)  # a dotted path that names nothing
+
+
+def import_user_module(where: str, module_name: str, passed_on: tuple[type[Exception], ...] = (),
+                       hint: str = "") -> ModuleType:
+    """``module_name``, a user's module, imported for ``where`` (``--factory 'm:f'``): one that ends the process
+    (``sys.exit(0)`` would end the check with status 0, read as 'nothing fails') or raises is one line naming it;
+    ``passed_on`` errors reach the caller as they are."""
+    try:
+        with exits_caught():
+            return importlib.import_module(module_name)
+    except passed_on:
+        raise
+    except SystemExit as exc:
+        raise LNStabError(f"{where}: module {module_name!r} ended the process when imported ({exit_call(exc)}){hint}"
+                          ) from None
+    except Exception as exc:  # the module itself raised: the user's code, not a failed check (exit 3)
+        raise LNStabError(f"{where}: module {module_name!r} cannot be imported ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+
+
 def import_factory(spec: str) -> Callable[[], Any]:
     """The function named by ``package.module:function`` (the working directory is importable, as with python -m)."""
     module_name, sep, attr = spec.partition(":")
@@ -79,16 +101,9 @@ def import_factory(spec: str) -> Callable[[], Any]:
         raise LNStabError(f"--factory {spec!r} is not allowed; give package.module:function")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    try:
-        with exits_caught():
-            module = importlib.import_module(module_name)
-    except SystemExit as exc:  # would end the check with the module's status: sys.exit(0) read as 'nothing fails'
-        raise LNStabError(f"--factory {spec!r}: module {module_name!r} ended the process when imported "
-                          f"({exit_call(exc)}); a factory's module must define the function without running "
-                          "anything (put a script's own work under if __name__ == '__main__':)") from None
-    except Exception as exc:
-        raise LNStabError(f"--factory {spec!r}: module {module_name!r} cannot be imported ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    module = import_user_module(f"--factory {spec!r}", module_name, hint="; a factory's module must define the "
+                                "function without running anything (put a script's own work under if __name__ == "
+                                "'__main__':)")
     fn = module
     for part in attr.split("."):
         fn = getattr(fn, part, None)
@@ -107,16 +122,11 @@ def resolve_types(option: str, value: str | None) -> tuple[type, ...]:
     for item in (v.strip() for v in value.split(",") if v.strip()):
         module_name, _, attr = item.rpartition(".")
         try:
-            with exits_caught():
-                cls = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError, ValueError):
+            cls = getattr(import_user_module(f"{option} {item!r}", module_name, passed_on=LOOKUP_ERRORS), attr)
+        except LNStabError:  # a ValueError too: the module's own one line
+            raise
+        except LOOKUP_ERRORS:
             raise LNStabError(f"{option} {item!r} cannot be imported; give dotted class paths") from None
-        except SystemExit as exc:  # would end the check with the module's status: sys.exit(0) read as 'nothing fails'
-            raise LNStabError(f"{option} {item!r}: module {module_name!r} ended the process when imported "
-                              f"({exit_call(exc)})") from None
-        except Exception as exc:  # the module itself raised: the user's code, not a failed check (exit 3)
-            raise LNStabError(f"{option} {item!r}: module {module_name!r} cannot be imported ({type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
         if not isinstance(cls, type):
             raise LNStabError(f"{option} {item!r} is not a class")
         types.append(cls)
