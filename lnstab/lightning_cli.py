@@ -126,12 +126,12 @@ class LNStabCLI(LightningCLI):
             run_dir = run_dir or (str(runs.run_of_checkpoint(found)) if found is not None else None)
         elif ckpt:
             _refuse_run_dir_as_checkpoint(ckpt)
-            if not Path(ckpt).is_dir():
-                load_checkpoint(ckpt, field="--ckpt_path", mmap=True)  # missing, truncated or unsafe: one line
             owner = runs.run_of_checkpoint(ckpt)
             run_dir = run_dir or (str(owner) if owner is not None else None)
+        loaded = None  # the checkpoint file, read once (memory-mapped) for every check below
         if ckpt and not Path(ckpt).is_dir():
-            runs.check_checkpoint_kind(ckpt, sub)  # a user's own project's, or weights only for a fit: one line
+            loaded = load_checkpoint(ckpt, field="--ckpt_path", mmap=True)  # missing, truncated or unsafe: one line
+            runs.check_checkpoint_kind(loaded, ckpt, sub)  # a user's own project's, or weights only for a fit
         if sub == "fit" and ckpt is None and run_dir:
             if c.get("ckpt_path") == "auto" and (moved := runs.set_aside_unresumable(run_dir)) is not None:
                 print(f"lnstab: {run_dir} held a run (status {moved[1]}) with no checkpoint to resume; its files are "
@@ -170,14 +170,13 @@ class LNStabCLI(LightningCLI):
             if ckpt is not None:  # the run logged its hyperparameters when it started: don't rewrite hparams.yaml
                 c.trainer.enable_autolog_hparams = False
         c.run_dir, c.ckpt_path = run_dir, ckpt
-        if ckpt and not Path(ckpt).is_dir():
+        if loaded is not None:
             # The checkpoint's hyperparameters win over the parsed model settings (LightningCLI reads them from
             # ckpt_path): refused where they differ. A resumed fit compares every source (--config files, a
             # grid's overrides, flags); validate/test/evaluate, which score the checkpoint's model under any
             # config, compare the explicit --model.* flags.
             explicit = runs.explicit_keys(self.argv, "model")
             model = c.model.as_dict() if sub == "fit" else {k: c.model[k] for k in explicit if k in c.model}
-            loaded = load_checkpoint(ckpt, mmap=True)
             runs.check_against_checkpoint(loaded, model, ckpt, explicit)
             if sub == "fit" and _named_class((c.get("data") or {}).get("class_path")) is OpenWebTextDataModule:
                 runs.check_data_against_checkpoint(loaded, _plain(c.data.get("init_args") or {}))

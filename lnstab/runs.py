@@ -261,15 +261,15 @@ def check_data_against_checkpoint(ckpt: dict[str, Any], data: dict[str, Any]) ->
                             "resumption needs the same value")
 
 
-def check_checkpoint_kind(ckpt: str, subcommand: str) -> None:
-    """Refuse a checkpoint file that lnstab's command cannot use, before anything is written: one whose weights are not
-    lnstab's GPT (``GPTModule``: every key under ``model.transformer``/``model.lm_head``), e.g. a user's own Lightning
-    project's, and, for ``fit``, one saved with the weights only (no optimizer state to resume).
+def check_checkpoint_kind(loaded: dict[str, Any], ckpt: str, subcommand: str) -> None:
+    """Refuse a checkpoint file (``loaded``, read from ``ckpt``) that lnstab's command cannot use, before anything is
+    written: one whose weights are not lnstab's GPT (``GPTModule``: every key under ``model.transformer``/
+    ``model.lm_head``), e.g. a user's own Lightning project's, and, for ``fit``, one saved with the weights only (no
+    optimizer state to resume).
 
     Raises:
         ConfigError: One line naming the checkpoint and what it holds.
     """
-    loaded = load_checkpoint(ckpt, field="--ckpt_path", mmap=True)
     keys = list((loaded.get("state_dict") or {}).keys())
     if not keys or not all(k.startswith(("model.transformer.", "model.lm_head.")) for k in keys):
         others = [k for k in keys if not k.startswith(("model.transformer.", "model.lm_head."))]
