@@ -171,9 +171,16 @@ class GPTModule(pl.LightningModule):
         metric.reset()
         # Every rank holds this same value already; a max over ranks leaves it as it is, bit for bit, where
         # Lightning's default (no sync) made it ask for sync_dist=True on every run with a distributed strategy
-        same = {"sync_dist": True, "reduce_fx": "max"}
+        same = {"sync_dist": True, "reduce_fx": "max", "logger": False}
+        values = {f"{prefix}/loss": loss, f"{prefix}/ppl": torch.exp(loss)}
         self.log(f"{prefix}/loss", loss, prog_bar=True, **same)
-        self.log(f"{prefix}/ppl", torch.exp(loss), **same)
+        self.log(f"{prefix}/ppl", values[f"{prefix}/ppl"], **same)
+        # The loggers get them at the step of the weights they score, as summary.json and every instrument do:
+        # Lightning's own step for a validation inside a fit is one behind (it counts the step after validating)
+        if not self.trainer.sanity_checking:
+            step = trained_steps(self.trainer, self)
+            for logger in self.trainer.loggers:
+                logger.log_metrics({k: v.item() for k, v in values.items()}, step=step)
         return loss.item()
 
     @override

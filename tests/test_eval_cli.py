@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -254,3 +255,23 @@ def test_validate_and_test_of_a_checkpoint_log_at_its_step(run, tmp_path) -> Non
     acc.Reload()
     steps = {tag: [s.step for s in acc.Scalars(tag)] for tag in ("val/loss", "test/loss", "test/ppl")}
     assert steps == {"val/loss": [3], "test/loss": [3], "test/ppl": [3]}
+
+
+def test_validation_inside_a_fit_logs_at_the_step_it_scores(tmp_path) -> None:
+    """A validation after the 2nd and 4th optimizer steps logs val/loss and val/ppl at steps 2 and 4, the step of the
+    weights it scores (as summary.json, the instruments and eval/ do): Lightning logged them at 1 and 3. Nothing is
+    logged for the sanity check, and val/loss stays in callback_metrics for EarlyStopping and the progress bar."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer = pl.Trainer(accelerator="cpu", logger=TensorBoardLogger(tmp_path, name="tb"), enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, max_steps=4, val_check_interval=2,
+                         limit_val_batches=1, num_sanity_val_steps=1, log_every_n_steps=1)
+    trainer.fit(GPTModule(**MODEL), SyntheticDataModule(**DATA))
+    acc = EventAccumulator(trainer.log_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    steps = {tag: [s.step for s in acc.Scalars(tag)] for tag in ("train/loss", "val/loss", "val/ppl")}
+    assert steps == {"train/loss": [0, 1, 2, 3], "val/loss": [2, 4], "val/ppl": [2, 4]}
+    last = acc.Scalars("val/loss")[-1].value
+    assert acc.Scalars("val/ppl")[-1].value == pytest.approx(math.exp(last), rel=1e-6)
+    assert trainer.callback_metrics["val/loss"].item() == pytest.approx(last, rel=1e-6)
