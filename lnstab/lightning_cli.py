@@ -38,7 +38,7 @@ from lnstab.module import GPTModule
 from lnstab.moduleargs import MODULE_ARGS, checked_config
 from lnstab.precision import precision_warning, resolve_precision
 from lnstab.runconfig import CKPT_SUBCOMMANDS, NOT_GIVEN, UNNAMED, LNStabArgumentParser, SaveRunConfig, logger_args
-from lnstab.rundir import CHECKPOINT_DIR, CONFIG_FILE, check_writable, writes_files
+from lnstab.rundir import CHECKPOINT_DIR, CONFIG_FILE, check_writable, short_path, writes_files
 from lnstab.rundir import run_dir as trainer_run_dir
 from lnstab.safeload import load_yaml
 from lnstab.trainer import LNStabTrainer
@@ -447,7 +447,7 @@ def run(argv: list[str]) -> None:
     if argv[0] == "fit" and cli.trainer.is_global_zero and not writes_files(cli.trainer):
         rank_zero_info("lnstab: fast_dev_run: nothing was written (no run directory, checkpoint or event file)")
     elif argv[0] == "fit" and cli.trainer.is_global_zero:  # the last line: where the run is and how to look at it
-        where = trainer_run_dir(cli.trainer)
+        where = short_path(trainer_run_dir(cli.trainer))  # one form on a fresh fit and a resume
         rank_zero_info(f"lnstab: run directory {where}; to view it: tensorboard --logdir {shlex.quote(str(where))}")
     status = next((cb for cb in getattr(cli.trainer, "callbacks", []) if isinstance(cb, RunStatus)), None)
     if status is not None and status.exit_code:

@@ -86,6 +86,15 @@ class RunFileError(DataFileError):
         return cls(path, problem.removesuffix(" (truncated or damaged)").removesuffix("; save it as UTF-8"))
 
 
+def short_path(path: str | Path) -> Path:
+    """``path`` normalised, relative to the working directory when it lies below it (else absolute)."""
+    resolved = Path(path).resolve()
+    try:
+        return resolved.relative_to(Path.cwd().resolve())
+    except ValueError:
+        return resolved
+
+
 def run_dir(trainer: pl.Trainer) -> Path:
     """The run's directory: the first logger's ``log_dir`` where there is one, else ``trainer.default_root_dir``.
 

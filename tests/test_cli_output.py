@@ -33,8 +33,9 @@ def test_a_quickstart_fit_ends_with_its_run_directory_and_shows_no_lightning_noi
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "runs" / "quickstart" / "version_0"
-    last = done.stderr.strip().splitlines()[-1]
-    assert last == f"lnstab: run directory {run}; to view it: tensorboard --logdir {run}"
+    last = done.stderr.strip().splitlines()[-1]  # below the working directory: relative to it, as a resume says too
+    shown_run = "runs/quickstart/version_0"
+    assert last == f"lnstab: run directory {shown_run}; to view it: tensorboard --logdir {shown_run}"
     shown = done.stdout + done.stderr
     assert "litlogger" not in shown and "💡 Tip" not in shown  # Lightning's cloud advertisement
     assert "FLOPs" not in shown and "Flops" not in shown  # Lightning measured none: no column of zeros, no total
@@ -44,6 +45,11 @@ def test_a_quickstart_fit_ends_with_its_run_directory_and_shows_no_lightning_noi
     evaluation = next(line for line in done.stderr.splitlines() if line.startswith("FinalEvaluation: "))
     assert "synthetic" not in evaluation  # the quickstart trained on the packaged OpenWebText sample
     assert yaml.safe_load((run / "config.yaml").read_text())["data"]["init_args"]["source"] == "sample"
+    resumed = subprocess.run([*cmd[:-2], "--run_dir", str(run), "--ckpt_path", "last", "--trainer.max_steps", "3"],
+                             cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
+                             timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stderr.strip().splitlines()[-1] == last  # was the absolute path on a resume
 
 
 def synthetic_fit(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> str:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from lnstab.errors import ConfigError
+from lnstab.rundir import short_path
 from lnstab.safeload import DataFileError, load_yaml
 
 DEFAULT_LABELS = {
@@ -177,7 +178,7 @@ def load_grid(path: str | Path) -> Grid:
     base = spec.get("base")
     if not isinstance(base, str) or not base:
         raise GridError(f"{where}: base={base!r} is not allowed; name the experiment YAML the runs start from")
-    base_path = _short(path.parent / base)
+    base_path = short_path(path.parent / base)
     if not base_path.is_file():
         raise GridError(f"{where}: base={base!r} is not allowed; {base_path} is not a file")
     name = spec.get("name", path.stem)
@@ -366,12 +367,3 @@ def _make_run(axes: list[Axis], point: dict[str, int], fixed: dict[str, Any], ex
 
 def _describe(run: Run) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in run.point.items())
-
-
-def _short(path: Path) -> Path:
-    """``path`` normalised, relative to the working directory when it lies below it."""
-    resolved = path.resolve()
-    try:
-        return resolved.relative_to(Path.cwd().resolve())
-    except ValueError:
-        return resolved
