@@ -47,7 +47,7 @@ class RunCheckpoint(ModelCheckpoint):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.skipped_nonfinite = 0
-        self.resuming = False  # set by whoever resumes a fit from this directory (lnstab fit --ckpt_path)
+        self.resuming = ""  # the checkpoint a fit resumes from (set by lnstab fit --ckpt_path)
 
     def _finite(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
         if weights_finite(trainer, pl_module):
@@ -72,11 +72,14 @@ class RunCheckpoint(ModelCheckpoint):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # A checkpoint saved with a relative dirpath ("runs/x/version_0/checkpoints") read back under the same
-        # directory named absolutely: Lightning warned "The dirpath has changed", forgot last_model_path, and the
-        # resumed run wrote last-v1.ckpt beside last.ckpt, which stayed at the resumed step.
+        # directory named absolutely, or a resume from this directory's own checkpoint after the run was moved:
+        # Lightning warned "The dirpath has changed", forgot last_model_path, and the resumed run wrote last-v1.ckpt
+        # beside last.ckpt, which stayed at the resumed step.
         saved = state_dict.get("dirpath")
+        own = bool(self.resuming) and os.path.realpath(os.path.dirname(self.resuming)) == os.path.realpath(
+            self.dirpath or "")
         if (saved and self.dirpath and saved != self.dirpath and "://" not in str(saved)
-                and os.path.realpath(saved) == os.path.realpath(self.dirpath)):
+                and (own or os.path.realpath(saved) == os.path.realpath(self.dirpath))):
             def here(path: Any) -> Any:
                 inside = isinstance(path, str) and path and os.path.realpath(os.path.dirname(path)) == os.path.realpath(
                     saved)

@@ -218,10 +218,10 @@ class LNStabCLI(LightningCLI):
         self._check_evaluation()
 
     def before_fit(self) -> None:
-        if self.config[self.subcommand].get("ckpt_path"):
+        if ckpt := self.config[self.subcommand].get("ckpt_path"):
             for cb in self.trainer.callbacks:
                 if isinstance(cb, RunCheckpoint):
-                    cb.resuming = True
+                    cb.resuming = str(ckpt)
         self._evaluate_if_owed()
 
     def after_fit(self) -> None:

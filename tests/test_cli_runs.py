@@ -15,6 +15,7 @@ import yaml
 from support.hostile import HUGE
 from support.runs import fit, one_line_error, tiny_config, weights
 
+from lnstab import runlock
 from lnstab.cli import cli_main, main
 from lnstab.datamodules.sample import sample_path
 from lnstab.rundir import latest_eval, read_summary
@@ -534,6 +535,26 @@ def test_a_run_with_a_relative_directory_resumes_into_its_own_last_checkpoint(tm
         callback.load_state_dict({"dirpath": relative, "best_model_score": None, "best_model_path": "",
                                   "last_model_path": f"{relative}/last.ckpt", "best_k_models": {}})
     assert not caught and callback.last_model_path == str(run / "checkpoints" / "last.ckpt")
+
+
+def test_a_moved_run_resumes_into_its_own_last_checkpoint(tmp_path) -> None:
+    """A run directory moved (or copied from a cluster) before its resume: its checkpoints hold the old directory, so
+    Lightning warned "The dirpath has changed", forgot last_model_path, and the resume wrote last-v1.ckpt beside
+    last.ckpt, which stayed at the old step."""
+    import shutil
+    import warnings
+
+    cfg = tiny_config(tmp_path)
+    fit("--config", str(cfg), "--run_dir", str(tmp_path / "there"))
+    runlock.release(tmp_path / "there")  # as the fit's process would at its exit
+    run = shutil.move(tmp_path / "there", tmp_path / "here")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit("--config", str(cfg), "--run_dir", str(run), "--ckpt_path", "last", "--trainer.max_steps", "6")
+    said = [str(w.message) for w in caught]
+    assert not [m for m in said if "dirpath has changed" in m], said
+    assert sorted(p.name for p in (run / "checkpoints").glob("last*")) == ["last.ckpt"]
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
 
 
 def test_fast_dev_run_leaves_no_lock_and_names_no_run_directory(tmp_path, monkeypatch, caplog) -> None:
