@@ -118,7 +118,28 @@ def resolve_files(path: str | None) -> tuple[str, list[str]]:
     for f in files:
         if os.path.getsize(f) == 0:
             raise DataError(f"--data.path {f} is empty (0 bytes); it must hold at least one document")
+        if (wide := _wide_encoding(f)) is not None:  # read as UTF-8 it was every other byte a NUL, counted as text
+            raise DataError(f"--data.path {f} is {wide} text (it begins with that byte-order mark); lnstab reads "
+                            "UTF-8: save it as UTF-8")
     return builders.pop(), files
+
+
+_WIDE_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+              (b"\xfe\xff", "UTF-16"))
+
+
+def _wide_encoding(path: str) -> str | None:
+    """``UTF-16``/``UTF-32`` for a text or JSON file that begins with their byte-order mark (gzipped too), else None."""
+    if _builder_of(path) == "parquet":
+        return None
+    import gzip
+
+    try:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rb") as fh:
+            head = fh.read(4)
+    except (OSError, EOFError):  # unreadable or not gzip after all: the reader says so in its own words
+        return None
+    return next((name for bom, name in _WIDE_BOMS if head.startswith(bom)), None)
 
 
 def _prepared_below(path: Path, top: Path) -> bool:

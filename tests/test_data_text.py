@@ -218,6 +218,23 @@ def test_a_text_file_s_byte_order_mark_is_not_tokenized(tmp_path):
     assert texts == [DOCS[0], DOCS[1]]
 
 
+@pytest.mark.parametrize(("encoding", "name", "gz"), [("utf-16", "UTF-16", False), ("utf-16-be", "UTF-16", True),
+                                                     ("utf-32", "UTF-32", False)])
+def test_a_utf16_or_utf32_file_is_refused_in_one_line(tmp_path, encoding, name, gz):
+    """A .txt saved as UTF-16 (Windows' "Unicode") was read as UTF-8 with replacement: every other byte a NUL,
+    tokenized as text and counted as a valid document. A file that begins with a UTF-16/32 byte-order mark is now
+    refused before anything is read, and nothing is written."""
+    data = ("\ufeff" if encoding.endswith("-be") else "") + DOCS[0]
+    path = tmp_path / ("a.txt.gz" if gz else "a.txt")
+    path.write_bytes(gzip.compress(data.encode(encoding)) if gz else data.encode(encoding))
+    (tmp_path / "b.txt").write_bytes(DOCS[1].encode())
+    with pytest.raises(DataError) as e:
+        module(f"{tmp_path / 'b.txt'},{path}").setup("fit")
+    assert one_line(e) == (f"--data.path {path} is {name} text (it begins with that byte-order mark); lnstab reads "
+                           "UTF-8: save it as UTF-8")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, "b.txt"])
+
+
 def test_whitespace_only_documents_are_skipped_and_all_blank_is_an_error(tmp_path):
     f = write_jsonl(tmp_path / "d.jsonl", ["  \n\t ", DOCS[0], "", DOCS[3]])
     spec = TextSpec("files", path=str(f))
