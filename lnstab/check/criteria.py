@@ -1,21 +1,8 @@
-"""The report card's criteria and their thresholds.
+"""The report card's criteria, one :class:`Criterion` record each in :data:`CRITERIA`, and their thresholds.
 
-Every criterion is one :class:`Criterion` record in :data:`CRITERIA`: how its value is read from a subject's
-summary, the sentence that says why, how it reads beside the references and how the card shows it; adding a
-criterion is one record here, its thresholds in ``thresholds.yaml`` and its measurement in
-:func:`~lnstab.check.analysis.summarise`. Every criterion is one number that is *worse when larger*. Its ``warn``
-and ``fail`` thresholds are expressions over what the references measured in the same check, so the defaults need no
-hand-picked constants: ``peri``/``pre`` are the Peri-LN and Pre-LN references' values, ``peri_sd``/``pre_sd`` their
-spread over seeds (the standard error for a fitted slope) and ``sd`` the larger of the two; ``loss_init`` is the
-checked model's own loss at initialisation (so an absolute threshold may name it too); ``fp16_max``,
-``bf16_max`` and ``max``, ``min``, ``abs``, ``log``, ``log10`` are available too. A value above ``fail`` fails, above
-``warn`` warns, else passes; ``null`` never triggers. ``absolute`` gives the thresholds used with
-``--no-reference`` (or where a reference has no value), so they name no reference; those are the only constants, and
-they are documented here.
-A ``--thresholds FILE.yaml`` holds any subset of this mapping and overrides it key by key.
-Each criterion's ``kind`` (``thresholds.yaml``) is an ``outcome`` (divergence, LR sensitivity, loss: what a user wants
-to avoid, observed) or a ``mechanism`` (what explains outcomes): only outcomes can fail, so a ``fail`` threshold on a
-mechanism is refused, in the package's file or a ``--thresholds`` file, and a mechanism's warning says why.
+The thresholds are data (``thresholds.yaml``; ``--thresholds`` overrides them key by key): numbers or expressions over
+what the references measured in the same check (docs/check/README.md, Criteria). Above ``fail`` fails, above ``warn``
+warns, else passes; ``null`` never triggers.
 """
 
 from __future__ import annotations
@@ -36,18 +23,9 @@ from lnstab.safeload import load_yaml
 NAMES = ("pre", "peri", "pre_sd", "peri_sd", "sd")
 OWN = ("loss_init",)  # the checked model's own numbers: an absolute threshold may name them (no reference needed)
 CONSTANTS = {"fp16_max": FP16_MAX, "bf16_max": BF16_MAX}
-
-
-def _nan_aware(fn: Any) -> Any:
-    def apply(*args: float) -> float:
-        return math.nan if any(math.isnan(a) for a in args) else fn(*args)
-
-    return apply
-
-
-FUNCTIONS = {"max": _nan_aware(max), "min": _nan_aware(min), "abs": _nan_aware(abs), "log": _nan_aware(math.log),
-             "log10": _nan_aware(math.log10)}
-ARITY = {"max": (2, None), "min": (2, None), "abs": (1, 1), "log": (1, 2), "log10": (1, 1)}  # arguments each takes
+# each function with the fewest and most arguments it takes (None: no most); a nan argument gives nan
+FUNCTIONS = {"max": (max, 2, None), "min": (min, 2, None), "abs": (abs, 1, 1), "log": (math.log, 1, 2),
+             "log10": (math.log10, 1, 1)}
 MAX_EXPRESSION = 200  # characters of one threshold expression (the defaults need under 30)
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
@@ -61,17 +39,12 @@ class Criterion:
 
     Args:
         id: The key of the row in ``thresholds.yaml``, ``report.json`` and ``--compare``.
-        title: The row's title on the card.
-        unit: What ``value`` is measured in; larger is always worse.
-        value: ``(value, sd)`` of one subject's summary.
-        explain: The sentence saying what was measured, from ``(summary, value, sd, references' summaries)``, for
-            a finite value.
-        missing: The sentence for a value that is not finite, from ``(summary, sites)`` (``None``: ``explain`` says
-            it too).
+        value: ``(value, sd)`` of one subject's summary, in ``unit``; larger is always worse.
+        explain: The sentence for a finite value, from ``(summary, value, sd, references' summaries)``.
+        missing: The sentence for a value that is not finite, from ``(summary, sites)`` (``None``: ``explain``'s).
         quote: How a reference's value is quoted after the sentence (``None``: not quoted).
         phrases: How the value reads near a reference (``{ref}``), below both, above both (``None``: not compared).
-        factor_base: A log-scale value is read as the factor ``factor_base ** value`` (gradient spread in decades,
-            growth in doublings).
+        factor_base: A log-scale value reads as the factor ``factor_base ** value`` (decades: 10, doublings: 2).
         show: The value as the card and the validation notes read it (see :func:`display`).
         mechanism: Why it warns and never fails, said on a warning when ``thresholds.yaml`` makes it a mechanism.
     """
@@ -103,8 +76,8 @@ def _mean(cid: str) -> Callable[[Summary], tuple[float, float]]:
     return lambda s: (s[cid]["mean"], s[cid]["sd"])
 
 
-def _all_diverged(what: str) -> Callable[[Summary, dict[str, Any]], str]:
-    return lambda s, sites: "every run diverged" if s["diverged"] == s["runs"] else what
+def _all_diverged(s: Summary, what: str) -> str:
+    return "every run diverged" if s["diverged"] == s["runs"] else what
 
 
 def _divergence(s: Summary, value: float, sd: float, refs: dict[str, Summary]) -> str:
@@ -142,35 +115,34 @@ def _lr_sensitivity(s: Summary, value: float, sd: float, refs: dict[str, Summary
             f"min(L, L_init) by lr {ladder}; a diverged run counts as L_init)")
 
 
-def _growth_skipped(cid: str, s: Summary) -> str:
-    g = s[cid]
-    when = "after training" if cid == "growth_trained" else "at initialisation"
-    return (f"{g['unmeasured']} run(s) not measured {when}: a block did not run at that step (a branch that skips "
-            "blocks in training, such as LayerDrop), or a looped one ran another number of times"
-            ) if g.get("unmeasured") else ""
+def _growth(cid: str, title: str) -> Criterion:
+    """``growth_init`` or ``growth_trained``: the doublings of mean |x| over the deeper half of the depth."""
+    trained = cid == "growth_trained"
 
+    def skipped(s: Summary) -> str:
+        return (f"{s[cid]['unmeasured']} run(s) not measured {'after training' if trained else 'at initialisation'}: "
+                "a block did not run at that step (a branch that skips blocks in training, such as LayerDrop), or a "
+                "looped one ran another number of times") if s[cid].get("unmeasured") else ""
 
-def _growth_missing(cid: str) -> Callable[[Summary, dict[str, Any]], str]:
     def missing(s: Summary, sites: dict[str, Any]) -> str:
-        if cid == "growth_trained" and s["diverged"] == s["runs"]:
+        if trained and s["diverged"] == s["runs"]:
             return "every run diverged"
-        skipped = _growth_skipped(cid, s)
-        return (f"{skipped}, and no other run fits a growth law" if skipped
+        skip = skipped(s)
+        return (f"{skip}, and no other run fits a growth law" if skip
                 else "fewer than two layer sites to fit a growth law over depth")
 
-    return missing
-
-
-def _growth(cid: str) -> Callable[[Summary, float, float, dict[str, Summary]], str]:
     def explain(s: Summary, value: float, sd: float, refs: dict[str, Summary]) -> str:
-        g, skipped = s[cid], _growth_skipped(cid, s)
-        at = f" at lr {g['lr']:g}" if cid == "growth_trained" and g.get("lr") is not None else ""
+        g, skip = s[cid], skipped(s)
+        at = f" at lr {g['lr']:g}" if trained and g.get("lr") is not None else ""
         text = (f"mean |x| grows ×{2.0 ** value:.3g} over the deeper half{at} (linear from 0: ×2); "
                 f"{g['law']} law fits better (R² {card_short(g['exp_r2'], 2)} exponential at "
                 f"×{card_short(math.exp(g['exp_rate']))}/layer, {card_short(g['lin_r2'], 2)} linear)")
-        return text + (f" ({skipped}; the others are graded)" if skipped else "")
+        return text + (f" ({skip}; the others are graded)" if skip else "")
 
-    return explain
+    return Criterion(cid, title, "doublings, deeper half", value=_mean(cid), explain=explain, missing=missing,
+                     quote=lambda r: f"×{card_short(2.0 ** r[cid]['mean'])}",
+                     phrases=("grows like {ref}", "grows slower than both references", "grows faster than both "
+                              "references"), factor_base=2.0, show=_factor(2.0))
 
 
 def _overflow(s: Summary, peak: float, sd: float, refs: dict[str, Summary]) -> str:
@@ -184,7 +156,7 @@ def _attention_missing(s: Summary, sites: dict[str, Any]) -> str:
         return ("q and k were not found (lnstab's GPT, Hugging Face GPT-2, Llama, Gemma, Mistral, Mixtral, Qwen2/3, "
                 "Gemma 2/3, OLMo and OLMo 2 are recognised; name a factory model's with --q-pattern, --k-pattern and "
                 "--n-head), so the attention logits were not measured")
-    return _all_diverged("no attention logits were measured")(s, sites)
+    return _all_diverged(s, "no attention logits were measured")
 
 
 def _collapsed(a: dict[str, Any], refs: dict[str, Summary]) -> str:
@@ -214,7 +186,7 @@ def _attention(s: Summary, value: float, sd: float, refs: dict[str, Summary]) ->
 def _log_z_missing(s: Summary, sites: dict[str, Any]) -> str:
     if not sites.get("logits", True):
         return "the output logits were not found (an lm_head, or --head-pattern), so log Z was not measured"
-    return _all_diverged("log Z was not measured")(s, sites)
+    return _all_diverged(s, "log Z was not measured")
 
 
 def _log_z(s: Summary, value: float, sd: float, refs: dict[str, Summary]) -> str:
@@ -252,16 +224,12 @@ def _bound(s: Summary, value: float, sd: float, refs: dict[str, Summary]) -> str
 def _grad_spread_missing(s: Summary, sites: dict[str, Any]) -> str:
     if sites.get("param_pattern", "") is None:
         return "no per-layer gradient norms (block names need a numeric index, e.g. layers.3)"
-    return _all_diverged("no per-layer gradient norms were measured")(s, sites)
+    return _all_diverged(s, "no per-layer gradient norms were measured")
 
 
 def _grad_spread(s: Summary, value: float, sd: float, refs: dict[str, Summary]) -> str:
     return (f"per-layer gradient norms span ×{10.0 ** value:.3g} (median over steps, worst at lr "
             f"{s['grad_spread']['lr']:g})")
-
-
-def _growth_quote(cid: str) -> Callable[[Summary], str]:
-    return lambda r: f"×{card_short(2.0 ** r[cid]['mean'])}"
 
 
 def _factor(base: float) -> Callable[[float], str]:
@@ -279,16 +247,8 @@ CRITERIA: tuple[Criterion, ...] = (
               quote=lambda r: card_short(r["lr_sensitivity"]["mean"]),
               phrases=("as sensitive to the learning rate as {ref}", "less sensitive to the learning rate than both "
                        "references", "more sensitive to the learning rate than both references")),
-    Criterion("growth_init", "Growth over depth at initialisation", "doublings, deeper half",
-              value=_mean("growth_init"), explain=_growth("growth_init"), missing=_growth_missing("growth_init"),
-              quote=_growth_quote("growth_init"),
-              phrases=("grows like {ref}", "grows slower than both references", "grows faster than both references"),
-              factor_base=2.0, show=_factor(2.0)),
-    Criterion("growth_trained", "Growth over depth after stress training", "doublings, deeper half",
-              value=_mean("growth_trained"), explain=_growth("growth_trained"),
-              missing=_growth_missing("growth_trained"), quote=_growth_quote("growth_trained"),
-              phrases=("grows like {ref}", "grows slower than both references", "grows faster than both references"),
-              factor_base=2.0, show=_factor(2.0)),
+    _growth("growth_init", "Growth over depth at initialisation"),
+    _growth("growth_trained", "Growth over depth after stress training"),
     Criterion("overflow", "Largest |x| (overflow headroom)", "max |x|", value=lambda s: (s["max_abs"], 0.0),
               explain=_overflow,
               missing=lambda s, sites: "no run completed, so no finite activations to compare with fp16/bf16",
@@ -406,8 +366,6 @@ def evaluate_expression(text: Any, names: dict[str, float]) -> float | None:
         raise LNStabError("it is not an expression") from None
 
     def ev(node: ast.AST) -> float:
-        if isinstance(node, ast.Expression):
-            return ev(node.body)
         if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
             return float(node.value)
         if isinstance(node, ast.Name) and (node.id in names or node.id in CONSTANTS):
@@ -418,17 +376,18 @@ def evaluate_expression(text: Any, names: dict[str, float]) -> float | None:
             return -ev(node.operand)
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in FUNCTIONS
                 and node.args and not node.keywords):
-            low, high = ARITY[node.func.id]
+            fn, low, high = FUNCTIONS[node.func.id]
             if not low <= len(node.args) <= (high or len(node.args)):
                 takes = f"{low}" if low == high else f"{low} to {high}" if high else f"{low} or more"
                 raise LNStabError(f"{node.func.id}() takes {takes} argument{'s' * (takes != '1')}, not "
                                   f"{len(node.args)}")
-            return float(FUNCTIONS[node.func.id](*[ev(a) for a in node.args]))
+            args = [ev(a) for a in node.args]
+            return math.nan if any(math.isnan(a) for a in args) else float(fn(*args))
         allowed = ", ".join((*names, *CONSTANTS, *FUNCTIONS))
         raise LNStabError(f"only numbers, + - * /, and {allowed} are allowed")
 
     try:
-        return ev(tree)
+        return ev(tree.body)
     except LNStabError:  # a ValueError too, but a user's mistake rather than arithmetic
         raise
     except (ValueError, ZeroDivisionError, OverflowError):  # log10 of a negative reference, division by zero
@@ -521,11 +480,10 @@ def status(value: float, thresholds: dict[str, Any]) -> str:
     """``fail``, ``warn``, ``pass`` or ``n/a`` (no value)."""
     if not math.isfinite(value):
         return "n/a"
-    fail, warn = thresholds.get("fail"), thresholds.get("warn")
-    if fail is not None and math.isfinite(fail) and value > fail:
-        return "fail"
-    if warn is not None and math.isfinite(warn) and value > warn:
-        return "warn"
+    for level in ("fail", "warn"):
+        limit = thresholds.get(level)
+        if limit is not None and math.isfinite(limit) and value > limit:
+            return level
     return "pass"
 
 
