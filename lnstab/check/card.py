@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from lnstab.check.criteria import BY_ID, CRITERIA, LABELS, Criterion, resolve, status
+from lnstab.check.criteria import BY_ID, CRITERIA, LABELS, resolve, status
 
 
 def relation(cid: str, value: float, sd: float, refs: dict[str, tuple[float, float]]) -> str:
@@ -31,18 +31,6 @@ def relation(cid: str, value: float, sd: float, refs: dict[str, tuple[float, flo
     return "between " + " and ".join(LABELS[k] for k in sorted(finite, key=lambda k: finite[k][0]))
 
 
-def why(criterion: Criterion, s: dict[str, Any], refs: dict[str, dict[str, Any]], value: float, sd: float,
-        rel: str, sites: dict[str, Any]) -> str:
-    """One sentence saying what was measured and how it compares (``rel``), with the references' values."""
-    if not math.isfinite(value) and criterion.missing is not None:
-        return criterion.missing(s, sites)
-    text = criterion.explain(s, value, sd, refs) + (f"; {rel}" if rel else "")
-    if criterion.quote is None:
-        return text
-    parts = [f"{LABELS[k]} {criterion.quote(r)}" for k, r in refs.items()]
-    return text + (f" ({', '.join(parts)})" if parts else "")
-
-
 def build_rows(summaries: dict[str, dict[str, Any]], thresholds: dict[str, dict[str, Any]],
                sites: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per criterion for the subject ``checked`` against the others in ``summaries``."""
@@ -55,8 +43,13 @@ def build_rows(summaries: dict[str, dict[str, Any]], thresholds: dict[str, dict[
         refs = {k: criterion.value(v) for k, v in ref_summaries.items()}
         limits = resolve(thresholds[cid], refs or None, {"loss_init": checked.get("loss_init", math.nan)})
         verdict = status(value, limits)
-        rel = relation(cid, value, sd, refs)
-        text = why(criterion, checked, ref_summaries, value, sd, rel, sites)
+        if not math.isfinite(value) and criterion.missing is not None:
+            text = criterion.missing(checked, sites)
+        else:  # what was measured, how it compares, then the references' values
+            rel = relation(cid, value, sd, refs)
+            text = criterion.explain(checked, value, sd, ref_summaries) + (f"; {rel}" if rel else "")
+            if criterion.quote is not None and ref_summaries:
+                text += f" ({', '.join(f'{LABELS[k]} {criterion.quote(r)}' for k, r in ref_summaries.items())})"
         if verdict == "warn" and thresholds[cid].get("kind") == "mechanism":
             text += f"; {criterion.mechanism}"
         rows.append({
