@@ -1,11 +1,4 @@
-"""From the stress runs of one subject to the numbers its criteria judge (pure functions, plain floats).
-
-Depth is counted in layers: the residual stream after half-step ``k`` of a two-half-step block sits at depth
-``(k + 1) / 2``, after block ``k`` of a one-site block at ``k + 1``. The growth law is measured over those sites (X_0
-is left out: the embedding's scale is arbitrary next to the updates', so a jump from X_0 would read as growth), as
-the doublings of the mean |x| over the deeper half of the depth (:func:`lnstab.measures.deep_doublings`), with
-exponential and linear fits beside it.
-"""
+"""From the stress runs of one subject to the numbers its criteria judge (pure functions, plain floats)."""
 
 from __future__ import annotations
 
@@ -22,7 +15,8 @@ BF16_MAX = 3.3895313892515355e38
 
 
 def layer_depths(tags: list[str]) -> dict[str, float]:
-    """Depth in layers of every layer site (tags ``L00``, ``L00_attn`` …; ``embed``/``final`` left out)."""
+    """Depth in layers of every layer site (tags ``L00``, ``L00_attn`` …): half-step ``k`` of a two-site block sits at
+    ``(k + 1) / 2``. ``embed`` (X_0, whose scale is arbitrary next to the updates') and ``final`` are left out."""
     layers = [t for t in tags if t.startswith("L")]
     n_layers = len({t.split("_")[0] for t in layers}) or 1
     per_layer = len(layers) / n_layers
@@ -31,11 +25,9 @@ def layer_depths(tags: list[str]) -> dict[str, float]:
 
 def profile(run: RunResult, stat: str, index: int) -> tuple[list[float], list[float]]:
     """Depths and values of ``stat`` at the ``index``-th measurement of ``run`` over its layer sites."""
-    depths = layer_depths(run.hidden_tags)
     values = run.hidden.get(stat, {})
-    xs = [d for t, d in depths.items() if t in values and len(values[t]) > index]
-    ys = [values[t][index] for t, d in depths.items() if t in values and len(values[t]) > index]
-    return xs, ys
+    pairs = [(d, values[t][index]) for t, d in layer_depths(run.hidden_tags).items() if len(values.get(t, ())) > index]
+    return [d for d, _ in pairs], [v for _, v in pairs]
 
 
 def law(fits: list[dict[str, Any]]) -> dict[str, Any]:
@@ -89,22 +81,15 @@ def mean_sd(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(finite), statistics.pstdev(finite) if len(finite) > 1 else 0.0
 
 
-def by_lr(runs: list[RunResult], value: Any, completed_only: bool = True) -> dict[float, tuple[float, float]]:
-    """``{lr: (mean, sd)}`` of ``value(run)`` over the seeds of each learning rate."""
-    out: dict[float, tuple[float, float]] = {}
-    for lr in sorted({r.lr for r in runs}):
-        values = [value(r) for r in runs if r.lr == lr and not (completed_only and r.diverged)]
-        out[lr] = mean_sd(values)
-    return out
-
-
-def worst(per_lr: dict[float, tuple[float, float]], pick: Any = max) -> tuple[float, float, float | None]:
-    """The largest (``pick=min``: smallest) finite mean over learning rates, its sd and its learning rate."""
-    finite = {lr: v for lr, v in per_lr.items() if math.isfinite(v[0])}
+def worst(runs: list[RunResult], value: Any, pick: Any = max) -> dict[str, Any]:
+    """Over learning rates, the largest (``pick=min``: smallest) finite mean of ``value(run)`` over the seeds that did
+    not diverge: that ``mean``, its ``sd`` and its ``lr`` (``nan``, ``nan``, ``None`` when none is finite)."""
+    per_lr = {lr: mean_sd([value(r) for r in runs if r.lr == lr and not r.diverged]) for lr in {r.lr for r in runs}}
+    finite = {lr: v for lr, v in sorted(per_lr.items()) if math.isfinite(v[0])}
     if not finite:
-        return math.nan, math.nan, None
+        return {"mean": math.nan, "sd": math.nan, "lr": None}
     lr = pick(finite, key=lambda k: finite[k][0])
-    return finite[lr][0], finite[lr][1], lr
+    return {"mean": finite[lr][0], "sd": finite[lr][1], "lr": lr}
 
 
 def mean_profiles(runs: list[RunResult], step: int) -> dict[str, list[list[float]]]:
@@ -147,10 +132,10 @@ def lr_sensitivity(runs: list[RunResult]) -> dict[str, Any]:
             "best_lr": best, "best": points[best] if best is not None else math.nan, "initial": initial}
 
 
-def series_max(run: RunResult, prefix: str, transform: Any = abs, from_step: int = 0) -> float:
-    """The largest ``transform(value)`` of metrics starting with ``prefix`` over the run's steps ≥ ``from_step``
-    (``nan`` when it has none)."""
-    values = [transform(v) for step, metrics in run.metrics.items() if step >= from_step
+def series_max(run: RunResult, prefix: str, from_step: int = 0, to_step: float = math.inf) -> float:
+    """The largest ``|value|`` of metrics starting with ``prefix`` over the run's steps from ``from_step`` to
+    ``to_step`` (``nan`` when it has none)."""
+    values = [abs(v) for step, metrics in run.metrics.items() if from_step <= step <= to_step
               for k, v in metrics.items() if k.startswith(prefix) and math.isfinite(v)]
     return max(values) if values else math.nan
 
@@ -158,11 +143,8 @@ def series_max(run: RunResult, prefix: str, transform: Any = abs, from_step: int
 def logit_summary(runs: list[RunResult], prefix: str, from_step: int) -> dict[str, Any]:
     """The worst learning rate's mean (over seeds, completed runs) of each run's largest ``|metric|``, with its sd,
     its learning rate, and the mean over runs of the largest ``|metric|`` at initialisation (step 0)."""
-    completed = [r for r in runs if not r.diverged]
-    worst_value = worst(by_lr(completed, lambda r: series_max(r, prefix, abs, from_step)))
-    init = mean_sd([max((abs(v) for k, v in r.metrics[0].items() if k.startswith(prefix) and math.isfinite(v)),
-                        default=math.nan) for r in runs if r.metrics.get(0)])[0]
-    return {**dict(zip(("mean", "sd", "lr"), worst_value, strict=True)), "init": init}
+    init = mean_sd([series_max(r, prefix, 0, 0) for r in runs if r.metrics.get(0)])[0]
+    return {**worst(runs, lambda r: series_max(r, prefix, from_step)), "init": init}
 
 
 def attention_summary(runs: list[RunResult]) -> dict[str, Any]:
@@ -186,7 +168,7 @@ def log_z_summary(runs: list[RunResult]) -> dict[str, Any]:
 
 
 def summarise(runs: list[RunResult], steps: int) -> dict[str, Any]:
-    """Every number the criteria and figures need for one subject (see the module docstring for depth)."""
+    """Every number the criteria and figures need for one subject (depth as :func:`layer_depths` counts it)."""
     first_lr = min(r.lr for r in runs)
     init_runs = [r for r in runs if r.lr == first_lr]
 
@@ -199,8 +181,7 @@ def summarise(runs: list[RunResult], steps: int) -> dict[str, Any]:
                    **law(init_fits)}
     completed = [r for r in runs if not r.diverged]
     trained = {id(r): fit_at(r, steps) or growth_fit([], []) for r in completed}
-    growth_trained = dict(zip(("mean", "sd", "lr"), worst(by_lr(completed, lambda r: trained[id(r)]["doublings"])),
-                              strict=True))
+    growth_trained = worst(completed, lambda r: trained[id(r)]["doublings"])
     growth_trained.update(law([trained[id(r)] for r in completed if r.lr == growth_trained["lr"]]))
     # runs whose measurement was dropped because a block did not run then (LayerDrop: a training-only branch)
     growth_init["unmeasured"] = sum(measured_index(r, 0) is None for r in init_runs)
@@ -226,8 +207,8 @@ def summarise(runs: list[RunResult], steps: int) -> dict[str, Any]:
         "max_abs": max_abs,
         "sensitivity": {"slope": slope["slope"], "se": slope["se"], "r2": slope["r2"], "points": points},
         "bound": {"violations": violations, "min_slack": min(slacks) if slacks else math.nan},
-        "grad_spread": dict(zip(("mean", "sd", "lr"), worst(by_lr(runs, grad_spread)), strict=True)),
-        "loss": dict(zip(("mean", "sd", "lr"), worst(by_lr(runs, final_loss), pick=min), strict=True)),
+        "grad_spread": worst(runs, grad_spread),
+        "loss": worst(runs, final_loss, pick=min),
         "lr_sensitivity": lr_sensitivity(runs),
         "attention": attention_summary(runs),
         "log_z": log_z_summary(runs),
