@@ -16,10 +16,12 @@ SCHEMA = 2
 MARK = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "n/a": "n/a"}
 
 
-def threshold(row: dict[str, Any], level: str) -> str:
-    """``> 0.123`` or ``–`` (never)."""
+def threshold(row: dict[str, Any], level: str, rule: bool = False) -> str:
+    """``> 0.123`` (with ``rule``: ``> 0.123 (`max(pre, peri)`)``) or ``–`` (never)."""
     value = row.get(level)
-    return "–" if value is None or not math.isfinite(value) else f"> {num(value)}"
+    if value is None or not math.isfinite(value):
+        return "–"
+    return f"> {num(value)}" + (f" (`{row[level + '_rule']}`)" if rule else "")
 
 
 def reference_keys(card: dict[str, Any]) -> list[str]:
@@ -87,11 +89,10 @@ def markdown(card: dict[str, Any]) -> str:
         f"|---|---|---|{'---|' * len(refs)}---|---|---|---|",
     ]
     for r in card["criteria"]:
-        rule = lambda lvl, r=r: "–" if r.get(lvl) is None or not math.isfinite(r[lvl]) else (  # noqa: E731
-            f"> {num(r[lvl])} (`{r[lvl + '_rule']}`)")
         refs_cells = "".join(f"{num(r['references'].get(k))} | " for k in refs)
-        lines.append(f"| {cell(r['title'])} | {cell(r['unit'])} | {num(r['measured'])} | {refs_cells}{rule('warn')} | "
-                     f"{rule('fail')} | **{MARK[r['status']]}** | {cell(r['why'])} |")
+        lines.append(f"| {cell(r['title'])} | {cell(r['unit'])} | {num(r['measured'])} | {refs_cells}"
+                     f"{threshold(r, 'warn', rule=True)} | {threshold(r, 'fail', rule=True)} | "
+                     f"**{MARK[r['status']]}** | {cell(r['why'])} |")
     lines += ["", "## Figures", ""]
     lines += [f"![{name}]({name})" for name in card["figures"]]
     lines += ["", "## Runs", "", "| subject | lr | seed | loss at init | final loss | diverged | first bad | wall s |",
