@@ -1,22 +1,15 @@
 """``lnstab check --compare OLD NEW``: what changed between two cards, or two validation runs, made elsewhere.
 
 Each side is a card directory (``report.json``) or a validation directory (``summary.json`` and a card per row, as
-``--validate`` writes them). Cards are matched by row id and criteria by id. The report, in Markdown on stdout,
-gives where each side was made (paths shown as cards show them: no absolute path of this machine), the rows whose
-model, protocol or data differ (then what moved is not only the machine's), every verdict that changed, every
-criterion whose status changed (with both sides' values and the thresholds they were graded against, which move
-with the references), and how far the measurements moved. It reads JSON only and trains nothing. Exit status 0
-when every common card has the same verdict and both sides have the same cards, 1 otherwise (a gate: "did this
-card change against the last one?"), 2 for a usage error or a side that is not what lnstab check writes (damaged,
-past the bounded reader's limits, or a field this comparison reads of another type: one line naming the file and
-the field), 3 when the comparison itself failed (one line), so a gate never reads a malformed card or a crash as a
-changed verdict.
+``--validate`` writes them); cards are matched by row id, criteria by id. It reads JSON only and trains nothing; its
+report and exit statuses are described in docs/check/README.md.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +22,8 @@ from lnstab.rundir import read_json
 EXIT_FAILED = 3  # the comparison itself failed (lnstab check's status for a check that could not finish)
 TOLERANCES = (1e-3, 1e-2, 1e-1)  # the relative moves the measurement summary counts within
 LARGEST = 10  # measurements listed by how far they moved
+INPUTS = (("model", lambda c: (c.get("model") or {}).get("description")),  # what a card was made of
+          ("protocol", lambda c: c.get("protocol_text")), ("data", lambda c: c.get("data_text")))
 
 
 def load_cards(path: str) -> tuple[str, dict[str, dict[str, Any]]]:
@@ -60,9 +55,8 @@ def load_cards(path: str) -> tuple[str, dict[str, dict[str, Any]]]:
 
 
 def _read(file: Path, path: str) -> dict[str, Any]:
-    """A card's or summary's JSON, read within lnstab's bounds for files from outside (size, depth, UTF-8, numbers),
-    its tagged non-finite numbers (``{"$float": "nan"}``) back as floats, and every field this comparison reads of
-    the type a card gives it (:func:`check_card`); a damaged or malformed file is a one-line error."""
+    """A card's or summary's JSON (:func:`~lnstab.rundir.read_json`: bounded, non-finite numbers back as floats), a
+    card's fields checked (:func:`check_card`); a damaged or malformed file is a one-line error."""
     data = read_json(file)
     if not isinstance(data, dict) or file.name == "report.json" and not (isinstance(data.get("criteria"), list)
                                                                           and data["criteria"]):
@@ -124,10 +118,9 @@ def check_card(card: dict[str, Any], where: str) -> None:
     machine = provenance.get("machine")
     if machine is not None and not isinstance(machine, dict):
         raise bad("provenance.machine", machine, "an object")
-    scalars = [(f"provenance.{k}", v) for k, v in provenance.items() if k != "machine"]
-    scalars += [(f"provenance.machine.{k}", v) for k, v in (machine or {}).items()]
-    for name, value in scalars:
-        kind = MACHINE_FIELDS.get(name.rsplit(".", 1)[-1], SCALAR) if ".machine." in name else SCALAR
+    scalars = [(f"provenance.{k}", v, SCALAR) for k, v in provenance.items() if k != "machine"]
+    scalars += [(f"provenance.machine.{k}", v, MACHINE_FIELDS.get(k, SCALAR)) for k, v in (machine or {}).items()]
+    for name, value, kind in scalars:
         if not _is(value, kind):
             raise bad(name, value, kind)
 
@@ -165,8 +158,6 @@ def _value(cid: str, c: dict[str, Any]) -> str:
 def main(pairs: list[str], model_args: dict[str, Any], rest: list[str]) -> None:
     """``lnstab check --compare OLD NEW`` (``pairs``): print the report; exit 1 when a verdict (or the set of cards)
     differs. ``model_args`` and ``rest`` are the other arguments given, refused: a comparison trains nothing."""
-    import sys
-
     others = [a for a in rest if a.startswith("--") and a.split("=", 1)[0] != "--compare"]
     if model_args or others:
         first = f"--model.{next(iter(model_args))}" if model_args else others[0].split("=", 1)[0]
@@ -200,15 +191,14 @@ def compare(old: str, new: str) -> tuple[str, int]:
                 if a[r].get("status") != b[r].get("status")]
     cells, moves, one_sided = [], [], []
     n_criteria = 0
-    for r in common:
-        by_id = {c.get("id"): c for c in b[r]["criteria"] if isinstance(c, dict)}
-        ids_a = [c.get("id") for c in a[r]["criteria"] if isinstance(c, dict)]
+    for r in common:  # check_card has made every criterion an object with a distinct string id
+        by_id = {c["id"]: c for c in b[r]["criteria"]}
+        ids_a = [c["id"] for c in a[r]["criteria"]]
         one_sided += [f"`{cid}` of {r} only in {side}" for side, ids in
                       (("OLD", [i for i in ids_a if i not in by_id]), ("NEW", [i for i in by_id if i not in ids_a]))
                       for cid in ids]
         for ca in a[r]["criteria"]:
-            cb = by_id.get(ca.get("id")) if isinstance(ca, dict) else None
-            if cb is None or ca.get("id") is None:
+            if (cb := by_id.get(ca["id"])) is None:
                 continue
             n_criteria += 1
             if ca.get("status") != cb.get("status"):
@@ -217,7 +207,7 @@ def compare(old: str, new: str) -> tuple[str, int]:
             if m is not None:
                 moves.append((m, r, ca["id"], ca.get("measured"), cb.get("measured")))
     made = [f"- OLD `{public_path(old)}`: {_made(a)}", f"- NEW `{public_path(new)}`: {_made(b)}"]
-    inputs = [(r, what, x, y) for r in common for what, x, y in _inputs(a[r], b[r])]
+    inputs = [(r, what, get(a[r]), get(b[r])) for r in common for what, get in INPUTS if get(a[r]) != get(b[r])]
     lines = [f"# `lnstab check --compare`: {len(common)} {'card' if kind_a == 'card' else 'row'}"
              f"{'s' if len(common) != 1 else ''} in common", "", *made, "",
              f"**Verdicts: {len(common) - len(verdicts)} of {len(common)} the same**"
@@ -248,15 +238,6 @@ def compare(old: str, new: str) -> tuple[str, int]:
                     f"{'one side not finite' if not math.isfinite(m) else f'{m:.1%}'} |"
                     for m, r, cid, x, y in largest], ""]
     return "\n".join(lines), int(bool(verdicts or only or one_sided))
-
-
-INPUTS = (("model", lambda c: (c.get("model") or {}).get("description")),
-          ("protocol", lambda c: c.get("protocol_text")), ("data", lambda c: c.get("data_text")))
-
-
-def _inputs(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """What a card was made of (the model, the protocol, the data) where the two cards differ."""
-    return [(what, get(a), get(b)) for what, get in INPUTS if get(a) != get(b)]
 
 
 def _made(cards: dict[str, dict[str, Any]]) -> str:
