@@ -11,12 +11,12 @@ from lnstab.check.runspec import RunResult
 COLORS = {"checked": "tab:red", "pre-ln": "tab:blue", "peri-ln": "tab:green"}
 # The checked model is drawn last, dashed / hollow, so it stays visible on top of a reference identical to it.
 LINE = {"checked": {"ls": "--", "lw": 1.6, "zorder": 3}}
+STATS = {"mean_abs": "mean |x| (MA)", "var_entry": "entry-wise variance", "var_data": "data-wise variance"}
 
 
 def ordered(items: dict[str, Any]) -> list[tuple[str, Any]]:
     """``items`` with the references first and ``checked`` last."""
     return sorted(items.items(), key=lambda kv: kv[0] == "checked")
-STATS = {"mean_abs": "mean |x| (MA)", "var_entry": "entry-wise variance", "var_data": "data-wise variance"}
 
 
 def _pyplot() -> Any:
@@ -35,26 +35,14 @@ def _save(fig: Any, path: Path) -> str:
     return path.name
 
 
-def common_lr(summaries: dict[str, dict[str, Any]]) -> dict[str, str | None]:
-    """Per subject, the learning rate whose trained profile is drawn: the largest rate every subject completed,
-    else each subject's own largest completed rate."""
-    done = {k: set(s["profiles"]["trained"]) for k, s in summaries.items()}
-    shared = set.intersection(*done.values()) if done else set()
-    if shared:
-        lr = max(shared, key=float)
-        return {k: lr for k in summaries}
-    return {k: (max(v, key=float) if v else None) for k, v in done.items()}
-
-
 def graded_lr(summaries: dict[str, dict[str, Any]]) -> dict[str, str | None]:
     """Per subject, the learning rate whose trained profile is drawn: the rate its growth-after-training criterion
-    grades and names (its worst, ``growth_trained.lr``), else (no rate graded) :func:`common_lr`'s."""
-    fallback = common_lr(summaries)
-    out: dict[str, str | None] = {}
-    for key, summary in summaries.items():
-        lr = summary.get("growth_trained", {}).get("lr")
-        out[key] = str(lr) if lr is not None and str(lr) in summary["profiles"]["trained"] else fallback[key]
-    return out
+    grades and names (its worst, ``growth_trained.lr``), else (no rate graded) the largest rate every subject
+    completed, else its own largest completed rate."""
+    done = {k: set(s["profiles"]["trained"]) for k, s in summaries.items()}
+    shared = set.intersection(*done.values()) if done else set()
+    return {k: str(lr) if (lr := s.get("growth_trained", {}).get("lr")) is not None and str(lr) in done[k]
+            else max(shared or done[k], key=float, default=None) for k, s in summaries.items()}
 
 
 def growth_figure(summaries: dict[str, dict[str, Any]], labels: dict[str, str], path: Path) -> str:
