@@ -45,7 +45,7 @@ class Criterion:
         quote: How a reference's value is quoted after the sentence (``None``: not quoted).
         phrases: How the value reads near a reference (``{ref}``), below both, above both (``None``: not compared).
         factor_base: A log-scale value reads as the factor ``factor_base ** value`` (decades: 10, doublings: 2).
-        show: The value as the card and the validation notes read it (see :func:`display`).
+        show: The value as the card and the validation notes read it (``None``: see :func:`display`).
         mechanism: Why it warns and never fails, said on a warning when ``thresholds.yaml`` makes it a mechanism.
     """
 
@@ -141,8 +141,8 @@ def _growth(cid: str, title: str) -> Criterion:
 
     return Criterion(cid, title, "doublings, deeper half", value=_mean(cid), explain=explain, missing=missing,
                      quote=lambda r: f"×{card_short(2.0 ** r[cid]['mean'])}",
-                     phrases=("grows like {ref}", "grows slower than both references", "grows faster than both "
-                              "references"), factor_base=2.0, show=_factor(2.0))
+                     phrases=("grows like {ref}", "grows slower than both references",
+                              "grows faster than both references"), factor_base=2.0)
 
 
 def _overflow(s: Summary, peak: float, sd: float, refs: dict[str, Summary]) -> str:
@@ -232,10 +232,6 @@ def _grad_spread(s: Summary, value: float, sd: float, refs: dict[str, Summary]) 
             f"{s['grad_spread']['lr']:g})")
 
 
-def _factor(base: float) -> Callable[[float], str]:
-    return lambda v: "×" + card_quote(base ** v)
-
-
 CRITERIA: tuple[Criterion, ...] = (
     Criterion("divergence", "Divergence rate over the learning-rate ladder", "fraction of runs",
               value=lambda s: ((s["diverged"] / s["runs"] if s["runs"] else math.nan), 0.0), explain=_divergence,
@@ -275,7 +271,7 @@ CRITERIA: tuple[Criterion, ...] = (
               explain=_grad_spread, missing=_grad_spread_missing,
               quote=lambda r: f"×{card_short(10.0 ** r['grad_spread']['mean'])}",
               phrases=("spreads gradients like {ref}", "spreads gradients less than both references",
-                       "spreads gradients more than both references"), factor_base=10.0, show=_factor(10.0),
+                       "spreads gradients more than both references"), factor_base=10.0,
               mechanism="a mechanism, so it warns and never fails: unbalanced gradients are not the root cause of "
                         "instability (Liu et al. 2020), the scale of the model update is (DeepNet §3)"),
     Criterion("loss", "Learns (final loss at best learning rate)", "nats", value=_mean("loss"),
@@ -327,8 +323,10 @@ def display(cid: str, value: float | None) -> str:
     """A criterion's value as the card reads it: spreads and growth as factors, losses in nats to 0.01."""
     if value is None or not math.isfinite(value):
         return "n/a"
-    show = BY_ID[cid].show if cid in BY_ID else None
-    return show(value) if show else card_quote(value, 2)
+    criterion = BY_ID.get(cid)
+    if criterion and criterion.show:
+        return criterion.show(value)
+    return "×" + card_quote(criterion.as_factor(value)) if criterion and criterion.factor_base else card_quote(value, 2)
 
 
 def check_expression(where: str, text: Any, names: tuple[str, ...] = NAMES + OWN, why: str = "") -> None:
