@@ -107,9 +107,7 @@ def final_or_initial(run: RunResult, initial: float) -> float:
     """``min(L_final, L_init)`` of one run for the LR ladder: a diverged run (or one without a finite final loss)
     counts as ``L_init``, no better than not training (Wortsman et al. 2023)."""
     last = run.losses[-1] if run.losses else math.nan
-    if run.diverged or not math.isfinite(last):
-        return initial
-    return min(last, initial)
+    return initial if run.diverged or not math.isfinite(last) else min(last, initial)
 
 
 def lr_sensitivity(runs: list[RunResult]) -> dict[str, Any]:
