@@ -24,9 +24,9 @@ LOSSES = {
 }
 
 
-def ladder_runs(root: Path) -> Path:
+def ladder_runs(root: Path, losses: dict = LOSSES) -> Path:
     g = root / "runs" / "ladder"
-    for placement, seeds in LOSSES.items():
+    for placement, seeds in losses.items():
         for seed, curve in seeds.items():
             for lr, loss in curve.items():
                 diverged = math.isinf(loss)
@@ -73,6 +73,17 @@ def test_each_seed_has_its_own_sensitivity_and_the_interval_is_students(tmp_path
     assert rows["pre"]["loss@0.1"] == pytest.approx(5.5)
     assert (rows["pre"]["best_lr"], rows["pre"]["best_loss"]) == (1e-2, pytest.approx(3.0))
     assert "3.000 [2.90, 3.10]" in table.to_markdown()  # min and max over seeds at 1e-2
+
+
+def test_a_one_rate_ladder_counts_its_seeds_and_grades_no_sensitivity(tmp_path) -> None:
+    """Three seeds at one rate: the table said 0 seeds (it counted the seeds with a sensitivity, which needs two rates)
+    beside a loss averaged over three."""
+    one_rate = {p: {s: {1e-2: curve[1e-2]} for s, curve in seeds.items()} for p, seeds in LOSSES.items()}
+    table = ladder_table(collect([ladder_runs(tmp_path, one_rate)]))
+    rows = {r["norm_placement"]: r for r in table.rows}
+    assert rows["pre"]["seeds"] == rows["peri"]["seeds"] == 3
+    assert rows["pre"]["loss@0.01"] == pytest.approx(3.0) and math.isnan(rows["pre"]["lr_sensitivity"])
+    assert {r["seeds"] for r in table.markdown_rows} == {"3"} and {r["per seed"] for r in table.markdown_rows} == {"–"}
 
 
 def test_welch_interval_against_a_hand_computation() -> None:

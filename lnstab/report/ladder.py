@@ -153,12 +153,12 @@ def ladder_table(records: list[RunRecord]) -> Table:
         finished = [r for r in d.runs if r.status in ("completed", "diverged")]  # as the divergence table counts
         diverged = sum(r.status == "diverged" for r in finished)
         cells = {names[k]: _show(d.values[k]) for k in keys}
-        row: dict[str, Any] = {**cells, "seeds": len(sens), "lr_sensitivity": mean, "ci_low": low, "ci_high": high,
+        row: dict[str, Any] = {**cells, "seeds": len(d.seeds), "lr_sensitivity": mean, "ci_low": low, "ci_high": high,
                                "per_seed": " ".join(f"{s:.4g}" for s in sens), "diff_vs_first": diff,
                                "diff_ci_low": dlow, "diff_ci_high": dhigh, "best_lr": best[0] if best else None,
                                "best_loss": best[1] if best else None, "initial_loss": d.initial,
                                "diverged": diverged, "finished": len(finished), "runs": len(d.runs)}
-        shown = {**cells, "seeds": str(len(sens)),
+        shown = {**cells, "seeds": str(len(d.seeds)),  # every seed with a finished run, one rate or more
                  "LR sensitivity (95 % CI)": f"{number(mean, blank_nan=True)} {interval(low, high)}",
                  "per seed": ", ".join(f"{s:.3g}" for s in sens) or "–",
                  f"− {found[0].label} (Welch 95 %)": "–" if d is found[0] else
