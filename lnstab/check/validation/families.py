@@ -4,16 +4,23 @@ at the check's shape, built without a download. ``transformers`` is imported onl
 from __future__ import annotations
 
 
+def _rotary_config(name: str, n_layer: int, n_embd: int, n_head: int, block_size: int, vocab_size: int,
+                   **extra: object) -> object:
+    """``transformers.<name>`` at a given shape: the MLP four times wide, full multi-head attention."""
+    import transformers
+
+    return getattr(transformers, name)(
+        hidden_size=n_embd, intermediate_size=4 * n_embd, num_hidden_layers=n_layer, num_attention_heads=n_head,
+        num_key_value_heads=n_head, vocab_size=vocab_size, max_position_embeddings=block_size, pad_token_id=0,
+        eos_token_id=1, bos_token_id=2, **extra)
+
+
 def gemma2_config(n_layer: int, n_embd: int, n_head: int, block_size: int, vocab_size: int) -> object:
     """Gemma 2 at a given shape: head width ``n_embd / n_head`` (and ``query_pre_attn_scalar`` that width, as Gemma 2's
     2B/9B models set it), GeGLU four times wide, eager attention (its logit soft-capping needs it)."""
-    from transformers import Gemma2Config
-
     head = n_embd // n_head
-    config = Gemma2Config(hidden_size=n_embd, intermediate_size=4 * n_embd, num_hidden_layers=n_layer,
-                          num_attention_heads=n_head, num_key_value_heads=n_head, head_dim=head,
-                          query_pre_attn_scalar=head, vocab_size=vocab_size, max_position_embeddings=block_size,
-                          pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    config = _rotary_config("Gemma2Config", n_layer, n_embd, n_head, block_size, vocab_size, head_dim=head,
+                            query_pre_attn_scalar=head)
     config._attn_implementation = "eager"
     return config
 
@@ -21,21 +28,13 @@ def gemma2_config(n_layer: int, n_embd: int, n_head: int, block_size: int, vocab
 def llama_config(n_layer: int, n_embd: int, n_head: int, block_size: int, vocab_size: int) -> object:
     """Llama at a given shape: pre-RMSNorm, SwiGLU four times wide (LLaMA's own is 8/3 wide), rotary positions, no
     biases, an untied head, full multi-head attention."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(hidden_size=n_embd, intermediate_size=4 * n_embd, num_hidden_layers=n_layer,
-                       num_attention_heads=n_head, num_key_value_heads=n_head, vocab_size=vocab_size,
-                       max_position_embeddings=block_size, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    return _rotary_config("LlamaConfig", n_layer, n_embd, n_head, block_size, vocab_size)
 
 
 def olmo2_config(n_layer: int, n_embd: int, n_head: int, block_size: int, vocab_size: int) -> object:
     """OLMo 2 at a given shape: the reordered norm ``x + RMSNorm(f(x))``, QK-norm over all heads, SwiGLU four times
     wide, rotary positions, an untied head. Its Hugging Face loss has no z-loss (OLMo 2's training adds one)."""
-    from transformers import Olmo2Config
-
-    return Olmo2Config(hidden_size=n_embd, intermediate_size=4 * n_embd, num_hidden_layers=n_layer,
-                       num_attention_heads=n_head, num_key_value_heads=n_head, vocab_size=vocab_size,
-                       max_position_embeddings=block_size, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    return _rotary_config("Olmo2Config", n_layer, n_embd, n_head, block_size, vocab_size)
 
 
 def gpt2_config(n_layer: int, n_embd: int, n_head: int, block_size: int, vocab_size: int) -> object:
