@@ -30,7 +30,7 @@ from lnstab.check.signals import Interrupted, deferred
 from lnstab.check.subjects import Subject, context_length, hf_subject, lnstab_subject, parse_value, references
 from lnstab.check.validation.families import HF_FAMILIES
 from lnstab.check.validation.readme import HELDOUT_DIR, SETS, history, readme
-from lnstab.check.validation.sets import DEFAULT_SHAPE, SUPPLEMENT_IDS, Row, supplement_rows
+from lnstab.check.validation.sets import DEFAULT_SHAPE, SUPPLEMENT_IDS, Row, model_flags, supplement_rows
 from lnstab.check.workers import RunPool
 from lnstab.errors import LNStabError
 from lnstab.rundir import atomic_write_text, check_writable, read_json
@@ -62,12 +62,6 @@ def row_subject(row: Row, shape: dict[str, Any], workdir: Path) -> tuple[Subject
     model = {**shape, **pairs(row.model)}
     subject, _ = lnstab_subject(model)
     return subject, model_flags(model)
-
-
-def model_flags(model: dict[str, Any]) -> list[str]:
-    """``{"a": 1, "b": True}`` as ``["--model.a", "1", "--model.b", "true"]``."""
-    return [arg for k, v in model.items()
-            for arg in (f"--model.{k}", str(v).lower() if isinstance(v, bool) else str(v))]
 
 
 def prepare_out(out: Path, overwrite: bool, rows: list[Row] | tuple[Row, ...] = ()) -> None:

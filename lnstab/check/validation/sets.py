@@ -1,17 +1,6 @@
 """The validation set, the held-out set and the supplements, read from this package's YAML files (``rows.yaml``,
-``heldout.yaml``, ``supplements.yaml``): the rows and what their published outcomes imply, fixed before a run, so
-that ``git log`` on those files is the record of what was fixed when.
-
-A card agrees with a row when its verdict is in the row's ``expected`` set: ``fail`` where the design is reported to
-diverge or to train badly without special measures; ``warn`` where it trains but the literature documents a weakness
-the card measures; ``pass`` where it is reported stable and is the card's own standard (Peri-LN); ``pass`` or
-``warn`` where it is reported to train stably (the literature says "stable", not which of the card's warnings may
-apply at a 4-layer, 30-step scale).
-
-Each row of the two sets also says what its source reached (issue 39): ``reachable`` at each of the check's tiers
-(whether the source reports the outcome within that tier's depth, steps, learning rates and precision), ``reported``
-(the outcome reported for this design, or only implied) and ``reach_note`` (why); the headline agreement is over the
-rows reachable at the run's tier and reported. A supplement's rows need not say: its protocol is not a tier.
+``heldout.yaml``, ``supplements.yaml``, whose headers say what each field means): the rows and what their published
+outcomes imply, fixed before a run, so that ``git log`` on those files is the record of what was fixed when.
 """
 
 from __future__ import annotations
@@ -20,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lnstab.check.validation.families import HF_FAMILIES
 from lnstab.errors import LNStabError
 from lnstab.safeload import DataFileError, load_yaml
 
@@ -27,7 +17,7 @@ HERE = Path(__file__).parent
 DEFAULT_SHAPE = ("--model.preset", "mini", "--model.block_size", "128")
 STABLE = ("pass", "warn")
 STATUSES = ("pass", "warn", "fail")
-HF_NAMES = ("gemma2", "llama", "olmo2", "gpt2")  # the keys of families.HF_FAMILIES (kept apart: no transformers here)
+HF_NAMES = tuple(HF_FAMILIES)  # a tuple: an unhashable hf (a list) is refused, not a TypeError
 TIERS = ("quick", "proxy")  # lnstab check --tier: what a row's `reachable` is said for
 REACH_KEYS = ("reachable", "reported", "reach_note")
 
@@ -89,6 +79,12 @@ class Supplement:
     rows: tuple[Row, ...] = ()
 
 
+def model_flags(model: dict[str, Any]) -> list[str]:
+    """``{"a": 1, "b": True}`` as ``["--model.a", "1", "--model.b", "true"]``."""
+    return [arg for k, v in model.items()
+            for arg in (f"--model.{k}", str(v).lower() if isinstance(v, bool) else str(v))]
+
+
 class _Fields:
     """Reads one mapping of a data file, naming ``file: where.field`` in every refusal."""
 
@@ -148,13 +144,10 @@ def _row(data: Any, file: str, where: str, reach: bool = True) -> Row:
         raise f.bad("model", model, "give either model (lnstab's family) or hf (a Hugging Face family), not both")
     if hf is not None and hf not in HF_NAMES:
         raise f.bad("hf", hf, f"allowed: {', '.join(HF_NAMES)}")
-    args: list[str] = []
-    if model is not None:
-        if not isinstance(model, dict) or not all(isinstance(v, str | int | float | bool) for v in model.values()):
-            raise f.bad("model", model, "a mapping of --model options to values is allowed")
-        for key, value in model.items():
-            args += [f"--model.{key}", str(value).lower() if isinstance(value, bool) else str(value)]
-    said = (f.text("id"), f.text("design"), tuple(args), f.text("outcome"), f.text("source"),
+    if model is not None and (not isinstance(model, dict)
+                              or not all(isinstance(v, str | int | float | bool) for v in model.values())):
+        raise f.bad("model", model, "a mapping of --model options to values is allowed")
+    said = (f.text("id"), f.text("design"), tuple(model_flags(model or {})), f.text("outcome"), f.text("source"),
             f.strings("expected", STATUSES), hf)
     return Row(*said, *(_reach(f) if reach else ()))
 
