@@ -1,10 +1,8 @@
 """``lnstab check --validate``: every row of ``rows.yaml`` (``--set heldout``: of ``heldout.yaml``) as a card at the
 default shape, graded against the verdict its published outcome implies, its run record (``summary.json``) and
-``docs/check/validation/README.md`` rendered from that record (:mod:`lnstab.check.validation.readme`).
-
-All rows share one set of stress runs: the Pre-LN and Peri-LN references (identical for every row of one shape) run
-once, a row identical to a reference reuses its runs, and every run goes through one worker pool. Each row's card
-(``<out>/<row>/report.md``, ``report.json``, ``thresholds.yaml``; no figures, no TensorBoard logs) is what
+``docs/check/validation/README.md`` rendered from that record (:mod:`lnstab.check.validation.readme`). Every run goes
+through one worker pool, each distinct model (a reference, a row identical to one) once (:func:`unique_runs`); each
+row's card (``<out>/<row>/report.md``, ``report.json``, ``thresholds.yaml``; no figures, no TensorBoard logs) is what
 ``lnstab check`` with that row's arguments writes.
 """
 
@@ -30,7 +28,7 @@ from lnstab.check.signals import Interrupted, deferred
 from lnstab.check.subjects import Subject, context_length, hf_subject, lnstab_subject, parse_value, references
 from lnstab.check.validation.families import HF_FAMILIES
 from lnstab.check.validation.readme import HELDOUT_DIR, SETS, history, readme
-from lnstab.check.validation.sets import DEFAULT_SHAPE, SUPPLEMENT_IDS, Row, model_flags, supplement_rows
+from lnstab.check.validation.sets import DEFAULT_SHAPE, SUPPLEMENT_IDS, Row, Supplement, model_flags, supplement_rows
 from lnstab.check.workers import RunPool
 from lnstab.errors import LNStabError
 from lnstab.rundir import atomic_write_text, check_writable, read_json
@@ -155,11 +153,9 @@ def main(args: argparse.Namespace, model_args: dict[str, Any], argv: list[str], 
     protocol = make_protocol(args, {})
     thresholds = tier_thresholds(args.tier, args.thresholds)
     out = Path(args.out) if args.out else default_out(args.tier, args.set, sup.id if sup else None)
-    tier_shape = (tiers()[args.tier].get("model") or {}) if args.tier != "quick" else {}
-    selection = Selection(rows, tuple(every), sup, wanted, model_args,
-                          {**pairs(DEFAULT_SHAPE), **tier_shape, **model_args})
     try:
-        agree, wall = validate_rows(args, argv, typed, selection, out, protocol, thresholds, started)
+        agree, wall = validate_rows(args, argv, typed, rows, sup, wanted, model_args, out, protocol, thresholds,
+                                    started)
     except Interrupted as exc:
         exc.where = exc.where or f"; nothing in {out} was replaced"
         raise
@@ -179,36 +175,13 @@ def default_out(tier: str, set_name: str, supplement: str | None) -> Path:
         else base
 
 
-@dataclasses.dataclass(frozen=True)
-class Selection:
-    """What one ``--validate`` runs.
-
-    Attributes:
-        rows: The rows to run, in the set's order.
-        every: Every row of the set (a supplement's outcomes applied).
-        sup: The supplement, if any.
-        wanted: The ``--rows`` asked for (empty: all).
-        model_args: The ``--model.*`` shape changes.
-        shape: The default shape with ``model_args`` over it.
-    """
-
-    rows: list[Row]
-    every: tuple[Row, ...]
-    sup: Any
-    wanted: list[str]
-    model_args: dict[str, Any]
-    shape: dict[str, Any]
-
-
-def validate_rows(args: argparse.Namespace, argv: list[str], typed: list[str], selection: Selection, out: Path,
-                  protocol: Any, thresholds: dict[str, Any], started: float) -> tuple[int, float]:
-    """Train every row's runs, grade the cards and replace ``out``'s validation with them; ``(agreeing rows, wall
-    seconds)``."""
-
-    rows, sup, wanted = selection.rows, selection.sup, selection.wanted
-    model_args, shape = selection.model_args, selection.shape
-
-    heldout = args.set == "heldout"
+def validate_rows(args: argparse.Namespace, argv: list[str], typed: list[str], rows: list[Row], sup: Supplement | None,
+                  wanted: list[str], model_args: dict[str, Any], out: Path, protocol: Any, thresholds: dict[str, Any],
+                  started: float) -> tuple[int, float]:
+    """Train every row's runs (``wanted``: the ``--rows`` asked for, empty for all), grade the cards and replace
+    ``out``'s validation with them; ``(agreeing rows, wall seconds)``."""
+    tier_shape = (tiers()[args.tier].get("model") or {}) if args.tier != "quick" else {}
+    shape = {**pairs(DEFAULT_SHAPE), **tier_shape, **model_args}
     with tempfile.TemporaryDirectory(prefix="lnstab-validate-") as tmp:
         work = Path(tmp)
         checked = [row_subject(row, shape, work) for row in rows]
@@ -240,18 +213,18 @@ def validate_rows(args: argparse.Namespace, argv: list[str], typed: list[str], s
             wall = time.perf_counter() - started
             n_runs = sum(len(v) for k, v in runs.items() if k in registry)
             agree = sum(c["status"] in r.expected for r, c in zip(rows, cards, strict=True))
-            shown = [*model_flags(model_args), *(["--set", args.set] if heldout else []),
+            shown = [*model_flags(model_args), *(["--set", args.set] if args.set == "heldout" else []),
                      *(["--rows", ",".join(wanted)] if wanted else []), *protocol_args(argv)]
-            tier = getattr(args, "tier", None) or "quick"  # a run at a tier's shape and protocol says which (issue 39)
-            at_tier = {} if sup or model_args or not default_protocol(protocol, tier) else {"tier": tier}
+            tier, at_default = args.tier, default_protocol(protocol, args.tier)
+            at_tier = {} if sup or model_args or not at_default else {"tier": tier}  # a tier's run says so (issue 39)
             # the row notes explain the quick tier's whole default run, and quote its numbers
-            full = not wanted and not model_args and tier == "quick" and default_protocol(protocol)
+            full = not wanted and not model_args and tier == "quick" and at_default
             summary = {"set": args.set, **({"supplement": sup.id} if sup else {}), **at_tier,  # args: no local path
                        "args": shlex.split(public_command(shown).removeprefix("lnstab check ")),
                        "agree": agree, "rows": {r.id: {"card": c["status"], "expected": list(r.expected)}
                                                 for r, c in zip(rows, cards, strict=True)}, "wall_s": round(wall, 1),
                        "readme": {  # what the README says beyond the cards: it is rendered from this record
-                           "command": public_command(["--validate", *argv_without(typed, "--validate")]),
+                           "command": public_command(["--validate", *(a for a in typed if a != "--validate")]),
                            "runs": n_runs, "models": len(registry), "shape": model_args, "data": data_text(protocol),
                            "notes": full, "default_thresholds": thresholds == tier_thresholds(tier, None),
                            "history": history()}}
@@ -267,26 +240,18 @@ def validate_rows(args: argparse.Namespace, argv: list[str], typed: list[str], s
     return agree, wall
 
 
-def argv_without(argv: list[str], flag: str) -> list[str]:
-    return [a for a in argv if a != flag]
-
-
 def protocol_args(argv: list[str]) -> list[str]:
     """The protocol flags of a ``--validate`` command line (no ``--validate``, ``--overwrite``, ``--rows``,
     ``--set``, ``--out``, ``--supplement``, ``--model.*``): what a single card of a row needs beside the row's own
     arguments."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-            continue
+    out, given = [], iter(argv)
+    for arg in given:
         name = arg.split("=", 1)[0]
-        if name in ("--validate", "--overwrite"):
-            continue
         if name in ("--rows", "--set", "--out", "--supplement") or name.startswith("--model."):
-            skip = "=" not in arg
-            continue
-        out.append(arg)
+            if "=" not in arg:
+                next(given, None)  # its value
+        elif name not in ("--validate", "--overwrite"):
+            out.append(arg)
     return out
 
 
