@@ -27,7 +27,7 @@ from lnstab.check.validation.notes import (
     NoteError,
     render,
 )
-from lnstab.check.validation.score import score
+from lnstab.check.validation.score import best_constant, constant_counts, score
 from lnstab.check.validation.sets import HELDOUT, HELDOUT_PREDICTION, ROWS, STABLE, SUPPLEMENT_IDS, SUPPLEMENTS, Row
 from lnstab.check.validation.sets import supplement_rows as with_supplement
 from lnstab.formatting import cell
@@ -36,8 +36,8 @@ from lnstab.rundir import read_json
 HERE = Path(__file__).parent
 HELDOUT_DIR = "heldout"  # the held-out set's directory under the main set's
 SETS = {"main": ROWS, "heldout": HELDOUT}  # --set: the validation set, the held-out set (its own README)
-# What "fixed before the run" is checked by: the thresholds and the rows with their expected verdicts.
 DEFAULT_TIER = "quick"  # a run record without a tier (before issue 39) ran at the quick tier's protocol
+# What "fixed before the run" is checked by: the thresholds and the rows with their expected verdicts.
 HISTORY_PATHS = ("lnstab/check/criteria.py", "lnstab/check/thresholds.yaml", "lnstab/check/thresholds-proxy.yaml",
                  "lnstab/check/tiers.yaml", "lnstab/check/validation.py",
                  "lnstab/check/validation/rows.yaml", "lnstab/check/validation/heldout.yaml",
@@ -166,10 +166,8 @@ def run_tier(summary: dict[str, Any]) -> str | None:
 
 
 def reach_headline(summary: dict[str, Any], rows: list[Row], cards: list[str]) -> str:
-    """The headline of a run of a set at a tier (issue 39): its agreement over the rows whose source reached the
-    outcome at that tier and reports it (``cards``: the rows' verdicts), with the 95 % Wilson interval and the best
-    constant verdict on the same rows; the rows left out, and the set's rows the run did not have (added after
-    it). ``""`` for a run at no tier (:func:`run_tier`)."""
+    """The headline of a run at its tier (issue 39): its :func:`score` (``cards``: the rows' verdicts), the rows left
+    out, and the set's rows the run did not have (added after it); ``""`` for a run at no tier (:func:`run_tier`)."""
     tier = run_tier(summary)
     if tier is None:
         return ""
@@ -217,10 +215,9 @@ def heldout_section(got: dict[str, Any] | None) -> str:
 def constant_text(rows: list[Row]) -> str:
     """What a card that always gives one verdict would score on ``rows``: the baseline the check's agreement is to be
     read against (most published outcomes are "stable", which any verdict but FAIL matches)."""
-    counts = {v: sum(v in r.expected for r in rows) for v in ("warn", "pass", "fail")}
-    best = max(counts, key=counts.get)
+    (best, agree), counts = best_constant(rows), constant_counts(rows)
     others = ", ".join(f"always {SHORT[v]} {n}" for v, n in counts.items() if v != best)
-    return (f"Baseline: a card that always said {SHORT[best]}, whatever the model, would agree on {counts[best]} of "
+    return (f"Baseline: a card that always said {SHORT[best]}, whatever the model, would agree on {agree} of "
             f"{len(rows)} rows ({others}); the check's worth is in the rows a constant verdict gets wrong.")
 
 
@@ -231,17 +228,11 @@ def record_rows(summary: dict[str, Any]) -> list[Row]:
 
 
 def readme(summary: dict[str, Any], cards: list[dict[str, Any]], out: Path) -> str:
-    """The validation README of one run: agreement, one row per architecture, which criteria decide which rows,
-    thresholds, and, for the whole set at the default shape and protocol (the record's ``notes``), the row notes;
-    for the main set then also the held-out set and the supplements found under ``out``. Another run's rows carry no
-    notes (those explain the default run's numbers): its disagreements are explained in the main README's
-    supplement notes.
-
-    Args:
-        summary: The run record (``summary.json``, with its ``readme`` key).
-        cards: The cards of ``summary``'s rows, in its order.
-        out: The validation's directory (where the held-out set and the supplements are found).
-    """
+    """The validation README of run record ``summary`` (``summary.json``) from the ``cards`` of its rows, in its
+    order: agreement, one row per architecture, which criteria decide which rows, thresholds; the row notes only for
+    the whole set at the default shape and protocol (the record's ``notes``: they explain that run's numbers; another
+    run's disagreements are in the main README's supplement notes); for the main set also the held-out set and the
+    supplements found under ``out``, the validation's directory."""
     rec, set_name = summary["readme"], summary["set"]
     rows = record_rows(summary)
     sup = SUPPLEMENT_IDS.get(summary.get("supplement", ""))
@@ -287,7 +278,7 @@ def readme(summary: dict[str, Any], cards: list[dict[str, Any]], out: Path) -> s
         + ("" if not shape else " but " + ", ".join(f"`--model.{k} {v}`" for k, v in shape.items())),
         reference=reference_text(cards), protocol=cards[0]["protocol_text"], data=cards[0]["data_text"],
         preamble=preamble, headline=reach_headline(summary, rows, [c["status"] for c in cards]), agree=sum(agree),
-        n_rows=len(rows), percent=f"{100 * sum(agree) / max(1, len(rows)):.0f}",
+        n_rows=len(rows), percent=percent(sum(agree) / max(1, len(rows))),
         goal="; out of sample" if heldout else "; goal ≥ 90 %", strict=strict, single=single,
         stable_agree=sum(agree) - strict, stable=len(rows) - single,
         thresholds="**a --thresholds file, not the defaults**." if not rec["default_thresholds"] else
