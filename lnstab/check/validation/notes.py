@@ -1,13 +1,5 @@
-"""The validation READMEs' notes (``notes.yaml``) and change records (``changes.yaml``), and how a note quotes its
-run's numbers: through placeholders that :func:`render` fills from the cards of that run, so a note never quotes a
-number its run did not measure (typed by hand, they went stale when the set was re-run on another CPU kind).
-``{row.criterion}`` is a criterion's value on that row's card, ``{row.criterion@pre-ln}`` a reference's value on it,
-``{row.criterion#warn}`` (``#fail``) its threshold, each as the card reads it (``×2.1e6`` for a gradient spread);
-``{row:summaries/checked/lr_sensitivity/points/0.01|.2f}`` is any value of the row's ``report.json``, by its keys
-(list indices as numbers), with an optional format; ``{a/b|times}`` is the ratio of two such values (or numbers:
-``{row.overflow/65504|times}``) and ``{a/b|decades}``, ``{a|decades}`` its log10, to the decade, each of a spread or
-growth taken as its factor.
-"""
+"""The validation READMEs' notes (``notes.yaml``) and change records (``changes.yaml``), and :func:`render`, which
+fills a note's placeholders from the cards of its run (their forms: ``notes.yaml``'s header)."""
 
 from __future__ import annotations
 
