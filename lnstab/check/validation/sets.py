@@ -86,20 +86,21 @@ def model_flags(model: dict[str, Any]) -> list[str]:
 
 
 class _Fields:
-    """Reads one mapping of a data file, naming ``file: where.field`` in every refusal."""
+    """Reads one mapping of a data file with only ``keys``, naming ``file: where.field`` in every refusal."""
 
-    def __init__(self, data: Any, file: str, where: str) -> None:
+    def __init__(self, data: Any, file: str, where: str, keys: tuple[str, ...]) -> None:
         if not isinstance(data, dict):
             raise DataFileError(f"{file}: {where} is {type(data).__name__}; a mapping is allowed")
+        extra = [k for k in data if k not in keys]
+        if extra:
+            raise DataFileError(f"{file}: {where} has {extra[0]!r}; allowed: {', '.join(keys)}")
         self.data, self.file, self.where = data, file, where
 
     def bad(self, key: str, value: Any, allowed: str) -> DataFileError:
         return DataFileError(f"{self.file}: {self.where}.{key} is {value!r}; {allowed}")
 
-    def text(self, key: str, optional: bool = False) -> str | None:
+    def text(self, key: str) -> str:
         value = self.data.get(key)
-        if value is None and optional:
-            return None
         if not isinstance(value, str) or not value.strip():
             raise self.bad(key, value, "a non-empty string is allowed")
         return value
@@ -119,11 +120,6 @@ class _Fields:
             raise self.bad(key, value, "true or false is allowed")
         return value
 
-    def only(self, keys: tuple[str, ...]) -> None:
-        extra = [k for k in self.data if k not in keys]
-        if extra:
-            raise DataFileError(f"{self.file}: {self.where} has {extra[0]!r}; allowed: {', '.join(keys)}")
-
 
 def _reach(f: _Fields) -> tuple[tuple[str, ...], bool, str]:
     """A row's ``reachable`` (a mapping of every tier to true or false), ``reported`` and ``reach_note``."""
@@ -137,8 +133,8 @@ def _reach(f: _Fields) -> tuple[tuple[str, ...], bool, str]:
 def _row(data: Any, file: str, where: str, reach: bool = True) -> Row:
     """One row; ``reach``: its ``reachable``, ``reported`` and ``reach_note`` are required (the two sets' rows),
     else refused (a supplement's)."""
-    f = _Fields(data, file, where)
-    f.only(("id", "design", "model", "hf", "outcome", "source", "expected", *(REACH_KEYS if reach else ())))
+    f = _Fields(data, file, where, ("id", "design", "model", "hf", "outcome", "source", "expected",
+                                    *(REACH_KEYS if reach else ())))
     hf, model = f.data.get("hf"), f.data.get("model")
     if (hf is None) == (model is None):
         raise f.bad("model", model, "give either model (lnstab's family) or hf (a Hugging Face family), not both")
@@ -164,9 +160,7 @@ def _rows(data: Any, file: str, where: str, reach: bool = True) -> tuple[Row, ..
 
 
 def _top(name: str, keys: tuple[str, ...]) -> _Fields:
-    f = _Fields(load_yaml(HERE / name, name), name, "the file")
-    f.only(keys)
-    return f
+    return _Fields(load_yaml(HERE / name, name), name, "the file", keys)
 
 
 def load_rows() -> tuple[Row, ...]:
@@ -191,8 +185,7 @@ def load_supplements() -> tuple[Supplement, ...]:
         raise DataFileError(f"supplements.yaml: supplements is {items!r}; a non-empty list is allowed")
     found = []
     for i, item in enumerate(items):
-        f = _Fields(item, "supplements.yaml", f"supplements[{i}]")
-        f.only(("id", "args", "question", "prediction", "rows"))
+        f = _Fields(item, "supplements.yaml", f"supplements[{i}]", ("id", "args", "question", "prediction", "rows"))
         own = (_rows(f.data["rows"], "supplements.yaml", f"supplements[{i}].rows", reach=False)
                if "rows" in f.data else ())
         found.append(Supplement(f.text("id"), f.strings("args"), f.text("question"), f.text("prediction"), own))
