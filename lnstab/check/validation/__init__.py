@@ -1,9 +1,5 @@
-"""The validation of ``lnstab check`` against the published record: its data (``rows.yaml``, ``heldout.yaml``,
-``supplements.yaml``: designs, published outcomes, the verdicts they imply, fixed before a run; ``notes.yaml`` and
-``changes.yaml``: what was written after), read by :mod:`.sets`; the Hugging Face families its rows build
-(:mod:`.families`); ``lnstab check --validate`` (:mod:`.run`); its READMEs rendered from a run record
-(:mod:`.readme`, from ``readme.md`` and ``sections.md``), their notes' placeholders (:mod:`.notes`).
-"""
+"""The validation of ``lnstab check`` against the published record (``lnstab check --validate``): its files, data and
+code, are listed in ARCHITECTURE.md (``lnstab/check/``, file by file)."""
 
 from lnstab.check.validation.families import HF_FAMILIES
 from lnstab.check.validation.sets import (

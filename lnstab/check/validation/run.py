@@ -46,8 +46,7 @@ def pairs(args: tuple[str, ...]) -> dict[str, Any]:
 def row_subject(row: Row, shape: dict[str, Any], workdir: Path) -> tuple[Subject, list[str]]:
     """The checked subject of ``row`` at ``shape``, and the ``lnstab check`` arguments that make the same card."""
     if row.hf:
-        probe, _ = lnstab_subject(shape)
-        s = probe.shape
+        s = lnstab_subject(shape)[0].shape
         import transformers
 
         make_config, model_class, family = HF_FAMILIES[row.hf]
@@ -63,14 +62,12 @@ def row_subject(row: Row, shape: dict[str, Any], workdir: Path) -> tuple[Subject
 
 
 def prepare_out(out: Path, overwrite: bool, rows: list[Row] | tuple[Row, ...] = ()) -> None:
-    """An empty ``out``, or one whose earlier validation may be replaced (``--overwrite``); nothing in it is removed
-    until the new validation is written (:func:`replace_cards`), and then only the cards of ``rows``, the rows this
-    validation runs. A directory named like one of them that is not a card (a user's own folder) is refused here,
-    before anything trains.
+    """An empty ``out``, or one whose earlier validation ``--overwrite`` may replace: nothing in it is removed until
+    the new validation is written (:func:`replace_cards`), and then only the cards of ``rows``, the rows it runs.
 
     Raises:
-        LNStabError: ``out`` holds something and ``overwrite`` is not given, holds no validation, or holds a
-            directory in the place of one of ``rows``' cards that is not a card.
+        LNStabError: ``out`` holds something and ``overwrite`` is not given, holds no validation, or holds something
+            other than a card (a user's own folder) where one of ``rows``' cards goes: refused before anything trains.
     """
     check_writable(out, "--out")  # a file at or above it, a dangling link, no write permission
     if out.is_dir() and any(out.iterdir()):

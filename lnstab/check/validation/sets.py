@@ -33,8 +33,7 @@ class Row:
         outcome: The published outcome, one line.
         source: Paper and table / figure / section.
         expected: The verdicts that outcome implies (lower case card statuses).
-        hf: A Hugging Face family (``gemma2``, ``llama``, ``olmo2``, ``gpt2``) whose model is built from a config of
-            the default shape (no download), or ``None``.
+        hf: A Hugging Face family (a key of ``families.HF_FAMILIES``) built at the default shape, or ``None``.
         reachable: The tiers (``quick``, ``proxy``) within whose depth, steps, learning rates and precision the source
             reports the outcome.
         reported: Whether the source reports the outcome for this design (``False``: only implied); ``None`` for a
