@@ -19,6 +19,8 @@ import statistics
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+FP16_MAX = 65504.0  # the largest finite float16 and bfloat16: where an activation overflows in that precision
+BF16_MAX = 3.3895313892515355e38
 SENSITIVITY = "jacobian/sensitivity/"
 ACT_SCALE = "jacobian/act_scale/"
 

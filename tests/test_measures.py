@@ -7,6 +7,8 @@ import math
 import pytest
 
 from lnstab.measures import (
+    BF16_MAX,
+    FP16_MAX,
     best_rate,
     deep_doublings,
     fit_line,
@@ -49,3 +51,10 @@ def test_deep_doublings_is_nan_not_an_error_when_mid_depth_overflowed() -> None:
     # a profile that overflowed at mid-depth and came back finite at the top (an fp16 inf, say) has no ratio
     assert math.isnan(deep_doublings([1.0, 2.0, 3.0, 4.0], [1.0, math.inf, math.inf, 5.0]))
     assert deep_doublings([1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.0]) == 1.0  # linear from 0: one doubling
+
+
+def test_the_overflow_limits_are_torchs() -> None:
+    """The report's fp16-overflow count and the card's fp16/bf16 thresholds read these: the dtypes' largest finite."""
+    import torch
+
+    assert FP16_MAX == torch.finfo(torch.float16).max and BF16_MAX == torch.finfo(torch.bfloat16).max

@@ -10,9 +10,6 @@ from lnstab.callbacks.divergence_kinds import FATAL
 from lnstab.check.runspec import RunResult
 from lnstab.measures import best_rate, fit_line, growth_fit, jacobian_points, ladder_sensitivity, log_log_slope
 
-FP16_MAX = 65504.0
-BF16_MAX = 3.3895313892515355e38
-
 
 def layer_depths(tags: list[str]) -> dict[str, float]:
     """Depth in layers of every layer site (tags ``L00``, ``L00_attn`` …): half-step ``k`` of a two-site block sits at

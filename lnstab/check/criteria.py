@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lnstab.check.analysis import BF16_MAX, FP16_MAX
 from lnstab.errors import LNStabError
 from lnstab.formatting import card_quote, card_short
+from lnstab.measures import BF16_MAX, FP16_MAX
 from lnstab.safeload import load_yaml
 
 NAMES = ("pre", "peri", "pre_sd", "peri_sd", "sd")

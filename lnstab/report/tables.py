@@ -27,10 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lnstab.formatting import cell, mean_pm, number, text
-from lnstab.measures import SENSITIVITY, jacobian_points, log_log_slope
+from lnstab.measures import FP16_MAX, SENSITIVITY, jacobian_points, log_log_slope
 from lnstab.report.collect import RunRecord
 
-FP16_MAX = 65504.0
 WATCHED_EVENTS = ("attention_collapse", "logit_drift")  # non-fatal DivergenceMonitor kinds the divergence table shows
 PERFORMANCE_METRICS = ("val_loss", "eval_loss", "ppl_exp_mean_loss", "ppl_mean_seq", "rouge1", "rouge2", "rougeL",
                        "bertscore_precision", "bertscore_recall", "bertscore_f1")
