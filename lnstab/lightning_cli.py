@@ -81,6 +81,7 @@ class LNStabCLI(LightningCLI):
     created_run_dir: Path | None = None  # the fit's run directory, when this fit created it
     created_root: Path | None = None  # the outermost directory this fit created on the way to it
     scored_run_dir: Path | None = None  # the run directory a validate, test or evaluate writes into
+    checkpoint_step: int | None = None  # the global step of the --ckpt_path file, read once (not a sharded directory)
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -132,6 +133,7 @@ class LNStabCLI(LightningCLI):
         if ckpt and not Path(ckpt).is_dir():
             loaded = load_checkpoint(ckpt, field="--ckpt_path", mmap=True)  # missing, truncated or unsafe: one line
             runs.check_checkpoint_kind(loaded, ckpt, sub)  # a user's own project's, or weights only for a fit
+            self.checkpoint_step = loaded.get("global_step")
         if sub == "fit" and ckpt is None and run_dir:
             if c.get("ckpt_path") == "auto" and (moved := runs.set_aside_unresumable(run_dir)) is not None:
                 print(f"lnstab: {run_dir} held a run (status {moved[1]}) with no checkpoint to resume; its files are "
@@ -235,7 +237,8 @@ class LNStabCLI(LightningCLI):
         c = self.config[self.subcommand]
         evaluators = [cb for cb in self.trainer.callbacks if isinstance(cb, FinalEvaluation) and cb.run_on["fit"]]
         ckpt, run = c.get("ckpt_path"), c.get("run_dir")
-        if not evaluators or not runs.final_evaluation_owed(ckpt, run, self.trainer.max_steps):
+        owed = runs.final_evaluation_owed(self.checkpoint_step, run, self.trainer.max_steps)
+        if not evaluators or not owed:
             return
         rank_zero_info(f"lnstab: {run} trained all its steps; its final evaluation did not finish: evaluating")
         saved = [(cb, dict(cb.run_on), cb.test_stage) for cb in evaluators]

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lnstab import runlock
-from lnstab.checkpoint import CheckpointError, checkpoints_of, is_complete, load_checkpoint, newest_checkpoint
+from lnstab.checkpoint import CheckpointError, checkpoints_of, is_complete, newest_checkpoint
 from lnstab.errors import ConfigError
 from lnstab.rundir import CHECKPOINT_DIR, CONFIG_FILE, SUMMARY_FILE, RunFileError, latest_eval, read_summary
 
@@ -304,15 +304,12 @@ def check_resumable(run_dir: str | os.PathLike) -> None:
 UNFINISHED_EVALUATION = ("interrupted", "failed", "running")  # the statuses a run left in its final evaluation may have
 
 
-def final_evaluation_owed(ckpt: str | None, run_dir: str | None, max_steps: int | None) -> bool:
-    """Whether resuming ``ckpt`` into ``run_dir`` owes the run its final evaluation: the checkpoint is at the last
-    step (nothing left to train), the run did not finish it (``interrupted`` by a signal, ``failed`` in it, or
-    ``running`` with its process gone: killed; a live one is refused before this) and its latest evaluation is not of
-    that step. A damaged record owes nothing (the fit repairs what it can)."""
-    if not ckpt or not run_dir or Path(ckpt).is_dir() or max_steps is None or max_steps < 1:
-        return False
-    step = load_checkpoint(ckpt, mmap=True).get("global_step")
-    if step is None or step < max_steps:
+def final_evaluation_owed(step: int | None, run_dir: str | None, max_steps: int | None) -> bool:
+    """Whether resuming a checkpoint of ``step`` into ``run_dir`` owes the run its final evaluation: the checkpoint is
+    at the last step (nothing left to train), the run did not finish it (``interrupted`` by a signal, ``failed`` in
+    it, or ``running`` with its process gone: killed; a live one is refused before this) and its latest evaluation is
+    not of that step. A damaged record owes nothing (the fit repairs what it can)."""
+    if step is None or not run_dir or max_steps is None or max_steps < 1 or step < max_steps:
         return False
     try:
         status, done = read_summary(run_dir).get("status"), latest_eval(run_dir)
