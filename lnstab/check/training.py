@@ -1,13 +1,6 @@
 """One stress run of the check: a Lightning fit of any token-ids → logits model with lnstab's instruments attached.
-
-Every subject of a check (the checked model and its references) is trained by the same :class:`StressModule`
-(AdamW with decay on matrices only, linear warmup then cosine to a tenth of the peak, as
-:class:`lnstab.module.GPTModule`) on the same cached batches, so two subjects differ only in their architecture.
-The model trains in train mode (its dropout switched off beforehand, see :mod:`lnstab.check.subjects`), so any
-other training-only branch runs as in training; lnstab's GPT trains on its own objective (the chunked head loss, with
-its z-loss when the config has one), other models on the cross-entropy of their logits (plus the z-loss of
-``--z-loss``, :func:`lnstab.check.subjects.with_z_loss`).
-"""
+Every subject (the checked model and its references) is trained by the same :class:`StressModule` on the same cached
+batches, so two subjects differ only in their architecture."""
 
 from __future__ import annotations
 
@@ -38,15 +31,14 @@ from lnstab.callbacks import (
     RunStatus,
     StabilityLayout,
 )
-from lnstab.check.runspec import Optimisation, RunResult, Sites, logits_of, probe_forward  # noqa: F401
+from lnstab.check.runspec import Optimisation, RunResult, Sites, logits_of
 from lnstab.loss import z_loss_term
 from lnstab.model import GPT
 from lnstab.module import lr_at
 
 # A stress run has diverged on a non-finite loss, gradient, weight or activation, or on a loss above this multiple of
-# its first (~ln V): without it, whether a run that blew up counted depended on whether fp32 overflowed on that CPU
-# (no LN at lr 0.3 reached loss 1e11, finite, on an AVX-512 Xeon, and inf on an AVX2 EPYC). Part of what "diverged"
-# means (docs/check/README.md), like the non-finite tests, rather than a card threshold.
+# its first (~ln V), whether or not fp32 overflowed on this CPU: part of what "diverged" means (docs/check/README.md),
+# not a card threshold.
 LOSS_EXPLOSION_FACTOR = 10.0
 
 
@@ -75,17 +67,16 @@ def event_writer_errors() -> Iterator[list[OSError]]:
 class StressModule(pl.LightningModule):
     """Next-token loss of ``model`` (token ids ``(B, T)`` → logits ``(B, T, V)``) under :class:`Optimisation`.
 
-    The model trains in train mode (switch its dropout off first). lnstab's GPT is trained on its own objective
-    (``model(idx, targets)``: the chunked head's cross-entropy plus its z-loss, if any), any other model, or any model
-    given ``z_loss``, on the cross-entropy of its logits (:func:`logits_of`; whatever else it returns, an auxiliary
-    loss say, is not trained on) plus ``z_loss·mean (log Z)²``, PaLM's z-loss as :func:`lnstab.loss.lm_head_losses`
-    forms it. The cross-entropy of every step is kept in :attr:`losses`.
+    The model trains in train mode (switch its dropout off first; :mod:`lnstab.check.subjects`). lnstab's GPT is
+    trained on its own objective (``model(idx, targets)``: the chunked head's cross-entropy plus its z-loss, if any),
+    any other model, or any model given ``z_loss``, on the cross-entropy of its logits (:func:`logits_of`; whatever
+    else it returns, an auxiliary loss say, is not trained on) plus ``z_loss·mean (log Z)²``, PaLM's z-loss as
+    :func:`lnstab.loss.lm_head_losses` forms it; AdamW with decay on matrices only, linear warmup then cosine, as
+    :class:`lnstab.module.GPTModule`. The cross-entropy of every step is kept in :attr:`losses`.
 
     Args:
         model: The network to train; its modules are reachable as ``model.<name>`` (hooks find them by suffix).
         learning_rate: Peak learning rate.
-        optimisation: The schedule and optimiser settings.
-        z_loss: The z-loss coefficient for a model trained on its logits (0: none).
     """
 
     def __init__(self, model: nn.Module, learning_rate: float, optimisation: Optimisation,
@@ -169,12 +160,9 @@ def batches(tokens: torch.Tensor, seed: int, batch_size: int) -> DataLoader:
 
 @contextlib.contextmanager
 def denormals_flushed(on: bool = True) -> Iterator[None]:
-    """Denormal floats flushed to zero on this thread (the CPU's FTZ/DAZ) while a stress run trains, then not. A run
-    at a high learning rate makes them (collapsed attention rows' probabilities and their gradients), and each costs
-    the CPU a slow path: a proxy-tier run at lr 0.3 took 71 s with them and 54 s without on an AMX Xeon. Part of the
-    protocol, not a no-op: the runs compared came out bit for bit the same, but a value flushed can move a chaotic run
-    (an ``lnstab fit`` of the proxy at lr 0.3 ends 0.014 nats apart; benchmarks/README.md). Only the calling thread's
-    setting changes, so ``--threads`` above 1 per worker flushes in its first thread only."""
+    """Denormal floats flushed to zero on this thread (the CPU's FTZ/DAZ) while a stress run trains, then not: a
+    speed-up at high rates that is part of the protocol (docs/check/README.md, benchmarks/README.md). Only the calling
+    thread's setting changes, so ``--threads`` above 1 per worker flushes in its first thread only."""
     flushed = on and torch.set_flush_denormal(True)
     try:
         yield
@@ -220,33 +208,24 @@ def stress_run(
         log_heatmap=False,
         unroll_repeats=True,  # a block looped in one forward: each call a layer of its own
     )
-    growth_kwargs: dict[str, Any] = {}
-    if sites.norm_pattern is not None:
-        growth_kwargs["norm_pattern"] = sites.norm_pattern
     growth = GrowthBoundMonitor(
         every_n_steps=measure_every,
         layer_pattern=sites.hidden_pattern,
         embed_pattern=sites.embed_pattern or r"(?!)",  # none: X_0 is the first layer's input
         final_pattern=sites.final_pattern,
         unroll_repeats=True,  # each call of a looped block a layer, each call of its output norms an update
-        **growth_kwargs,
+        **({} if sites.norm_pattern is None else {"norm_pattern": sites.norm_pattern}),
     )
-    instruments: list[Any] = [growth]
-    callbacks: list[pl.Callback] = [StabilityLayout(), hidden, growth]
     qk = dict(zip(("q_pattern", "k_pattern", "n_head"), sites.qk, strict=True)) if sites.qk else {}
+    head = {"head_pattern": sites.head_pattern} if sites.head_pattern else {}
+    instruments: list[Any] = [growth]
     if sites.attention:
-        attention = AttentionLogitStatistics(every_n_steps=measure_every, **qk)
-        callbacks.append(attention)
-        instruments.append(attention)
+        instruments.append(AttentionLogitStatistics(every_n_steps=measure_every, **qk))
     if sites.logits:
-        output = OutputLogitStatistics(every_n_steps=measure_every, **(
-            {"head_pattern": sites.head_pattern} if sites.head_pattern else {}))
-        callbacks.append(output)
-        instruments.append(output)
+        instruments.append(OutputLogitStatistics(every_n_steps=measure_every, **head))
     if sites.param_pattern is not None:
-        grads = GradientStatistics(every_n_steps=1, layer_pattern=sites.param_pattern)
-        callbacks.append(grads)
-        instruments.append(grads)
+        instruments.append(GradientStatistics(every_n_steps=1, layer_pattern=sites.param_pattern))
+    callbacks: list[pl.Callback] = [StabilityLayout(), hidden, *instruments]
     if sites.block_pattern is not None:
         steps = (0, optimisation.steps) if probe_init else (optimisation.steps,)
         jac = BranchProbe(sites.block_pattern, steps, probe_size=probe_size, n_iter=jacobian_iters)
@@ -257,7 +236,7 @@ def stress_run(
         stats_every_n_steps=measure_every if (sites.attention or sites.logits) else 0,
         **({} if sites.attention else {"collapse_fraction": None, "attention_logit_threshold": None}),
         **({} if sites.logits else {"log_z_threshold": None}),
-        **({"head_pattern": sites.head_pattern} if sites.head_pattern else {}),
+        **head,
         **qk,
     )
     status = RunStatus(signals=(), save_on_interrupt=False)  # summary.json status only; Ctrl-C ends the whole check
