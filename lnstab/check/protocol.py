@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 from lnstab import validation
 from lnstab.check.runspec import Optimisation, RunResult
 from lnstab.check.subjects import Subject
-from lnstab.check.workers import Failure, Job, RunPool, final_loss, quiet
+from lnstab.check.workers import Failure, Job, RunPool, quiet
 from lnstab.errors import LNStabError
 from lnstab.safeload import load_yaml
 
@@ -270,7 +271,8 @@ def run_ladder(subjects: list[Subject], protocol: Protocol, tokens: torch.Tensor
     def done(job: Job, result: Any) -> None:
         if isinstance(result, Failure):
             return
-        bar.set_postfix_str(f"{job.subject.key} lr={job.lr:g} seed={job.seed} loss={final_loss(result):.3g}"
+        loss = result.losses[-1] if result.losses else math.nan
+        bar.set_postfix_str(f"{job.subject.key} lr={job.lr:g} seed={job.seed} loss={loss:.3g}"
                             + (" diverged" if result.diverged else ""))
         bar.update()
 

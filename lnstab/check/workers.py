@@ -1,26 +1,10 @@
-"""The ladder's stress runs in this process or in worker processes (``--workers``), one torch thread each.
-
-The models of a check are small (4 × 128 by default): a run's matrix products are too small to keep two threads of
-one process busy, so two single-threaded processes finish a ladder about twice as fast as one process on two
-threads. Workers are spawned (never forked: the parent's OpenMP state must not be inherited) as soon as the arguments
-are checked, import the training side (Lightning and lnstab's callbacks: seconds of CPU), one of them reads the data
-(:meth:`RunPool.call`), and each rebuilds every model from its subject's picklable recipe; a run is seeded the same
-way in either place, so its weights and batches are the same (its floating-point sums may differ in the last bits
-with the thread count). The parent itself never imports Lightning: it plans, waits and grades.
-
-Only the parent acts on signals. The workers are spawned with SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 blocked
-and keep them blocked (so neither a Ctrl-C to the terminal's process group nor a ``kill`` of the whole group reaches
-them, and no handler Lightning installs during a fit runs there), and they die with the parent, however it ends
-(SIGKILL on the parent's death, :mod:`lnstab.parentdeath`). The parent ends them at once when the check stops early
-(:meth:`RunPool.__exit__`). A job carries its windows by value, so a worker never reads from the parent's memory
-once the job is in its hands.
-"""
+"""The ladder's stress runs in this process or in spawned worker processes (``--workers``), one torch thread each;
+why, and how they take signals: ARCHITECTURE.md's ``lnstab/check/`` section."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import multiprocessing
 import os
 import signal
@@ -28,7 +12,7 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,6 +65,17 @@ class Failure:
     first_line: str
     traceback: str
 
+    @classmethod
+    def of(cls, index: int, exc: BaseException, exc_type: str = "", first: str | None = None) -> Failure:
+        """The failure of job ``index`` that raised ``exc`` (its type and first line unless given)."""
+        return cls(index, exc_type or type(exc).__name__, first_line(exc) if first is None else first,
+                   "".join(traceback.format_exception(exc)))
+
+
+def first_line(exc: BaseException) -> str:
+    """The first non-blank line of ``exc``'s message, stripped."""
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+
 
 def run_job(job: Job) -> Any:
     """Build the seeded model and train it (in this process or a worker); the ``RunResult``, or a
@@ -104,13 +99,12 @@ def run_job(job: Job) -> Any:
             return result
     except SystemExit as exc:  # would pass `except Exception` and end the check with the model's status (0: a pass)
         if isinstance(exc.__context__, KeyboardInterrupt):  # Lightning's fit turns one into sys.exit(1)
-            return Failure(job.index, "KeyboardInterrupt", "the model raised KeyboardInterrupt during training, which "
-                           "Lightning's fit ends with sys.exit(1)", "".join(traceback.format_exception(exc)))
-        return Failure(job.index, "SystemExit", f"the model ended the process during training ({exit_call(exc)})",
-                       "".join(traceback.format_exception(exc)))
+            return Failure.of(job.index, exc, "KeyboardInterrupt", "the model raised KeyboardInterrupt during "
+                              "training, which Lightning's fit ends with sys.exit(1)")
+        return Failure.of(job.index, exc, "SystemExit", f"the model ended the process during training "
+                          f"({exit_call(exc)})")
     except Exception as exc:
-        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
-        return Failure(job.index, type(exc).__name__, first, "".join(traceback.format_exception(exc)))
+        return Failure.of(job.index, exc)
 
 
 def _start_worker(path: list[str], threads: int, parent: int) -> None:
@@ -202,39 +196,26 @@ class RunPool:
         """Every job's result in job order; ``done(job, result)`` after each (e.g. a progress bar). The first
         :class:`Failure` stops the rest and is returned in place of its result."""
         results: list[Any] = [None] * len(jobs)
-        if self.executor is None:
-            for job in jobs:
-                results[job.index] = run_job(job)
-                self.finished += 1
-                done(job, results[job.index])
-                if isinstance(results[job.index], Failure):
-                    break
-            return results
-        futures: dict[Future, Job] = {self.executor.submit(run_job, job): job for job in jobs}
-        pending = set(futures)
-        while pending:
-            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for future in finished:
-                job = futures[future]
-                try:
-                    result = future.result()
-                except Exception as exc:  # the worker died (killed, out of memory): the check failed
-                    result = Failure(job.index, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
-                                     "".join(traceback.format_exception(exc)))
-                results[job.index] = result
-                self.finished += 1
-                done(job, result)
-                if isinstance(result, Failure):
-                    for other in pending:
-                        other.cancel()
-                    return results
+        futures = {} if self.executor is None else {self.executor.submit(run_job, job): job for job in jobs}
+        # here one after the other in order; in the workers as each ends
+        ended = ((job, run_job(job)) for job in jobs) if self.executor is None else (
+            (futures[f], _outcome(f, futures[f])) for f in as_completed(futures))
+        for job, result in ended:
+            results[job.index] = result
+            self.finished += 1
+            done(job, result)
+            if isinstance(result, Failure):
+                for future in futures:
+                    future.cancel()
+                break
         return results
 
 
-def final_loss(result: Any) -> float:
-    """The last training loss of a run result (``nan`` without one)."""
-    losses = getattr(result, "losses", None)
-    return losses[-1] if losses else math.nan
+def _outcome(future: Future, job: Job) -> Any:
+    try:
+        return future.result()
+    except Exception as exc:  # the worker died (killed, out of memory): the check failed
+        return Failure.of(job.index, exc)
 
 
 @contextlib.contextmanager
