@@ -6,6 +6,7 @@ import contextlib
 import functools
 import math
 import os
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,16 +32,9 @@ def tiers() -> dict[str, Any]:
 
 
 class RunFailed(Exception):
-    """A stress run that raised: the checked model (or a reference, or the check itself) failed while training.
-
-    Not a usage error: ``lnstab check`` exits with its own status (3) and one line naming the run.
-
-    Attributes:
-        subject: The subject's label.
-        lr: The run's learning rate.
-        seed: The run's seed.
-        detail: The traceback of the run (from the process that ran it).
-    """
+    """A stress run that raised: the checked model (or a reference, or the check itself) failed while training; not a
+    usage error: ``lnstab check`` exits 3 with one line naming the run (``subject``: its label). ``detail``: the run's
+    traceback, from the process that ran it."""
 
     def __init__(self, subject: str, lr: float, seed: int, exc_type: str, first: str, detail: str = "") -> None:
         self.subject, self.lr, self.seed, self.detail = subject, lr, seed, detail
@@ -103,19 +97,16 @@ class Protocol:
             validation.integer("--seeds", seed, 0)
             if seed > MAX_SEED:  # torch.manual_seed's range: beyond it the run failed as the model's fault, exit 3
                 raise LNStabError(f"--seeds={seed} is not allowed; a seed is at most {MAX_SEED} (2**64 - 1)")
-        for option, values, show in (("--lrs", self.lrs, lambda v: f"{v:g}"), ("--seeds", self.seeds, str)):
-            repeated = sorted({show(v) for v in values if [show(w) for w in values].count(show(v)) > 1})
-            if repeated:
-                raise LNStabError(f"{option} {','.join(show(v) for v in values)} is not allowed; it names "
+        for option, shown in (("--lrs", [f"{v:g}" for v in self.lrs]), ("--seeds", [str(v) for v in self.seeds])):
+            if repeated := sorted(v for v, n in Counter(shown).items() if n > 1):
+                raise LNStabError(f"{option} {','.join(shown)} is not allowed; it names "
                                   f"{repeated[0]} twice (each rate and seed is one run with its own log directory)")
-        validation.positive_int("--batch-size", self.batch_size)
-        validation.integer("--seq-len", self.seq_len, 2)
-        validation.positive_int("--measure-every", self.measure_every)
-        validation.positive_int("--jacobian-iters", self.jacobian_iters)
-        validation.positive_int("--probe-size", self.probe_size)
         opt = self.optimisation
-        validation.positive_int("--steps", opt.steps)
-        validation.integer("--warmup-steps", opt.warmup_steps, 0)
+        for option, value, least in (("--batch-size", self.batch_size, 1), ("--seq-len", self.seq_len, 2),
+                                     ("--measure-every", self.measure_every, 1),
+                                     ("--jacobian-iters", self.jacobian_iters, 1), ("--probe-size", self.probe_size, 1),
+                                     ("--steps", opt.steps, 1), ("--warmup-steps", opt.warmup_steps, 0)):
+            validation.integer(option, value, least)
         validation.number("--min-lr-ratio", opt.min_lr_ratio, 0, 1)
         validation.number("--weight-decay", opt.weight_decay, 0)
         validation.number("--grad-clip", opt.grad_clip, 0)
@@ -192,17 +183,17 @@ def load_tokens(protocol: Protocol, vocab_size: int, seq_len: int, own_vocab: bo
     if own_vocab and vocab_size < GPT2_VOCAB:
         raise LNStabError(f"--data.path {protocol.data_path} holds GPT-2 tokens (50257), but the model predicts only "
                           f"{vocab_size}; use --data.source synthetic or a model with GPT-2's vocabulary")
-    path = os.path.expanduser(protocol.data_path or "")
+    common = {"block_size": seq_len, "batch_size": protocol.batch_size, "source": "files", "num_workers": 0,
+              "path": os.path.expanduser(protocol.data_path or ""), "tokenizer_threads": 1}
     if protocol.vocab_top_k is not None:  # split by document, relabelled onto the training split's top-K + UNK
-        dm = OpenWebTextDataModule(block_size=seq_len, batch_size=protocol.batch_size, source="files", path=path,
-                                   val_split="documents", val_documents=protocol.val_documents, vocab="top_k",
-                                   vocab_top_k=protocol.vocab_top_k, num_workers=0, tokenizer_threads=1)
+        dm = OpenWebTextDataModule(**common, val_split="documents", val_documents=protocol.val_documents,
+                                   vocab="top_k", vocab_top_k=protocol.vocab_top_k)
         with quiet():
             dm.setup("fit")
     else:
-        dm = OpenWebTextDataModule(block_size=seq_len, batch_size=protocol.batch_size, source="files", path=path,
-                                   val_tokens=seq_len + 1, num_workers=0, tokenizer_threads=1)
+        dm = OpenWebTextDataModule(**common, val_tokens=seq_len + 1)
     windows: list[torch.Tensor] = []
+    more = "give more text, or a smaller --batch-size, --steps or --seq-len"
     try:
         with quiet():
             for x, y in dm.train_dataloader():
@@ -212,31 +203,28 @@ def load_tokens(protocol: Protocol, vocab_size: int, seq_len: int, own_vocab: bo
     except TooLittleData:  # said in lnstab fit's options (--data.val_tokens, --data.block_size), not the check's
         raise LNStabError(f"--data.path {protocol.data_path} holds less than one window of {seq_len + 1} tokens held "
                           f"out and a batch of {protocol.batch_size} to train on; the check needs {n} windows "
-                          "(--batch-size × (--steps + 1)): give more text, or a smaller --batch-size, --steps or "
-                          "--seq-len") from None
+                          f"(--batch-size × (--steps + 1)): {more}") from None
     tokens = torch.cat(windows)[:n] if windows else torch.empty(0, seq_len + 1, dtype=torch.long)
     if tokens.size(0) and bool((tokens[1:] == tokens[0]).all(dim=1).any()):  # the training loader ran out, began again
         held = int(torch.unique(tokens, dim=0).size(0))
         raise LNStabError(f"--data.path {protocol.data_path} holds {held} windows of {seq_len + 1} tokens to train on; "
                           f"the check needs {n} (--batch-size × (--steps + 1)), each seen once, not the same windows "
-                          "again: give more text, or a smaller --batch-size, --steps or --seq-len")
+                          f"again: {more}")
     if tokens.size(0) < n:
         raise LNStabError(f"--data.path {protocol.data_path} holds {tokens.size(0)} windows of {seq_len + 1} tokens; "
-                          f"the check needs {n} (--batch-size × (--steps + 1)): give more text, or a smaller "
-                          "--batch-size, --steps or --seq-len")
+                          f"the check needs {n} (--batch-size × (--steps + 1)): {more}")
+    info = {"source": "files", "path": str(protocol.data_path), "windows": n}
     if protocol.vocab_top_k is not None:
         vocab = dm.vocab_map
-        return tokens, {"source": "files", "path": str(protocol.data_path), "windows": n,
-                        "validation_documents_held_out": int(protocol.val_documents or 0), "vocab_size": vocab.size,
-                        "top_k": protocol.vocab_top_k, "unk_share": float((tokens == vocab.unk).double().mean())}
-    return tokens, {"source": "files", "path": str(protocol.data_path), "windows": n,
-                    "validation_documents_skipped": int(dm.hparams.val_tokens), "vocab_size": GPT2_VOCAB}
+        return tokens, {**info, "validation_documents_held_out": int(protocol.val_documents or 0),
+                        "vocab_size": vocab.size, "top_k": protocol.vocab_top_k,
+                        "unk_share": float((tokens == vocab.unk).double().mean())}
+    return tokens, {**info, "validation_documents_skipped": int(dm.hparams.val_tokens), "vocab_size": GPT2_VOCAB}
 
 
 def compact_vocabulary(tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The windows relabelled onto the distinct tokens they hold, and ``V'``: the protocol vocabulary. The one
-    implementation is :func:`lnstab.datamodules.vocab.compact_vocabulary` (``--data.vocab compact`` of the
-    OpenWebText DataModule), imported here when called so the check's parent process stays free of Lightning."""
+    """:func:`lnstab.datamodules.vocab.compact_vocabulary` (the windows on the distinct tokens they hold, and ``V'``,
+    the protocol vocabulary), imported when called so the check's parent process stays free of Lightning."""
     from lnstab.datamodules.vocab import compact_vocabulary as shared
 
     return shared(tokens)
@@ -258,10 +246,8 @@ def run_ladder(subjects: list[Subject], protocol: Protocol, tokens: torch.Tensor
     """
     from tqdm.auto import tqdm
 
-
-    settings = {"batch_size": protocol.batch_size, "optimisation": protocol.optimisation,
-                "measure_every": protocol.measure_every, "jacobian_iters": protocol.jacobian_iters,
-                "probe_size": protocol.probe_size, "accelerator": protocol.accelerator}
+    settings = {key: getattr(protocol, key) for key in ("batch_size", "optimisation", "measure_every", "jacobian_iters",
+                                                        "probe_size", "accelerator")}
     first_lr = min(protocol.lrs)
     jobs = [Job(i, s, lr, seed, {**settings, "probe_init": lr == first_lr}, tokens, log_root, cache)
             for i, (s, lr, seed) in enumerate(plan(subjects, protocol))]
