@@ -64,20 +64,18 @@ def load_data(protocol: Protocol, subject: Subject, seq_len: int, vocab_mode: st
     if not compact:
         check_model(subject, vocab, seq_len, width=False)
         return Data(tokens, info, {"mode": "model", "size": vocab, "own": vocab}), subject
-    source_vocab = info.get("vocab_size", vocab)
     compacted = subject.with_vocab(size)
     check_model(compacted, size, seq_len)
-    if protocol.vocab_top_k is not None:
-        return Data(tokens, info, {"mode": "top_k", "size": size, "own": vocab, "source": GPT2_VOCAB}), compacted
-    return Data(tokens, info, {"mode": "protocol", "size": size, "own": vocab, "source": source_vocab}), compacted
+    mode, source = (("protocol", info.get("vocab_size", vocab)) if protocol.vocab_top_k is None
+                    else ("top_k", GPT2_VOCAB))
+    return Data(tokens, info, {"mode": mode, "size": size, "own": vocab, "source": source}), compacted
 
 
 def windows(protocol: Protocol, vocab: int, seq_len: int, own_vocab: bool
             ) -> tuple[np.ndarray, dict[str, Any], int]:
     """:func:`~lnstab.check.protocol.load_tokens` with the windows as a numpy array (what a worker sends back) and
-    the vocabulary they are in: without ``own_vocab``, relabelled onto the tokens they hold
-    (:func:`~lnstab.check.protocol.compact_vocabulary`, whose one implementation lives with the data modules, which
-    import Lightning: so here, where the text was read)."""
+    the vocabulary they are in: without ``own_vocab``, relabelled onto the tokens they hold, here where the text was
+    read (:func:`~lnstab.check.protocol.compact_vocabulary` imports Lightning)."""
     tokens, info = load_tokens(protocol, vocab, seq_len, own_vocab=own_vocab)
     size = vocab
     if protocol.vocab_top_k is not None:  # relabelled onto the top-K + UNK where the text was read
@@ -150,10 +148,8 @@ def refuse_reading_ahead(label: str, a: torch.Tensor, b: torch.Tensor, half: int
 
 
 def finite_at_init(label: str, logits: torch.Tensor) -> None:
-    """Refuse, in one line, a model whose logits are NaN or infinite before any training. The check grades how
-    training keeps a finite model stable as the learning rate rises: a model that is not finite at its first step
-    would 'diverge' at step 0 at every rate, and a FAIL on divergence would point at its training rather than at how
-    it is built (a model that becomes non-finite in training is graded: its runs diverge)."""
+    """Refuse, in one line, a model whose logits are NaN or infinite before any training: it would 'diverge' at step 0
+    at every rate, a FAIL that would blame its training (one that becomes non-finite in training is graded)."""
     bad = int((~torch.isfinite(logits)).sum())
     if bad:
         raise LNStabError(f"{label}: its logits are not finite at initialisation ({bad} of {logits.numel()} NaN or "
@@ -266,26 +262,22 @@ def grade(subject: Subject, subjects: list[Subject], runs: dict[str, list[Any]],
           provenance: dict[str, Any], figures: bool = True, shown: Path | None = None) -> dict[str, Any]:
     """Grade the runs of ``subject`` (key ``checked``) against its references and write the card into ``out``
     (which the card names as ``shown`` when it is written elsewhere first, to be moved there)."""
-    steps = protocol.optimisation.steps
-    summaries = {s.key: summarise(runs[s.key], steps) for s in subjects}
+    opt = protocol.optimisation
+    summaries = {s.key: summarise(runs[s.key], opt.steps) for s in subjects}
     repeated = {name: n for run in runs["checked"] for name, n in run.repeated.items()}
-    rows = build_rows(summaries, thresholds, {"norm_pattern": subject.sites.norm_pattern,
-                                              "param_pattern": subject.sites.param_pattern,
-                                              "attention": subject.sites.attention, "logits": subject.sites.logits,
-                                              "bound_unchecked": next((r.bound_unchecked for r in runs["checked"]
-                                                                       if r.bound_unchecked), "")})
+    sites = {k: getattr(subject.sites, k) for k in ("norm_pattern", "param_pattern", "attention", "logits")}
+    rows = build_rows(summaries, thresholds, {**sites, "bound_unchecked": next(
+        (r.bound_unchecked for r in runs["checked"] if r.bound_unchecked), "")})
     drawn: list[str] = []
     if figures:
         from lnstab.check.figures import write_figures
 
         drawn = write_figures(out, summaries, runs, {s.key: s.label for s in subjects}, list(protocol.lrs))
     verdict = overall([r["status"] for r in rows])
-    opt = protocol.optimisation
     place = shown or out
-    shown_out = public_path(str(place))
     card = {
         "name": place.name,
-        "out": shown_out,
+        "out": public_path(str(place)),
         "command": command,
         "status": verdict,
         "exit_code": 1 if verdict == "fail" else 0,
@@ -345,5 +337,3 @@ def run_record(run: Any, out: Path) -> dict[str, Any]:
         **({"cached": True} if run.cached else {}),
     }
 
-
-__all__ = ["GPT2_VOCAB", "Data", "grade", "load_data", "machine", "lnstab_version", "public_command"]
