@@ -5,6 +5,7 @@ both read their options here, so the validation never imports the command line t
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,8 +20,7 @@ from lnstab.errors import LNStabError
 from lnstab.safeload import load_yaml
 
 EXIT_FAILED = 3  # the checked model or the check itself failed: not a verdict
-# What `lnstab check --help` says first (the first line of lnstab.check.cli's docstring, which this module cannot
-# import: cli imports it).
+# What `lnstab check --help` says first: the first line of lnstab.check.cli's docstring (cli imports this module).
 DESCRIPTION = "A stability report card for any Transformer, measured beside Pre-LN and Peri-LN references of its shape."
 # The options that describe a --factory model (argparse dests; --name-with-dashes on the command line).
 FACTORY_OPTIONS = ("layer_pattern", "module_types", "embed_pattern", "final_pattern", "norm_pattern", "head_pattern",
@@ -57,28 +57,21 @@ class _Parser(argparse.ArgumentParser):
         return parsed
 
 
-def _items(text: str) -> list[str]:
-    """The items of a comma-separated list (none for a blank one; an empty item between two is refused)."""
-    items = [v.strip() for v in text.split(",")]
-    if any(items) and not all(items):
-        raise argparse.ArgumentTypeError(f"{text!r} has an empty item; give a comma-separated list such as 1e-3,1e-2")
-    return [v for v in items if v]
+def _list_of(convert: Callable[[str], Any], what: str) -> Callable[[str], tuple]:
+    """An argparse type: a comma-separated list of ``what`` (none for a blank one; an empty item between two is
+    refused)."""
 
+    def parse(text: str) -> tuple:
+        items = [v.strip() for v in text.split(",")]
+        if any(items) and not all(items):
+            raise argparse.ArgumentTypeError(f"{text!r} has an empty item; give a comma-separated list such as "
+                                             "1e-3,1e-2")
+        try:
+            return tuple(convert(v) for v in items if v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {what}") from None
 
-def _floats(text: str) -> tuple[float, ...]:
-    items = _items(text)
-    try:
-        return tuple(float(v) for v in items)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    items = _items(text)
-    try:
-        return tuple(int(v) for v in items)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,8 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "300 steps of 16 × 128 on the OpenWebText sample's top-4095 vocabulary, --data.path), a "
                      "half-decade ladder 1e-4…3e-1, where the loss and LR sensitivity can fail (lnstab/check/"
                      "tiers.yaml). Options given win over the tier's values.")
-    pro.add_argument("--lrs", type=_floats, help="Learning-rate ladder (default 1e-3,1e-2,1e-1).")
-    pro.add_argument("--seeds", type=_ints, help="Seeds (default 0,1).")
+    pro.add_argument("--lrs", type=_list_of(float, "numbers"), help="Learning-rate ladder (default 1e-3,1e-2,1e-1).")
+    pro.add_argument("--seeds", type=_list_of(int, "integers"), help="Seeds (default 0,1).")
     pro.add_argument("--steps", type=int, help="Optimizer steps per stress run (default 30).")
     pro.add_argument("--warmup-steps", type=int, help="Linear warmup steps (default 3).")
     pro.add_argument("--min-lr-ratio", type=float, help="Cosine end as a fraction of the rate (default 0.1).")
@@ -170,28 +163,24 @@ def split_model_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
     """``--model.KEY VALUE`` / ``--model.KEY=VALUE`` pairs (values parsed as YAML) and the remaining arguments."""
     model: dict[str, Any] = {}
     rest: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg.startswith("--model."):
-            key, eq, value = arg[len("--model."):].partition("=")
-            if not eq:
-                if i + 1 >= len(argv):
-                    raise LNStabError(f"{arg} needs a value")
-                value, i = argv[i + 1], i + 1
-            model[key.replace("-", "_")] = parse_value(value)
-        else:
+    args = iter(argv)
+    for arg in args:
+        if not arg.startswith("--model."):
             rest.append(arg)
-        i += 1
+            continue
+        key, eq, value = arg[len("--model."):].partition("=")
+        if not eq and (value := next(args, None)) is None:
+            raise LNStabError(f"{arg} needs a value")
+        model[key.replace("-", "_")] = parse_value(value)
     return model, rest
 
 
 def make_protocol(args: argparse.Namespace, extra: dict[str, Any]) -> Protocol:
     """The :class:`Protocol` of the flags, ``--model.*`` optimisation arguments filling unset ones."""
-    for option, given in (("--lrs", args.lrs), ("--seeds", args.seeds)):
+    for option, given, example in (("--lrs", args.lrs, "1e-3,1e-2"), ("--seeds", args.seeds, "0,1")):
         if given is not None and not given:
-            raise LNStabError(f"{option} '' is not allowed; give a comma-separated list (e.g. {option} "
-                              f"{'1e-3,1e-2' if option == '--lrs' else '0,1'}) or leave {option} out for the default")
+            raise LNStabError(f"{option} '' is not allowed; give a comma-separated list (e.g. {option} {example}) or "
+                              f"leave {option} out for the default")
     if "learning_rate" in extra and args.lrs:
         raise LNStabError("give --lrs or --model.learning_rate, not both")
     lrs = args.lrs or ((float(extra["learning_rate"]),) if "learning_rate" in extra else Protocol.lrs)
@@ -209,26 +198,19 @@ def make_protocol(args: argparse.Namespace, extra: dict[str, Any]) -> Protocol:
     every = args.measure_every
     if every is None:  # measured at initialisation, about three times during training, and after it
         every = max(d for d in range(1, max(1, args.steps // 3) + 1) if args.steps % d == 0) if args.steps > 0 else 1
+    data = tiers()[args.tier].get("data") or {}
     return Protocol(lrs=tuple(lrs), seeds=args.seeds or Protocol.seeds, batch_size=args.batch_size,
                     seq_len=Protocol.seq_len if args.seq_len is None else args.seq_len, measure_every=every,
-                    jacobian_iters=args.jacobian_iters,
-                    probe_size=args.probe_size, optimisation=optimisation, data_source=args.data_source,
-                    data_path=args.data_path, accelerator=args.accelerator, **tier_data(args.tier))
-
-
-def tier_data(tier: str) -> dict[str, Any]:
-    """The :class:`Protocol` fields of ``tier``'s data (none at the quick tier)."""
-    if tier == "quick":
-        return {}
-    data = tiers()[tier].get("data") or {}
-    return {"tier": tier, "vocab_top_k": data.get("vocab_top_k"), "val_documents": data.get("val_documents")}
+                    jacobian_iters=args.jacobian_iters, probe_size=args.probe_size, optimisation=optimisation,
+                    data_source=args.data_source, data_path=args.data_path, accelerator=args.accelerator,
+                    tier=args.tier, vocab_top_k=data.get("vocab_top_k"), val_documents=data.get("val_documents"))
 
 
 def tier_model_args(tier: str, model_args: dict[str, Any]) -> dict[str, Any]:
     """lnstab's ``--model.*`` arguments with ``tier``'s model shape filled in where not given (with ``preset`` given,
     its layers, width and heads are the preset's); an empty dict stays empty: the model is then ``--hf`` or
     ``--factory``, whose shape is its own."""
-    shape = (tiers()[tier].get("model") or {}) if tier != "quick" else {}
+    shape = tiers()[tier].get("model") or {}
     if not model_args or not shape:
         return model_args
     skip = PRESET_ARGS if "preset" in model_args else ()
@@ -240,7 +222,7 @@ def tier_thresholds(tier: str, path: str | None) -> dict[str, dict[str, Any]]:
     entries merged over those."""
     from lnstab.check.criteria import load_thresholds
 
-    own = (tiers()[tier].get("thresholds") if tier != "quick" else None)
+    own = tiers()[tier].get("thresholds")
     if own is None:
         return load_thresholds(path)
     merged = load_thresholds(TIERS_FILE.with_name(own))
@@ -259,8 +241,7 @@ def tier_thresholds(tier: str, path: str | None) -> dict[str, dict[str, Any]]:
 
 def worker_counts(args: argparse.Namespace, n_runs: int) -> tuple[int, int]:
     """``(workers, torch threads per worker)`` from ``--workers`` and the thread count; never more workers than the
-    ``n_runs`` runs (a worker beyond them would only be spawned and import Lightning: ``--workers 1000`` on one run
-    spawned a thousand processes, and a check of a few runs waited for each)."""
+    ``n_runs`` runs (one beyond them would only be spawned and import Lightning)."""
     threads = torch.get_num_threads()
     workers = min(args.workers or auto_workers(n_runs, threads), max(1, n_runs))
     return workers, max(1, threads // workers)
