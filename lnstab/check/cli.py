@@ -9,15 +9,8 @@
     lnstab check --validate --data.path $LNSTAB_OWT_SAMPLE      # the validation set: docs/check/validation
     lnstab check --compare runs/check/old runs/check/new         # what changed between two cards (or validations)
 
-Exit status: 0 when no criterion fails, 1 when one does, 2 for a usage error (one line on stderr, nothing
-written), 3 when the checked model or the check itself fails (a stress run raised: one line on stderr naming the
-run, the traceback in ``<out>/error.txt``), so a CI gate never reads a crash as a verdict; ``128 + signal`` when
-SIGINT (Ctrl-C), SIGTERM or SIGHUP ended it (one line, no verdict, :mod:`lnstab.check.signals`); a write the
-machine refused (a full disk) is 3 too, one line naming the file and the OS's reason. With ``--validate``:
-0 when every row of the validation set agrees with the published outcome, 1 when one does not. With ``--compare``:
-0 when the two sides have the same cards with the same verdicts, 1 when not, 2 for a usage error or a malformed or
-damaged card (one line naming the file and the field), 3 when the comparison itself failed
-(:mod:`lnstab.check.compare`).
+Exit status (0 pass, 1 a criterion fails, 2 usage error, 3 the model or the check failed, 128 + signal; and those of
+``--validate`` and ``--compare``): docs/check/README.md, "Output and exit status", and ``lnstab check --help``.
 """
 
 from __future__ import annotations
@@ -52,7 +45,7 @@ from lnstab.check.runner import grade, lnstab_version, load_data, machine, publi
 from lnstab.check.signals import Interrupted, interruptible
 from lnstab.check.subjects import Subject, context_length, hf_subject, lnstab_subject, references
 from lnstab.check.validation import supplement_argv
-from lnstab.check.workers import RunPool
+from lnstab.check.workers import RunPool, first_line
 from lnstab.errors import LNStabError, MachineError, one_line, refused_write
 from lnstab.rundir import atomic_write_text, check_name_lengths, check_writable
 
@@ -114,9 +107,8 @@ def check_out(out: str | None) -> None:
 
 
 def check_name(name: str | None) -> None:
-    """Refuse, before anything runs, a ``--name`` that is not one directory name under ``runs/check``: with a slash it
-    went elsewhere (``../../x`` into the working directory, ``/abs`` anywhere) or failed after the data was read
-    (``a/b``: exit 3), as did a name longer than the filesystem takes; ``.`` and ``..`` became ``.-1`` and ``..-1``."""
+    """Refuse, before anything runs, a ``--name`` that is not one directory name under ``runs/check`` (no path, not
+    ``.`` or ``..``, not longer than the filesystem takes)."""
     if not name:
         return
     if "/" in name or os.sep in name or (os.altsep and os.altsep in name) or name in (".", "..") or "\0" in name:
@@ -205,18 +197,11 @@ def main(argv: list[str] | None = None) -> None:
             sys.stderr.write(f"lnstab: lnstab check{' --validate' if args.validate else ''} stopped by "
                              f"{signal.Signals(exc.signum).name}; no verdict{exc.where}\n")
         raise SystemExit(128 + exc.signum) from None
-    except MachineError as exc:  # a full disk: one line naming the file and the OS's reason; a failure, no verdict
-        if os.environ.get("LNSTAB_DEBUG"):
-            raise
-        sys.stderr.write(f"lnstab: error: lnstab check: {one_line(exc)}; no verdict\n")
-        raise SystemExit(EXIT_FAILED) from None
-    except LNStabError:
-        raise
     except Exception as exc:
-        if os.environ.get("LNSTAB_DEBUG"):
-            raise
-        message = str(exc) if isinstance(exc, CheckFailed | RunFailed) else (
-            f"the check failed: {type(exc).__name__}: {_first_line(exc)}")
+        if (isinstance(exc, LNStabError) and not isinstance(exc, MachineError)) or os.environ.get("LNSTAB_DEBUG"):
+            raise  # a usage error (lnstab's one line, exit 2), or LNSTAB_DEBUG's traceback
+        # a full disk (one line naming the file and the OS's reason), a failed run or check: exit 3, no verdict
+        message = f"{one_line(exc)}; no verdict" if isinstance(exc, MachineError) else _failure(exc)
         sys.stderr.write(f"lnstab: error: lnstab check: {message}\n")
         raise SystemExit(EXIT_FAILED) from None
     finally:
@@ -287,9 +272,12 @@ def check_failed(out: Path, exc: Exception) -> Exception:
     refused = exc if isinstance(exc, MachineError) else refused_write(exc, f"a file in {out}")
     if refused is not None:
         return refused
-    what = str(exc) if isinstance(exc, RunFailed) else f"the check failed: {type(exc).__name__}: {_first_line(exc)}"
+    what = _failure(exc)
+    text = "".join(traceback.format_exception(exc))
+    if isinstance(exc, RunFailed) and exc.detail:  # with the traceback of the process that ran the failed run
+        text += "\nThe stress run's own traceback:\n" + exc.detail
     try:
-        write_error(out, exc)
+        atomic_write_text(out / "error.txt", text)
     except MachineError as full:  # the disk filled: the line says what failed and why error.txt is not there
         return MachineError(f"{what}; and {full}")
     if isinstance(exc, LNStabError):
@@ -297,13 +285,8 @@ def check_failed(out: Path, exc: Exception) -> Exception:
     return CheckFailed(f"{what}; no verdict (traceback in {out / 'error.txt'})")
 
 
-def write_error(out: Path, exc: BaseException) -> None:
-    """``<out>/error.txt``: the traceback, with the one from the process that ran a failed stress run."""
-    text = "".join(traceback.format_exception(exc))
-    if isinstance(exc, RunFailed) and exc.detail:
-        text += "\nThe stress run's own traceback:\n" + exc.detail
-    atomic_write_text(out / "error.txt", text)
-
-
-def _first_line(exc: BaseException) -> str:
-    return next((line.strip() for line in str(exc).splitlines() if line.strip()), "")[:300]
+def _failure(exc: BaseException) -> str:
+    """What ``lnstab check``'s one line says of a failed run or check."""
+    if isinstance(exc, CheckFailed | RunFailed):
+        return str(exc)
+    return f"the check failed: {type(exc).__name__}: {first_line(exc)[:300]}"
