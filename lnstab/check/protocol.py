@@ -263,9 +263,8 @@ def run_ladder(subjects: list[Subject], protocol: Protocol, tokens: torch.Tensor
         bar.update()
 
     try:
-        with contextlib.ExitStack() as stack:
-            pool = pool if pool is not None else stack.enter_context(RunPool(1))
-            outcomes = pool.run(jobs, done)
+        with RunPool(1) if pool is None else contextlib.nullcontext(pool) as running:
+            outcomes = running.run(jobs, done)
     finally:
         bar.close()
     for job, outcome in zip(jobs, outcomes, strict=True):

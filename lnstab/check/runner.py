@@ -3,6 +3,7 @@ about where it was made (the lnstab version and the machine kind, never the mach
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import platform
@@ -166,24 +167,20 @@ def lnstab_version() -> str:
         text = version("lnstab")
     except PackageNotFoundError:
         text = "unknown"
-    try:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
         commit = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=Path(__file__).parent,
                                 capture_output=True, text=True, timeout=5)
         if commit.returncode == 0 and re.fullmatch(r"[0-9a-f]{7,40}", commit.stdout.strip()):
             text += f" (commit {commit.stdout.strip()})"
-    except (OSError, subprocess.SubprocessError):
-        pass
     return text
 
 
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo``, else the platform's)."""
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.lower().startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     return platform.processor() or platform.machine() or "unknown"
 
 

@@ -183,11 +183,8 @@ class RunPool:
 
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` in a worker (in this process when there is none): its result, or what it raised.
-
-        For work that needs the workers' imports and not the parent's: the parent of a check never trains, so it
-        never imports Lightning, and the data module that reads the check's text is a LightningDataModule.
-        ``fn`` must return something that pickles by value (no tensors: numpy arrays).
-        """
+        For work that needs the workers' imports (Lightning: the data module); ``fn`` must return something that
+        pickles by value (no tensors: numpy arrays)."""
         if self.executor is None:
             return fn(*args, **kwargs)
         return self.executor.submit(fn, *args, **kwargs).result()  # a signal's handler interrupts the wait, as in run()
