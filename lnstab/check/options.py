@@ -32,16 +32,6 @@ QUICK_DEFAULTS = {"steps": 30, "min_lr_ratio": 0.1, "grad_clip": 1.0, "batch_siz
 PRESET_ARGS = ("n_layer", "n_embd", "n_head")  # what --model.preset decides
 
 
-def tier_defaults(tier: str) -> dict[str, Any]:
-    """The protocol options' values at ``tier`` (argparse dests); the quick tier's are :data:`QUICK_DEFAULTS`."""
-    if tier == "quick":
-        return dict(QUICK_DEFAULTS)
-    values = dict(tiers()[tier]["protocol"])
-    for key in ("lrs", "seeds"):
-        values[key] = tuple(values[key])
-    return values
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line through lnstab's LNStabError handler, exit 2
         raise LNStabError(f"lnstab check: {message}")
@@ -51,9 +41,9 @@ class _Parser(argparse.ArgumentParser):
         line naming the field and the allowed values when the tier is not one of :data:`TIERS`)."""
         parsed = super().parse_args(args, namespace)
         validation.choice("--tier", parsed.tier, TIERS, error=LNStabError)
-        for key, value in tier_defaults(parsed.tier).items():
+        for key, value in (QUICK_DEFAULTS if parsed.tier == "quick" else tiers()[parsed.tier]["protocol"]).items():
             if getattr(parsed, key, None) is None:
-                setattr(parsed, key, value)
+                setattr(parsed, key, tuple(value) if key in ("lrs", "seeds") else value)
         return parsed
 
 
