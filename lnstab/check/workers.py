@@ -140,7 +140,6 @@ class RunPool:
     """
 
     def __init__(self, workers: int, threads: int = 1) -> None:
-        self.workers = workers
         self.finished = 0  # jobs done, for a line on an interrupted check
         self.executor: ProcessPoolExecutor | None = None
         self.processes: list[multiprocessing.process.BaseProcess] = []
