@@ -1,17 +1,6 @@
-"""The check's Jacobian probe: each block's residual-branch sensitivity Δt‖∂f/∂X‖₂ beside its input scale, measured
-only where the criteria read it.
-
-The card's sensitivity criterion pools, per subject, the probe at initialisation of the runs at the first learning
-rate (the runs at other rates start from the same seeded weights and batch, so their initial probe is the same) and
-the probe after training of every run; it reads the branch ``B(X) − X`` only. So this probe measures the branch norm
-alone (not also ‖∂B/∂X‖, as :class:`lnstab.callbacks.JacobianSensitivity` does), at the steps it is given. The power
-iteration on ``JᵀJ`` takes ``Jv`` by the double-backward trick (the vector–Jacobian product ``u ↦ Jᵀu`` is linear in
-``u``, so its own vector–Jacobian product at any ``u`` is ``Jv``) and ``Jᵀ(Jv)`` from one retained graph: on a CPU
-about 3× faster than ``torch.func.jvp``/``vjp`` for a 4 × 128 block, the same value to float precision. A block
-whose operations have no double backward falls back to :func:`lnstab.callbacks.spectral_norm`.
-
-Metric names are those of :class:`~lnstab.callbacks.JacobianSensitivity`: ``jacobian/sensitivity/Lxx`` and
-``jacobian/act_scale/Lxx``.
+"""The check's Jacobian probe: each block's residual-branch sensitivity Δt‖∂f/∂X‖₂ beside its input scale, at the
+steps the criteria read (the branch only, by double backward: see benchmarks/README.md). Metric names are those of
+:class:`~lnstab.callbacks.JacobianSensitivity`: ``jacobian/sensitivity/Lxx`` and ``jacobian/act_scale/Lxx``.
 """
 
 from __future__ import annotations
@@ -34,10 +23,9 @@ from lnstab.callbacks.sites import find_sites, first_tensor, log_metrics, paused
 
 def branch_norm(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, n_iter: int, seed: int = 0
                 ) -> torch.Tensor:
-    """Largest singular value of the Jacobian of ``fn`` at ``x`` by power iteration on ``JᵀJ`` (double backward).
-
-    Same start vector and Rayleigh-quotient estimate as :func:`lnstab.callbacks.spectral_norm`; a 0-dim tensor.
-    """
+    """Largest singular value of the Jacobian of ``fn`` at ``x`` by power iteration on ``JᵀJ`` (double backward: ``Jv``
+    is the vector–Jacobian product of the linear map ``u ↦ Jᵀu``), with the start vector and Rayleigh-quotient estimate
+    of :func:`lnstab.callbacks.spectral_norm`; a 0-dim tensor."""
     generator = torch.Generator(device=x.device).manual_seed(seed)
     v = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
     v = v / torch.linalg.vector_norm(v)
@@ -57,11 +45,7 @@ def branch_norm(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, n_i
 def _branch_call(block: nn.Module, args: tuple, kwargs: dict) -> Callable[[torch.Tensor], torch.Tensor]:
     """The block's residual branch ``x ↦ block(x) − x``, called as the captured call (caches off)."""
     call = block_call(block, args, kwargs)
-
-    def branch(x: torch.Tensor) -> torch.Tensor:
-        return call(x) - x
-
-    return branch
+    return lambda x: call(x) - x
 
 
 def measure_branches(root: nn.Module, blocks: list[Any], probe: torch.Tensor, n_iter: int, seed: int = 0
@@ -71,14 +55,8 @@ def measure_branches(root: nn.Module, blocks: list[Any], probe: torch.Tensor, n_
     forward runs several times (weights shared across depth) is probed at each call's input, each call a layer of
     its own in call order (:func:`lnstab.callbacks.sites.per_call`)."""
     calls: list[tuple[int, tuple, dict]] = []  # (block, args, kwargs) in call order
-
-    def keep(i: int) -> Callable:
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            calls.append((i, args, kwargs))
-
-        return hook
-
-    handles = [s.module.register_forward_pre_hook(keep(i), with_kwargs=True) for i, s in enumerate(blocks)]
+    handles = [s.module.register_forward_pre_hook(lambda m, args, kwargs, i=i: calls.append((i, args, kwargs)),
+                                                  with_kwargs=True) for i, s in enumerate(blocks)]
     was_training = root.training
     root.eval()
     values: list[torch.Tensor] = []
@@ -104,9 +82,8 @@ def measure_branches(root: nn.Module, blocks: list[Any], probe: torch.Tensor, n_
         root.train(was_training)
     numbers = torch.stack(values).tolist() if values else []
     metrics = {}
-    for i, (site, _, _) in enumerate(probed):
-        metrics[f"jacobian/sensitivity/{site.tag}"] = numbers[2 * i]
-        metrics[f"jacobian/act_scale/{site.tag}"] = numbers[2 * i + 1]
+    for (site, _, _), norm, scale in zip(probed, numbers[::2], numbers[1::2], strict=True):
+        metrics |= {f"jacobian/sensitivity/{site.tag}": norm, f"jacobian/act_scale/{site.tag}": scale}
     return metrics
 
 
