@@ -1,17 +1,5 @@
 """Hugging Face causal LMs in the check: loading (never remote code), dropout switched off, a smaller protocol
 vocabulary for fresh initialisations, and the output norms Theorem 4 needs for the families that have them.
-
-Where the output norms are (one per residual update, in update order within a decoder layer):
-
-* Gemma 2 (``model_type`` ``gemma2``): ``post_attention_layernorm`` and ``post_feedforward_layernorm``, the second
-  norm of each "sandwich" (``input_layernorm`` and ``pre_feedforward_layernorm`` are the input norms). Gemma's
-  RMSNorm scales by ``1 + weight`` (its weight is initialised to 0), so the gain Theorem 4 reads is ``1 + weight``.
-* Gemma 3 (``gemma3_text``, its text model): as Gemma 2, the same sandwich and the same ``1 + weight`` RMSNorm.
-* OLMo 2 (``olmo2``): ``post_attention_layernorm`` and ``post_feedforward_layernorm`` are its only block norms
-  (OLMo 2's reordered norm, ``x + RMSNorm(f(x))``); its RMSNorm scales by ``weight``.
-
-Beware the names: in Llama (and most other families) ``post_attention_layernorm`` is the *input* norm of the MLP,
-not an output norm, which is why the location is per family and nothing is guessed from names alone.
 """
 
 from __future__ import annotations
@@ -28,7 +16,8 @@ from torch import nn
 
 from lnstab.errors import LNStabError
 
-# model_type -> (output norms of one decoder layer in update order, whether the RMSNorm scales by 1 + weight)
+# model_type -> (output norms of one decoder layer in update order, whether the RMSNorm scales by 1 + weight). Located
+# per family, never guessed from names: Llama's post_attention_layernorm is its MLP's input norm, not an output norm.
 OUTPUT_NORMS: dict[str, tuple[tuple[str, ...], bool]] = {
     "gemma2": (("post_attention_layernorm", "post_feedforward_layernorm"), True),
     "gemma3_text": (("post_attention_layernorm", "post_feedforward_layernorm"), True),
@@ -42,18 +31,10 @@ OUTSIDE_VOCABULARY = "_token_id must be `None` or an integer within the vocabula
 
 
 class LayerUpdates:
-    """The two normalised updates of one decoder layer, as one entry of Theorem 4's sum.
-
-    Each update adds at most ``γmax·√d`` to a token's norm (RMSNorm output has RMS ≤ 1, times a gain of at most
-    ``γmax``), so a layer's two updates together add at most ``(γmax₁ + γmax₂)·√d``: :attr:`weight` is that sum as a
-    one-element tensor, read live from the parameters (with ``1 + weight`` for Gemma), which is what
-    :class:`lnstab.callbacks.GrowthBoundMonitor` reads of an output norm (``max |weight|``, no bias). One entry per
-    layer keeps the bound's count of updates equal to the instruments' sites, one per Hugging Face block.
-
-    Args:
-        norms: The layer's output norms.
-        offset: ``1.0`` for Gemma's ``1 + weight`` RMSNorm, else ``0.0``.
-    """
+    """The two normalised updates of one decoder layer as one entry of Theorem 4's sum (one per Hugging Face block, as
+    the instruments' sites are): :attr:`weight` is ``γmax₁ + γmax₂``, read live (``offset`` 1 for Gemma's ``1 + weight``
+    RMSNorm), since each update adds at most ``γmax·√d`` to a token's norm; read by
+    :class:`lnstab.callbacks.GrowthBoundMonitor` as an output norm's ``max |weight|`` (no bias)."""
 
     def __init__(self, norms: list[nn.Module], offset: float) -> None:
         self.norms, self.offset = norms, offset
@@ -114,20 +95,15 @@ def norm_pattern(model_type: str | None) -> str | None:
 
 def dropout_overrides(config: Any) -> dict[str, float]:
     """Every dropout probability of a Hugging Face config that is not 0 (``*dropout*``, ``*pdrop*``), set to 0."""
-    out = {}
-    for key, value in config.to_dict().items():
-        if ("dropout" in key or "pdrop" in key) and isinstance(value, float) and value > 0:
-            out[key] = 0.0
-    return out
+    return {key: 0.0 for key, value in config.to_dict().items()
+            if ("dropout" in key or "pdrop" in key) and isinstance(value, float) and value > 0}
 
 
 def vocab_overrides(config: Any, vocab_size: int) -> dict[str, Any]:
     """``vocab_size`` and the special token ids it no longer holds (set to ``None``)."""
-    out: dict[str, Any] = {"vocab_size": vocab_size}
-    for key, value in config.to_dict().items():
-        if key.endswith("_token_id") and isinstance(value, int) and value >= vocab_size:
-            out[key] = None
-    return out
+    ids = {key: None for key, value in config.to_dict().items()
+           if key.endswith("_token_id") and isinstance(value, int) and value >= vocab_size}
+    return {"vocab_size": vocab_size, **ids}
 
 
 def context_of(config: Any) -> int | None:
@@ -141,18 +117,15 @@ def context_of(config: Any) -> int | None:
 
 
 class OutsideVocabulary(logging.Filter):
-    """Drops transformers' warning that a special token id (bos, eos, pad) is outside the vocabulary: a model the
-    check builds with its smaller protocol vocabulary from a config made for the model's own has such ids, and the
-    check sets them to ``None`` once the model is built (:func:`special_ids_in_vocabulary`)."""
-
     def filter(self, record: logging.LogRecord) -> bool:
         return OUTSIDE_VOCABULARY not in record.getMessage()
 
 
 @contextlib.contextmanager
 def outside_vocabulary_quiet() -> Iterator[None]:
-    """While in it, transformers does not warn of special token ids outside the vocabulary (nothing else is
-    silenced; transformers is not imported)."""
+    """While in it, transformers does not warn of special token ids (bos, eos, pad) outside the vocabulary, as a config
+    made for the model's own vocabulary has with the protocol's: the check sets them to ``None`` once the model is
+    built (:func:`special_ids_in_vocabulary`). Nothing else is silenced; transformers is not imported."""
     logger, quiet = logging.getLogger("transformers.configuration_utils"), OutsideVocabulary()
     logger.addFilter(quiet)
     try:
