@@ -1,18 +1,11 @@
 """The models a check trains: the checked model (lnstab's family, a Hugging Face causal LM or a factory) and its
-Pre-LN and Peri-LN references of the same width, depth and context.
-
-A :class:`Subject` builds a fresh ``nn.Module`` mapping token ids ``(B, T)`` to logits ``(B, T, V)`` (seeded by the
-caller) from a picklable *recipe* (so a worker process builds the same model), says where lnstab's instruments find
-its residual stream, blocks, parameters and output norms (:class:`~lnstab.check.runspec.Sites`), whether it can be
-built with the protocol's smaller vocabulary (:meth:`Subject.with_vocab`), and how its dropout was switched off: the
-stress runs train in train mode, so training-only branches other than dropout run as in training. Every user mistake
-is an :class:`~lnstab.errors.LNStabError` in one line.
+Pre-LN and Peri-LN references of the same width, depth and context, each a :class:`Subject` built from a picklable
+recipe (so that a worker process builds the same model).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -134,7 +127,7 @@ class Subject:
         recipe = self.recipe.with_vocab(vocab_size)
         if recipe is None:
             return None
-        config = getattr(recipe, "config", None) if isinstance(recipe, LnstabRecipe) else None
+        config = recipe.config if isinstance(recipe, LnstabRecipe) else None
         return dataclasses.replace(self, recipe=recipe, config=config,
                                    shape=dataclasses.replace(self.shape, vocab_size=vocab_size),
                                    own_vocab=self.own_vocab or self.shape.vocab_size)
@@ -207,10 +200,9 @@ def lnstab_subject(args: dict[str, Any]) -> tuple[Subject, dict[str, Any]]:
     ``warmup_steps``; ``learning_rate`` is handed back too, as a one-rung ladder). Dropout is switched off in the
     config (the runs train in train mode).
     """
-    allowed = MODULE_ARGS
     for key in args:
-        if key not in allowed:
-            raise LNStabError(f"--model.{key} is not allowed; GPTModule takes: {', '.join(allowed)}")
+        if key not in MODULE_ARGS:
+            raise LNStabError(f"--model.{key} is not allowed; GPTModule takes: {', '.join(MODULE_ARGS)}")
         if key == "compile":
             raise LNStabError("--model.compile is not used by lnstab check; its short runs are eager")
         if key == "weight_decay_mode" and args[key] != "coupled":
@@ -253,9 +245,8 @@ def check_z_loss(z_loss: float | None) -> float | None:
 
 
 def with_z_loss(subject: Subject, z_loss: float | None) -> Subject:
-    """``subject`` trained on its cross-entropy plus PaLM's z-loss ``z_loss·mean (log Z)²`` (``--z-loss``), for a
-    Hugging Face or factory model, whose own loss the check does not train on (OLMo 2's Hugging Face loss has none,
-    though OLMo 2 trained with 1e-5); the references train without it, as beside ``--model.z_loss``.
+    """``subject`` (a Hugging Face or factory model) trained on its cross-entropy plus PaLM's z-loss
+    ``z_loss·mean (log Z)²`` (``--z-loss``); the references train without it.
 
     Raises:
         LNStabError: ``z_loss`` is negative or not finite, or ``subject`` is lnstab's GPT (``--model.z_loss``).
@@ -329,11 +320,11 @@ def references(checked: Subject, seq_len: int) -> list[Subject]:
                                          residual_scale=1.0, dropout=0.0, qk_norm=False, z_loss=0.0,
                                          residual_gate="none", layerscale_init=None,
                                          dyt_alpha_init=GPTConfig.dyt_alpha_init)
-        same = "checked" if checked.config is not None and checked.config == config else None
         label = f"{placement.capitalize()}-LN reference"
         out.append(Subject(key, label, LnstabRecipe(config), LNSTAB_SITES,
                            Shape(config.n_layer, config.n_embd, config.block_size, config.vocab_size, config.n_head),
-                           config, same_as=same, dropout="train mode; dropout 0 in the config",
+                           config, same_as="checked" if checked.config == config else None,
+                           dropout="train mode; dropout 0 in the config",
                            own_vocab=checked.own_vocab))
     return out
 
@@ -344,10 +335,10 @@ def context_length(checked: Subject, seq_len: int, given: bool = False) -> int:
     A default ``seq_len`` longer than the context is cut to it; one the user ``given`` is refused instead, so a card
     never reports a length other than the one asked for.
     """
-    limit = checked.shape.block_size
-    if not (limit and math.isfinite(limit)):
+    limit = checked.shape.block_size  # an int (GPTConfig's, or hf.context_of's) or None
+    if not limit:
         return seq_len
-    if given and seq_len > int(limit):
-        raise LNStabError(f"--seq-len={seq_len} is not allowed with {checked.name}'s context of {int(limit)}; "
-                          f"it must be at most {int(limit)}")
-    return min(seq_len, int(limit))
+    if given and seq_len > limit:
+        raise LNStabError(f"--seq-len={seq_len} is not allowed with {checked.name}'s context of {limit}; "
+                          f"it must be at most {limit}")
+    return min(seq_len, limit)
