@@ -1,18 +1,17 @@
-"""A ``--factory package.module:function`` model: importing it, finding its blocks, probing its forward.
-
-The function is called with no arguments, or with ``vocab_size=`` when it takes that argument and the protocol's
-smaller vocabulary is in use (:meth:`lnstab.check.subjects.Subject.with_vocab`); one that does not take it trains its
-own vocabulary, and :func:`own_vocabulary_note` says what that costs before any run starts. A model with a Hugging
-Face (or nanoGPT) config states its context there (``n_positions``, ``max_position_embeddings``, ``block_size``).
+"""A ``--factory package.module:function`` model: importing it, finding its blocks, probing its forward. The function
+is called with ``vocab_size=`` when it takes that argument and the protocol's smaller vocabulary is in use
+(:meth:`lnstab.check.subjects.Subject.with_vocab`); :func:`own_vocabulary_note` says what one without it costs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import os
 import re
 import sys
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -65,8 +64,6 @@ class FactoryRecipe:
 
 def takes_vocab_size(fn: Callable[..., Any]) -> bool:
     """Whether a factory function has a ``vocab_size`` parameter."""
-    import inspect
-
     try:
         return "vocab_size" in inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -264,14 +261,12 @@ def factory_subject(
             raise LNStabError(f"{option} {regex.pattern!r} matched no module of the model from --factory {spec!r} "
                               f"({some})")
         exact_sites[option] = exact_pattern(matched) if matched else None
-    embed_pattern, final_pattern = exact_sites["--embed-pattern"], exact_sites["--final-pattern"]
-    norm_pattern, head_pattern = exact_sites["--norm-pattern"], exact_sites["--head-pattern"]
-    q_exact, k_exact = exact_sites["--q-pattern"], exact_sites["--k-pattern"]
-    qk_sites = (q_exact, k_exact, n_head) if q_exact else None
+    q_exact = exact_sites["--q-pattern"]
+    qk_sites = (q_exact, exact_sites["--k-pattern"], n_head) if q_exact else None
     # probed at most at its context: a longer --seq-len is then refused in one line (context_length)
     vocab, width, depth = probe_factory(model, spec, names, min(seq_len, context or seq_len))
     exact = exact_pattern(names, pattern)
-    attention, logits = instrument_support(model, head_pattern, qk_sites)
+    attention, logits = instrument_support(model, exact_sites["--head-pattern"], qk_sites)
     if qk_sites and not attention:  # the instrument's own reason, found again only on this path
         raise LNStabError(f"--q-pattern {q_spec!r} and --k-pattern {k_spec!r} are not allowed with --factory "
                           f"{spec!r}; {attention_problem(model, qk_sites)}")
@@ -279,12 +274,12 @@ def factory_subject(
         check_head_widths(model, spec, exact_sites, n_head)
     sites = Sites(
         hidden_pattern=exact,
-        embed_pattern=embed_pattern,
-        final_pattern=final_pattern,
+        embed_pattern=exact_sites["--embed-pattern"],
+        final_pattern=exact_sites["--final-pattern"],
         block_pattern=exact,
         param_pattern=param_pattern(names, pattern),
-        norm_pattern=norm_pattern,
-        head_pattern=head_pattern,
+        norm_pattern=exact_sites["--norm-pattern"],
+        head_pattern=exact_sites["--head-pattern"],
         attention=attention,
         logits=logits,
         qk=qk_sites,
@@ -323,20 +318,17 @@ def own_vocabulary_note(subject: Subject, tokens: torch.Tensor) -> str | None:
 def check_head_widths(model: nn.Module, spec: str, exact: dict[str, str | None], n_head: int) -> None:
     """Refuse q and k projections whose outputs do not split into ``n_head`` query heads and a whole number of key
     heads of the same size that divides it (grouped-query attention), read off one forward pass."""
+    from lnstab.callbacks.sites import first_tensor
+
     widths: dict[str, set[int]] = {"--q-pattern": set(), "--k-pattern": set()}
-    hooks = []
-    for option in widths:
-        regex = re.compile(exact[option] or r"(?!)")
-        for name, module in model.named_modules():
-            if name and regex.search(name):
-                hooks.append(module.register_forward_hook(
-                    lambda m, a, out, option=option: widths[option].add(int(first_output(out).shape[-1]))))
-    try:
-        with torch.no_grad():
-            model(torch.zeros(1, 2, dtype=torch.long))
-    finally:
-        for hook in hooks:
-            hook.remove()
+    with contextlib.ExitStack() as hooks, torch.no_grad():
+        for option in widths:
+            regex = re.compile(exact[option] or r"(?!)")
+            for name, module in model.named_modules():
+                if name and regex.search(name):
+                    hooks.enter_context(module.register_forward_hook(
+                        lambda m, a, out, option=option: widths[option].add(int(first_tensor(out).shape[-1]))))
+        model(torch.zeros(1, 2, dtype=torch.long))
     silent = [option for option, seen in widths.items() if not seen]
     if silent:
         raise LNStabError(f"{silent[0]} is not allowed with --factory {spec!r}; the modules it matches did not run in "
@@ -350,17 +342,12 @@ def check_head_widths(model: nn.Module, spec: str, exact: dict[str, str | None],
                           "heads and whole key heads of the same size")
 
 
-def first_output(out: Any) -> torch.Tensor:
-    """The first tensor of a module's output."""
-    return out if isinstance(out, torch.Tensor) else next(o for o in out if isinstance(o, torch.Tensor))
-
-
 def probe_factory(model: nn.Module, spec: str, names: list[str], seq_len: int) -> tuple[int, int, int]:
     """Run ``model`` on token ids ``(2, T)``; check that logits are ``(2, T, V)`` and that every selected block
     ran; return ``V``, the block width and the depth: the blocks' calls in one forward (more than the blocks where
     one is looped, its weights shared across depth)."""
     widths: list[int] = []
-    called: dict[str, int] = {}
+    called: Counter[str] = Counter()
     modules = dict(model.named_modules())
 
     def keep(module: nn.Module, args: Any, out: Any) -> None:
@@ -368,17 +355,12 @@ def probe_factory(model: nn.Module, spec: str, names: list[str], seq_len: int) -
         if isinstance(out, torch.Tensor) and out.dim() >= 1:
             widths.append(out.shape[-1])
 
-    def seen(name: str) -> Any:
-        return lambda module, args, out: called.__setitem__(name, called.get(name, 0) + 1)
-
-    handles = [modules[names[0]].register_forward_hook(keep)]
-    handles += [modules[n].register_forward_hook(seen(n)) for n in names]
     ids = torch.zeros(2, seq_len, dtype=torch.long)
-    try:
+    with contextlib.ExitStack() as hooks:
+        hooks.enter_context(modules[names[0]].register_forward_hook(keep))
+        for n in names:
+            hooks.enter_context(modules[n].register_forward_hook(lambda m, a, o, n=n: called.update([n])))
         out = probe_forward(model, ids, f"--factory {spec!r}: the model")
-    finally:
-        for handle in handles:
-            handle.remove()
     idle = [n for n in names if n not in called]
     if idle:
         raise LNStabError(f"--factory {spec!r}: block {idle[0]!r} (one of {len(names)} the layer pattern or types "
@@ -417,9 +399,7 @@ def blocks_perturbed(model: nn.Module, spec: str, blocks: list[nn.Module], ids: 
             return moved
         return type(out)(moved, *out[1:]) if hasattr(out, "_fields") else type(out)([moved, *out[1:]])  # namedtuple
 
-    handles = [block.register_forward_hook(noisy) for block in blocks]
-    try:
+    with contextlib.ExitStack() as hooks:
+        for block in blocks:
+            hooks.enter_context(block.register_forward_hook(noisy))
         return probe_forward(model, ids, f"--factory {spec!r}: the model")
-    finally:
-        for handle in handles:
-            handle.remove()
