@@ -1,11 +1,7 @@
 """``lnstab check``: a stability report card for any Transformer, measured beside Pre-LN and Peri-LN references.
 
-The check trains the model and its references of the same width, depth and context over a learning-rate ladder ×
-seeds with lnstab's instruments attached, and grades it on divergence, LR sensitivity (Wortsman et al.), growth over
-depth (Theorems 3/4), overflow headroom, attention-logit growth, output-logit drift, Jacobian sensitivity against
-activation scale (Propositions 7/8), Theorem 4's bound and gradient spread. Entry point:
-:func:`lnstab.check.cli.main`; criteria: :mod:`lnstab.check.criteria` (thresholds in ``thresholds.yaml``); the
-validation against published outcomes: :mod:`lnstab.check.validation` (``lnstab check --validate``).
+Entry point: :func:`lnstab.check.cli.main`; criteria: :mod:`lnstab.check.criteria` (thresholds in
+``thresholds.yaml``); the validation against published outcomes (``--validate``): :mod:`lnstab.check.validation`.
 """
 
 from typing import Any

@@ -1,12 +1,5 @@
-"""The reference runs of ``lnstab check``, kept between cards on one machine.
-
-A card trains the checked model and, beside it, lnstab's Pre-LN and Peri-LN references at the same shape and
-protocol: two thirds of its runs, the same on every card of that shape. A reference run is a pure function of what
-its key holds (the reference's config, the rung, every protocol setting, the exact token windows, lnstab's own
-source, torch's version, the CPU's instruction set and the thread count), so a second card reuses the first's instead
-of training it again (the proxy tier's card: 16 runs instead of 48). Only references are kept, never the checked
-model, and ``--validate`` never reads or writes the cache; ``--no-cache`` or ``LNSTAB_CHECK_CACHE=off`` trains them
-afresh. An entry that cannot be read is a miss, trained and written again.
+"""The reference runs of ``lnstab check``, kept between cards on one machine: a run is reused when its key (everything
+it depends on, :func:`run_key`) is the same; the checked model's runs are never kept (docs/check/README.md).
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""What a stress run of the check is given and gives back, in plain torch (no Lightning).
-
-The parent process of ``lnstab check`` plans the runs, checks each model's forward, reads the results its workers
-send back (:class:`RunResult`, pickled by this module's name) and grades them; only the workers train
-(:mod:`lnstab.check.training`), so only they import Lightning.
+"""What a stress run of the check is given and gives back, in plain torch: the parent process, which never trains nor
+imports Lightning, reads the :class:`RunResult` its workers send back (pickled by this module's name).
 """
 
 from __future__ import annotations
@@ -57,7 +54,6 @@ def logits_of(out: Any) -> Any:
 def probe_forward(model: nn.Module, ids: torch.Tensor, label: str, train: bool = False) -> Any:
     """The logits of ``model`` (:func:`logits_of`; eval mode, or train mode with ``train``; no grad) for ``ids``, or
     a one-line error naming ``label`` when its forward fails or ends the process (``sys.exit``, ``os._exit``)."""
-
     try:
         with exits_caught(), torch.no_grad():
             return logits_of(model.train(train)(ids))
@@ -86,8 +82,8 @@ class Sites:
         norm_pattern: Output norms of Theorem 4, one per residual update (``None``: none; a model's own
             ``output_norms()`` wins, as in :class:`~lnstab.callbacks.GrowthBoundMonitor`).
         head_pattern: The output head whose output is the logits (``None``: ``lm_head``, or lnstab's chunked head).
-        attention: Whether the attention-logit instrument finds q and k (lnstab's GPT, HF GPT-2, Llama,
-            Gemma, Mistral, Mixtral, Qwen2/3, Gemma 2/3, OLMo 2, or the projections named by ``qk``).
+        attention: Whether the attention-logit instrument finds q and k (the families docs/check/README.md lists,
+            or the projections named by ``qk``).
         logits: Whether the output-logit instrument finds the logits.
         qk: ``(q_pattern, k_pattern, n_head)`` of a model whose attention is not recognised (``None``: automatic).
     """

@@ -1,11 +1,6 @@
-"""What a signal does to ``lnstab check``: SIGINT (Ctrl-C), SIGTERM and SIGHUP end it at once, with no verdict.
-
-A check has nothing to resume (its stress runs are seconds each, and a card is only whole with all of them), so
-unlike ``lnstab fit`` it does not wait for a step boundary: the signal raises :class:`Interrupted` in the main
-thread, the worker processes are killed (:class:`~lnstab.check.workers.RunPool`), the card's directory keeps the
-finished runs' logs and an ``interrupted.txt`` saying so, and ``lnstab check`` exits with ``128 + signal`` after one
-line. The workers themselves never see these signals (:mod:`lnstab.check.workers`). A write that must be whole
-(replacing a validation set's cards) holds a signal back until it is done (:func:`deferred`).
+"""What a signal does to ``lnstab check``: SIGINT (Ctrl-C), SIGTERM and SIGHUP end it at once (a check has nothing
+to resume), with no verdict: :class:`Interrupted` is raised in the main thread, and a write that must be whole holds
+the signal back until it is done (:func:`deferred`).
 """
 
 from __future__ import annotations
