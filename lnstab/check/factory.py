@@ -140,8 +140,7 @@ def compile_regex(option: str, value: str | None) -> re.Pattern | None:
         raise LNStabError(f"{option} {value!r} is not a valid regular expression ({err})") from None
 
 
-def block_names(model: nn.Module, pattern: re.Pattern | None, types: tuple[type, ...],
-                option: str = "--layer-pattern") -> list[str]:
+def block_names(model: nn.Module, pattern: re.Pattern | None, types: tuple[type, ...]) -> list[str]:
     """Names of the modules that ``pattern`` (searched) or ``types`` select: in the order of the layer index the
     pattern's first group captures where it captures one in every name, else in module order (the order they were
     created, not necessarily the order they run).
@@ -158,7 +157,7 @@ def block_names(model: nn.Module, pattern: re.Pattern | None, types: tuple[type,
     for n in names:
         other = first.setdefault(index[n], n)
         if other != n and n.startswith(other + "."):  # a block and its own submodule: one layer twice
-            raise LNStabError(f"{option} '{pattern.pattern}' is not allowed; it gives layer index {index[n]} to "
+            raise LNStabError(f"--layer-pattern '{pattern.pattern}' is not allowed; it gives layer index {index[n]} to "
                               f"{other!r} and {n!r}: anchor it where a block's name ends ($)")
     if len(first) < len(names):  # two families share indices (layers.0, extra.0): module order, as given
         return names

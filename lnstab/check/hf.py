@@ -154,7 +154,7 @@ def special_ids_in_vocabulary(model: nn.Module, vocab_size: int) -> None:
     ``None``: ids that name no row of the model's embedding and that no forward reads (what is trained is
     unchanged); a model without a Hugging Face config is left as it is."""
     config = getattr(model, "config", None)
-    if config is None or not callable(getattr(config, "to_dict", None)):
+    if not callable(getattr(config, "to_dict", None)):
         return
     for key, value in vocab_overrides(config, vocab_size).items():
         if key != "vocab_size":

@@ -5,6 +5,7 @@ recipe (so that a worker process builds the same model).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -174,11 +175,9 @@ def parse_value(text: str) -> Any:
         value = yaml.safe_load(text)
     except yaml.YAMLError:
         return text
-    if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
-        try:
-            return float(value) if value.strip().lower() not in ("nan", "inf", "-inf", "+inf") else value
-        except ValueError:
-            return value
+    if isinstance(value, str) and value.strip().lower() not in ("nan", "inf", "-inf", "+inf"):
+        with contextlib.suppress(ValueError):  # YAML 1.1 reads 1e-4 (no dot) as a string
+            return float(value)
     return value
 
 
