@@ -260,12 +260,8 @@ def with_z_loss(subject: Subject, z_loss: float | None) -> Subject:
 
 
 def hf_subject(name: str, init: bool) -> Subject:
-    """A Hugging Face causal LM: a local directory or a hub name, trained weights or (``init``) its config's init.
-
-    ``trust_remote_code`` is never set: architectures that need remote code are refused by ``transformers``. Every
-    dropout probability of its config is set to 0 (the runs train in train mode); the output norms of the families
-    :data:`lnstab.check.hf.OUTPUT_NORMS` names are located for Theorem 4.
-    """
+    """A Hugging Face causal LM: a local directory or a hub name, trained weights or (``init``) its config's init, never
+    remote code (``transformers`` refuses what needs it), every dropout probability of its config set to 0."""
     config = hf.load_config(name)
     if getattr(config, "text_config", None) is not None or getattr(config, "vision_config", None) is not None:
         raise LNStabError(f"--hf {name!r} is a multimodal model ({config.model_type}); lnstab check reads text-only "
