@@ -35,7 +35,11 @@ assert t.tolist() == [1.0, 1.0, 1.0]
 
 def run(mode: str, store: str) -> str:
     proc = subprocess.run([sys.executable, "-c", SCRIPT, mode, store], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    # Without lnstab the group is left to finalisation, where gloo's threads may abort the process (SIGABRT,
+    # "terminate called without an active exception": CI, 2026-12-07) after the line is printed: the very fault
+    # lnstab.distributed prevents, so the control may show it; with lnstab the process must end cleanly
+    allowed = (0,) if mode == "lnstab" else (0, -6)
+    assert proc.returncode in allowed, proc.stderr
     return proc.stdout.strip()
 
 
