@@ -3,7 +3,7 @@
 * :func:`fit_line`, least squares, and the growth of a depth profile: :func:`growth_law`, its exponential and linear
   fits (:class:`lnstab.callbacks.GrowthBoundMonitor` logs them live), and :func:`growth_fit`, those with the doublings
   over the deeper half (:func:`deep_doublings`) that the check grades;
-* :func:`ladder_sensitivity` and :func:`best_rate`: Wortsman et al. (2023)'s LR sensitivity of a ladder of final losses;
+* :func:`ladder_loss`, :func:`ladder_sensitivity`, :func:`best_rate`: Wortsman et al. (2023)'s LR sensitivity;
 * :func:`jacobian_points` and :func:`log_log_slope`: the Jacobian probe's ``(activation scale, sensitivity)`` pairs
   and the slope Propositions 7/8 predict (−1).
 
@@ -78,10 +78,15 @@ def growth_law(depths: list[float], values: list[float], *, complete: bool = Fal
     undefined)."""
     logs = [math.log(v) if v > 0 and math.isfinite(v) else math.nan for v in values]
     exp, lin = fit_line(depths, logs, complete=complete), fit_line(depths, values, complete=complete)
-    law = "n/a"
-    if math.isfinite(exp["r2"]) and math.isfinite(lin["r2"]):
-        law = "exponential" if exp["r2"] > lin["r2"] else "linear"
-    return {"exp_rate": exp["slope"], "exp_r2": exp["r2"], "lin_slope": lin["slope"], "lin_r2": lin["r2"], "law": law}
+    return {"exp_rate": exp["slope"], "exp_r2": exp["r2"], "lin_slope": lin["slope"], "lin_r2": lin["r2"],
+            "law": better_law(exp["r2"], lin["r2"])}
+
+
+def better_law(exp_r2: float, lin_r2: float) -> str:
+    """``exponential`` or ``linear``, whichever fit has the higher R² (``n/a`` unless both are finite)."""
+    if not (math.isfinite(exp_r2) and math.isfinite(lin_r2)):
+        return "n/a"
+    return "exponential" if exp_r2 > lin_r2 else "linear"
 
 
 def growth_fit(depths: list[float], values: list[float]) -> dict[str, Any]:
@@ -93,6 +98,12 @@ def best_rate(points: Mapping[float, float]) -> tuple[float, float] | None:
     """``(η*, L*)``: the learning rate of the lowest loss of a ladder ``{η: L(η)}`` (the lowest η of a tie) and that
     loss (``None`` for an empty ladder)."""
     return min(points.items(), key=lambda p: (p[1], p[0])) if points else None
+
+
+def ladder_loss(final: float, initial: float) -> float:
+    """``min(L_final, L_init)``, a run's point on an LR ladder: a final loss that is not finite (a diverged run's)
+    counts as ``L_init``, no better than not training (Wortsman et al. 2023)."""
+    return min(final, initial) if math.isfinite(final) else initial
 
 
 def ladder_sensitivity(points: Mapping[float, float]) -> float:

@@ -8,7 +8,15 @@ from typing import Any
 
 from lnstab.callbacks.divergence_kinds import FATAL
 from lnstab.check.runspec import RunResult
-from lnstab.measures import best_rate, fit_line, growth_fit, jacobian_points, ladder_sensitivity, log_log_slope
+from lnstab.measures import (
+    best_rate,
+    better_law,
+    growth_fit,
+    jacobian_points,
+    ladder_loss,
+    ladder_sensitivity,
+    log_log_slope,
+)
 
 
 def layer_depths(tags: list[str]) -> dict[str, float]:
@@ -31,9 +39,7 @@ def law(fits: list[dict[str, Any]]) -> dict[str, Any]:
     """Mean per-layer exponential rate, mean R² of both fits and the law that fits better on average."""
     mean = lambda key: mean_sd([f[key] for f in fits])[0]  # noqa: E731
     exp_r2, lin_r2 = mean("exp_r2"), mean("lin_r2")
-    better = "n/a" if not (math.isfinite(exp_r2) and math.isfinite(lin_r2)) else (
-        "exponential" if exp_r2 > lin_r2 else "linear")
-    return {"exp_rate": mean("exp_rate"), "exp_r2": exp_r2, "lin_r2": lin_r2, "law": better}
+    return {"exp_rate": mean("exp_rate"), "exp_r2": exp_r2, "lin_r2": lin_r2, "law": better_law(exp_r2, lin_r2)}
 
 
 def measured_index(run: RunResult, step: int) -> int | None:
@@ -100,27 +106,25 @@ def mean_profiles(runs: list[RunResult], step: int) -> dict[str, list[list[float
     return out
 
 
-def final_or_initial(run: RunResult, initial: float) -> float:
-    """``min(L_final, L_init)`` of one run for the LR ladder: a diverged run (or one without a finite final loss)
-    counts as ``L_init``, no better than not training (Wortsman et al. 2023)."""
-    last = run.losses[-1] if run.losses else math.nan
-    return initial if run.diverged or not math.isfinite(last) else min(last, initial)
+def final_loss(run: RunResult) -> float:
+    """The run's last training loss: ``inf`` when it diverged, ``nan`` without one."""
+    return math.inf if run.diverged else run.losses[-1] if run.losses else math.nan
 
 
 def lr_sensitivity(runs: list[RunResult]) -> dict[str, Any]:
     """Wortsman et al. (2023)'s LR sensitivity of one subject over its ladder, as :mod:`lnstab.report` computes it:
-    ``L(lr)`` = the mean over seeds of :func:`final_or_initial`, ``L_init`` the mean first loss of the runs,
+    ``L(lr)`` = the mean over seeds of :func:`lnstab.measures.ladder_loss`, ``L_init`` the mean first loss of the runs,
     value = mean over the ladder of ``L(lr) − min L``. ``sd`` is the spread of the same value computed seed by seed
     (each seed against its own first loss)."""
     starts = [r.losses[0] for r in runs if r.losses and math.isfinite(r.losses[0])]
     initial = statistics.fmean(starts) if starts else math.nan
     lrs = sorted({r.lr for r in runs})
-    points = {lr: statistics.fmean(final_or_initial(r, initial) for r in runs if r.lr == lr) for lr in lrs}
+    points = {lr: statistics.fmean(ladder_loss(final_loss(r), initial) for r in runs if r.lr == lr) for lr in lrs}
     per_seed = []
     for seed in sorted({r.seed for r in runs}):
         mine = [r for r in runs if r.seed == seed]
         start = statistics.fmean(r.losses[0] for r in mine if r.losses) if any(r.losses for r in mine) else math.nan
-        per_seed.append(ladder_sensitivity({r.lr: final_or_initial(r, start) for r in mine}))
+        per_seed.append(ladder_sensitivity({r.lr: ladder_loss(final_loss(r), start) for r in mine}))
     value = ladder_sensitivity(points) if math.isfinite(initial) else math.nan
     best = best_rate(points)[0] if points and math.isfinite(value) else None
     return {"mean": value, "sd": mean_sd(per_seed)[1] if len(per_seed) > 1 else 0.0, "points": points,
@@ -187,12 +191,11 @@ def summarise(runs: list[RunResult], steps: int) -> dict[str, Any]:
     points += [p for r in completed for p in jacobian_at(r, steps)]
     logs = [math.log(s) for s, _ in points]
     spread_ok = len(points) >= 3 and max(logs) - min(logs) >= 0.1
-    slope = log_log_slope(points) if spread_ok else fit_line([], [])
+    slope = log_log_slope(points if spread_ok else [])  # none: every field nan
     bound_runs = [r.metrics[max(r.metrics)] for r in runs if r.metrics and any(
         "bound/violations" in m for m in r.metrics.values())]
     violations = sum(int(m.get("bound/violations", 0)) for m in bound_runs) if bound_runs else math.nan
     slacks = [m["bound/slack"] for r in runs for m in r.metrics.values() if "bound/slack" in m]
-    final_loss = lambda r: r.losses[-1] if r.losses else math.nan  # noqa: E731
     return {
         "runs": len(runs),
         "diverged": sum(r.diverged for r in runs),

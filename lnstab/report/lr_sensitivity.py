@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lnstab.formatting import number
-from lnstab.measures import best_rate, ladder_sensitivity
+from lnstab.measures import best_rate, ladder_loss, ladder_sensitivity
 from lnstab.report.collect import RunRecord
 from lnstab.report.tables import Table, _norm, _show, config_label, short_names, varying_keys
 
@@ -115,7 +115,7 @@ def ladders(records: list[RunRecord]) -> tuple[str | None, list[str], list[Ladde
             lr, loss = r.config.get(key) if key else None, final_loss(r)
             if not isinstance(lr, int | float) or isinstance(lr, bool) or loss is None or ladder.initial is None:
                 continue
-            by_lr.setdefault(float(lr), []).append(min(loss, ladder.initial))
+            by_lr.setdefault(float(lr), []).append(ladder_loss(loss, ladder.initial))
             ladder.diverged[float(lr)] = ladder.diverged.get(float(lr), 0) + (r.status == "diverged")
             ladder.counted += 1
         ladder.points = {lr: statistics.fmean(v) for lr, v in sorted(by_lr.items())}
