@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
@@ -30,6 +31,26 @@ def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, decay_s
         return min_lr
     progress = (step - warmup_steps) / max(1, decay_steps - warmup_steps)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (max_lr - min_lr)
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, *, peak: float, min_lr: float, warmup_steps: int,
+                  decay_steps: int) -> dict[str, Any]:
+    """:func:`lr_at` (at least one warmup step) as Lightning's per-step scheduler entry, a multiple of ``peak``."""
+    warmup = max(1, warmup_steps)
+
+    def scale(step: int) -> float:
+        lr = lr_at(step, max_lr=peak, min_lr=min_lr, warmup_steps=warmup, decay_steps=decay_steps)
+        return lr / peak if peak > 0 else 0.0
+
+    return {"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, scale), "interval": "step"}
+
+
+def decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: every trainable ≥ 2-D weight (matrices, embeddings) decays by ``weight_decay``; biases and norm
+    gains do not."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
 class GPTModule(pl.LightningModule):
@@ -211,21 +232,13 @@ class GPTModule(pl.LightningModule):
             trainer.fit_loop.epoch_loop._batches_that_stepped = self.loaded_step
 
     def parameter_groups(self) -> list[dict[str, Any]]:
-        """AdamW groups: every ≥ 2-D weight (matrices, embeddings) decays; biases and norm gains do not.
-
-        The decaying group's ``weight_decay`` is λ (``coupled``) or λ/η_max (``independent``: AdamW's step then
-        decays by ``η_t·λ/η_max = s_t·λ``)."""
+        """AdamW groups (:func:`decay_groups`): the decaying group's ``weight_decay`` is λ (``coupled``) or λ/η_max
+        (``independent``: AdamW's step then decays by ``η_t·λ/η_max = s_t·λ``)."""
         hp = self.hparams
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
         wd = hp.weight_decay
         if hp.weight_decay_mode == "independent":
             wd = wd / hp.learning_rate if wd > 0 else 0.0
-        return [
-            {"params": decay, "weight_decay": wd},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
+        return decay_groups(self.model, wd)
 
     @override
     def configure_optimizers(self) -> dict[str, Any]:
@@ -243,14 +256,8 @@ class GPTModule(pl.LightningModule):
         if decay_steps is None:
             total = self.trainer.estimated_stepping_batches
             decay_steps = int(total) if math.isfinite(total) else hp.warmup_steps + 1
-        warmup = max(1, hp.warmup_steps)
-
-        def scale(step: int) -> float:
-            lr = lr_at(step, max_lr=hp.learning_rate, min_lr=hp.min_lr, warmup_steps=warmup, decay_steps=decay_steps)
-            return lr / hp.learning_rate if hp.learning_rate > 0 else 0.0
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, scale)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return {"optimizer": optimizer, "lr_scheduler": warmup_cosine(
+            optimizer, peak=hp.learning_rate, min_lr=hp.min_lr, warmup_steps=hp.warmup_steps, decay_steps=decay_steps)}
 
     @override
     def configure_gradient_clipping(

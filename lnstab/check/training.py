@@ -34,7 +34,7 @@ from lnstab.callbacks import (
 from lnstab.check.runspec import Optimisation, RunResult, Sites, logits_of
 from lnstab.loss import z_loss_term
 from lnstab.model import GPT
-from lnstab.module import lr_at
+from lnstab.module import decay_groups, warmup_cosine
 
 # A stress run has diverged on a non-finite loss, gradient, weight or activation, or on a loss above this multiple of
 # its first (~ln V), whether or not fp32 overflowed on this CPU: part of what "diverged" means (docs/check/README.md),
@@ -109,21 +109,11 @@ class StressModule(pl.LightningModule):
 
     @override
     def configure_optimizers(self) -> dict[str, Any]:
-        opt = self.optimisation
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": opt.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        optimizer = torch.optim.AdamW(groups, lr=self.learning_rate, betas=opt.betas, eps=opt.eps, foreach=True)
-        peak, warmup = self.learning_rate, max(1, opt.warmup_steps)
-
-        def scale(step: int) -> float:
-            lr = lr_at(step, max_lr=peak, min_lr=peak * opt.min_lr_ratio, warmup_steps=warmup, decay_steps=opt.steps)
-            return lr / peak if peak > 0 else 0.0
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, scale)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        opt, peak = self.optimisation, self.learning_rate
+        optimizer = torch.optim.AdamW(decay_groups(self.model, opt.weight_decay), lr=peak, betas=opt.betas,
+                                      eps=opt.eps, foreach=True)
+        return {"optimizer": optimizer, "lr_scheduler": warmup_cosine(
+            optimizer, peak=peak, min_lr=peak * opt.min_lr_ratio, warmup_steps=opt.warmup_steps, decay_steps=opt.steps)}
 
 
 class Recorder(pl.Callback):
