@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 from support.check import TINY, check
 
@@ -78,3 +79,14 @@ def test_a_hugging_face_factory_is_built_with_bos_and_eos_ids_in_the_protocol_vo
     capfd.readouterr()
     for (name, a), (_, b) in zip(built.state_dict().items(), own.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, msg=name)
+
+
+def test_an_unanchored_site_pattern_is_refused_under_its_own_flag() -> None:
+    """A site pattern giving one index to a block and its submodule was refused as --layer-pattern, a flag the user
+    may not have given (this one was anchored)."""
+    from lnstab.errors import LNStabError
+
+    layers = r"unit_(\d+)$"
+    with pytest.raises(LNStabError, match=r"^--norm-pattern 'unit_\(\\d\+\)' is not allowed; it gives layer index 3"):
+        factory_subject("check_factories:reversed_lm", layers, None, 16, norm_pattern=r"unit_(\d+)")
+    assert factory_subject("check_factories:reversed_lm", layers, None, 16, norm_pattern=layers).sites.norm_pattern

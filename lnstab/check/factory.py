@@ -140,13 +140,15 @@ def compile_regex(option: str, value: str | None) -> re.Pattern | None:
         raise LNStabError(f"{option} {value!r} is not a valid regular expression ({err})") from None
 
 
-def block_names(model: nn.Module, pattern: re.Pattern | None, types: tuple[type, ...]) -> list[str]:
+def block_names(model: nn.Module, pattern: re.Pattern | None, types: tuple[type, ...],
+                option: str = "--layer-pattern") -> list[str]:
     """Names of the modules that ``pattern`` (searched) or ``types`` select: in the order of the layer index the
     pattern's first group captures where it captures one in every name, else in module order (the order they were
     created, not necessarily the order they run).
 
     Raises:
-        LNStabError: Two modules get one index (an unanchored pattern that also matches a block's submodules).
+        LNStabError: Two modules get one index (an unanchored pattern that also matches a block's submodules),
+            naming ``option``, the flag that gave ``pattern``.
     """
     names = [name for name, module in model.named_modules()
              if name and ((pattern is not None and pattern.search(name)) or (types and isinstance(module, types)))]
@@ -157,7 +159,7 @@ def block_names(model: nn.Module, pattern: re.Pattern | None, types: tuple[type,
     for n in names:
         other = first.setdefault(index[n], n)
         if other != n and n.startswith(other + "."):  # a block and its own submodule: one layer twice
-            raise LNStabError(f"--layer-pattern '{pattern.pattern}' is not allowed; it gives layer index {index[n]} to "
+            raise LNStabError(f"{option} '{pattern.pattern}' is not allowed; it gives layer index {index[n]} to "
                               f"{other!r} and {n!r}: anchor it where a block's name ends ($)")
     if len(first) < len(names):  # two families share indices (layers.0, extra.0): module order, as given
         return names
@@ -255,7 +257,7 @@ def factory_subject(
         raise LNStabError(f"{what} matched no module of the model from --factory {spec!r} ({some})")
     exact_sites: dict[str, str | None] = {}
     for option, regex in given.items():  # searched in the model's own names, as --layer-pattern is: the stress
-        matched = block_names(model, regex, ()) if regex is not None else []  # runs see them under a prefix
+        matched = block_names(model, regex, (), option) if regex is not None else []  # runs see them under a prefix
         if regex is not None and not matched:
             raise LNStabError(f"{option} {regex.pattern!r} matched no module of the model from --factory {spec!r} "
                               f"({some})")
