@@ -165,6 +165,11 @@ def split_model_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
     return model, rest
 
 
+def pairs(args: tuple[str, ...]) -> dict[str, Any]:
+    """``("--model.a", "1", …)`` as ``{"a": 1, …}``, as :func:`split_model_args` reads them."""
+    return split_model_args(list(args))[0]
+
+
 def make_protocol(args: argparse.Namespace, extra: dict[str, Any]) -> Protocol:
     """The :class:`Protocol` of the flags, ``--model.*`` optimisation arguments filling unset ones."""
     for option, given, example in (("--lrs", args.lrs, "1e-3,1e-2"), ("--seeds", args.seeds, "0,1")):

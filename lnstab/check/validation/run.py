@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from lnstab.check.hf import progress_bars_off
-from lnstab.check.options import FACTORY_OPTIONS, build_parser, make_protocol, tier_thresholds, worker_counts
+from lnstab.check.options import FACTORY_OPTIONS, build_parser, make_protocol, pairs, tier_thresholds, worker_counts
 from lnstab.check.protocol import plan, run_ladder, tiers
 from lnstab.check.runner import check_model, grade, lnstab_version, load_data, machine, public_command, public_path
 from lnstab.check.signals import Interrupted, deferred
-from lnstab.check.subjects import Subject, context_length, hf_subject, lnstab_subject, parse_value, references
+from lnstab.check.subjects import Subject, context_length, hf_subject, lnstab_subject, references
 from lnstab.check.validation.families import HF_FAMILIES
 from lnstab.check.validation.readme import HELDOUT_DIR, SETS, history, readme
 from lnstab.check.validation.sets import DEFAULT_SHAPE, SUPPLEMENT_IDS, Row, Supplement, model_flags, supplement_rows
@@ -36,11 +36,6 @@ from lnstab.rundir import atomic_write_text, check_writable, read_json
 DEFAULT_OUT = Path("docs/check/validation")
 STAGE_PREFIX = ".incoming-"  # where the new cards wait, inside --out, until they replace the earlier ones
 SHAPE_KEYS = ("preset", "n_layer", "n_head", "n_embd", "block_size", "vocab_size")
-
-
-def pairs(args: tuple[str, ...]) -> dict[str, Any]:
-    """``("--model.a", "1", …)`` as ``{"a": 1, …}``."""
-    return {k.removeprefix("--model."): parse_value(v) for k, v in zip(args[::2], args[1::2], strict=True)}
 
 
 def row_subject(row: Row, shape: dict[str, Any], workdir: Path) -> tuple[Subject, list[str]]:
