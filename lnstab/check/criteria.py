@@ -392,9 +392,10 @@ def evaluate_expression(text: Any, names: dict[str, float]) -> float | None:
         return math.nan
 
 
-def load_thresholds(path: str | Path | None) -> dict[str, dict[str, Any]]:
-    """The default thresholds with ``path``'s entries (if given) merged over them, checked."""
-    merged = {k: {**v, "absolute": dict(v["absolute"])} for k, v in DEFAULT_THRESHOLDS.items()}
+def load_thresholds(path: str | Path | None, base: dict[str, dict[str, Any]] | None = None
+                    ) -> dict[str, dict[str, Any]]:
+    """The default thresholds (or ``base``, a tier's) with ``path``'s entries (if given) merged over them, checked."""
+    merged = {k: {**v, "absolute": dict(v["absolute"])} for k, v in (base or DEFAULT_THRESHOLDS).items()}
     if path is None:
         return merged
     path = Path(path)

@@ -17,7 +17,6 @@ from lnstab.check.runspec import Optimisation
 from lnstab.check.subjects import parse_value
 from lnstab.check.workers import auto_workers
 from lnstab.errors import LNStabError
-from lnstab.safeload import load_yaml
 
 EXIT_FAILED = 3  # the checked model or the check itself failed: not a verdict
 # What `lnstab check --help` says first: the first line of lnstab.check.cli's docstring (cli imports this module).
@@ -218,20 +217,7 @@ def tier_thresholds(tier: str, path: str | None) -> dict[str, dict[str, Any]]:
     from lnstab.check.criteria import load_thresholds
 
     own = tiers()[tier].get("thresholds")
-    if own is None:
-        return load_thresholds(path)
-    merged = load_thresholds(TIERS_FILE.with_name(own))
-    if path is None:
-        return merged
-    user = load_thresholds(path)  # checked, merged over thresholds.yaml
-    given = load_yaml(path, f"--thresholds {path}") or {}
-    for cid, entry in given.items():
-        for key, value in entry.items():
-            if key in ("warn", "fail"):
-                merged[cid][key] = user[cid][key]
-            elif key == "absolute":
-                merged[cid]["absolute"].update({sub: user[cid]["absolute"][sub] for sub in value})
-    return merged
+    return load_thresholds(path, load_thresholds(TIERS_FILE.with_name(own)) if own else None)
 
 
 def worker_counts(args: argparse.Namespace, n_runs: int) -> tuple[int, int]:
