@@ -6,7 +6,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from matplotlib.figure import Figure
+
 from lnstab.check.runspec import RunResult
+from lnstab.measures import log_log_slope
 
 COLORS = {"checked": "tab:red", "pre-ln": "tab:blue", "peri-ln": "tab:green"}
 # The checked model is drawn last, dashed / hollow, so it stays visible on top of a reference identical to it.
@@ -19,19 +22,9 @@ def ordered(items: dict[str, Any]) -> list[tuple[str, Any]]:
     return sorted(items.items(), key=lambda kv: kv[0] == "checked")
 
 
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig: Any, path: Path) -> str:
+def _save(fig: Figure, path: Path) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    _pyplot().close(fig)
     return path.name
 
 
@@ -48,8 +41,8 @@ def graded_lr(summaries: dict[str, dict[str, Any]]) -> dict[str, str | None]:
 def growth_figure(summaries: dict[str, dict[str, Any]], labels: dict[str, str], path: Path) -> str:
     """MA and both variances over depth, at initialisation and after training (log scale); after training, each
     subject at the learning rate its growth criterion names (:func:`graded_lr`)."""
-    plt = _pyplot()
-    fig, axes = plt.subplots(2, 3, figsize=(13, 7), squeeze=False)
+    fig = Figure(figsize=(13, 7))  # matplotlib's object API: no pyplot state, nothing to close
+    axes = fig.subplots(2, 3, squeeze=False)
     lrs = graded_lr(summaries)
     for row, when in enumerate(("init", "trained")):
         for col, (stat, title) in enumerate(STATS.items()):
@@ -73,8 +66,8 @@ def growth_figure(summaries: dict[str, dict[str, Any]], labels: dict[str, str], 
 
 def sensitivity_figure(summaries: dict[str, dict[str, Any]], labels: dict[str, str], path: Path) -> str:
     """Each block's Jacobian sensitivity against its input's mean |x| (log–log) with the fitted slope."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 5))
+    fig = Figure(figsize=(6.5, 5))
+    ax = fig.subplots()
     for key, summary in ordered(summaries):
         sens = summary["sensitivity"]
         points = sens["points"]
@@ -87,12 +80,10 @@ def sensitivity_figure(summaries: dict[str, dict[str, Any]], labels: dict[str, s
             ax.scatter(xs, ys, s=36, facecolors="none", edgecolors=COLORS[key], linewidths=1.2, label=label, zorder=3)
         else:
             ax.scatter(xs, ys, s=12, alpha=0.6, color=COLORS.get(key), label=label)
-        if math.isfinite(slope):
-            lx = [math.log(x) for x in xs]
-            mx, my = sum(lx) / len(lx), sum(math.log(y) for y in ys) / len(ys)
-            ends = [min(lx), max(lx)]
-            ax.plot([math.exp(e) for e in ends], [math.exp(my + slope * (e - mx)) for e in ends],
-                    color=COLORS.get(key), **{"lw": 1.2, **LINE.get(key, {})})
+        if math.isfinite(slope):  # the fitted line (lnstab.measures.log_log_slope) across the points
+            ends, intercept = [min(xs), max(xs)], log_log_slope(points)["intercept"]
+            ax.plot(ends, [math.exp(intercept + slope * math.log(x)) for x in ends], color=COLORS.get(key),
+                    **{"lw": 1.2, **LINE.get(key, {})})
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("activation scale: mean |x| at the block's input")
@@ -106,8 +97,8 @@ def sensitivity_figure(summaries: dict[str, dict[str, Any]], labels: dict[str, s
 
 def loss_figure(runs: dict[str, list[RunResult]], labels: dict[str, str], lrs: list[float], path: Path) -> str:
     """Training loss per step, one panel per learning rate, one line per subject and seed (× marks divergence)."""
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, len(lrs), figsize=(4.2 * len(lrs), 3.6), squeeze=False)
+    fig = Figure(figsize=(4.2 * len(lrs), 3.6))
+    axes = fig.subplots(1, len(lrs), squeeze=False)
     for ax, lr in zip(axes[0], lrs, strict=True):
         named: set[str] = set()  # subjects already in this panel's legend: each is named once, by what it drew first
         for key, subject_runs in ordered(runs):
