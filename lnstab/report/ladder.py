@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from lnstab.formatting import interval, number
-from lnstab.measures import ladder_sensitivity
+from lnstab.measures import ladder_loss, ladder_sensitivity
 from lnstab.report.collect import RunRecord
 from lnstab.report.lr_sensitivity import Ladder, final_loss, ladders
 from lnstab.report.tables import (
@@ -127,7 +127,7 @@ def designs(records: list[RunRecord]) -> tuple[str | None, list[str], list[Desig
             if lr is None or loss is None or design.initial is None:
                 continue
             ladder = design.seeds.setdefault(_seed(r), SeedLadder(_seed(r)))
-            ladder.points[lr] = min(loss, design.initial)
+            ladder.points[lr] = ladder_loss(loss, design.initial)
         for ladder in design.seeds.values():
             ladder.points = dict(sorted(ladder.points.items()))
     return key, keys, out
