@@ -51,6 +51,11 @@ def one_line(exc: BaseException) -> str:
     return " ".join(part.strip() for part in text.splitlines() if part.strip())
 
 
+def first_line(exc: BaseException, default: str = "") -> str:
+    """The first non-blank line of ``exc``'s message, stripped (``default`` where it has none)."""
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), default)
+
+
 def find_user_error(exc: BaseException) -> BaseException | None:
     """The user's mistake behind ``exc``: an :class:`LNStabError` or Lightning's ``MisconfigurationException``,
     itself or one that jsonargparse wrapped while instantiating."""

@@ -45,8 +45,8 @@ from lnstab.check.runner import grade, lnstab_version, load_data, machine, publi
 from lnstab.check.signals import Interrupted, interruptible
 from lnstab.check.subjects import Subject, context_length, hf_subject, lnstab_subject, references
 from lnstab.check.validation import supplement_argv
-from lnstab.check.workers import RunPool, first_line
-from lnstab.errors import LNStabError, MachineError, one_line, refused_write
+from lnstab.check.workers import RunPool
+from lnstab.errors import LNStabError, MachineError, first_line, one_line, refused_write
 from lnstab.rundir import atomic_write_text, check_name_lengths, check_writable
 
 DEFAULT_ROOT = Path("runs") / "check"

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lnstab.errors import LNStabError
+from lnstab.errors import LNStabError, first_line
 
 # model_type -> (output norms of one decoder layer in update order, whether the RMSNorm scales by 1 + weight). Located
 # per family, never guessed from names: Llama's post_attention_layernorm is its MLP's input norm, not an output norm.
@@ -225,9 +225,8 @@ def load_config(name: str) -> Any:
 
 def load_error(name: str, what: str, exc: BaseException) -> LNStabError:
     """``--hf NAME <what>: <first line of the error>`` (and why a hub name may fail offline)."""
-    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
     where = "" if os.path.isdir(name) else " (not a local directory; without network only local directories work)"
-    return LNStabError(f"--hf {name!r} {what}{where}: {first}")
+    return LNStabError(f"--hf {name!r} {what}{where}: {first_line(exc, type(exc).__name__)}")
 
 
 def config_shape(config: Any) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lnstab.errors import LNStabError
+from lnstab.errors import LNStabError, first_line
 
 
 @dataclass(frozen=True)
@@ -61,11 +61,10 @@ def probe_forward(model: nn.Module, ids: torch.Tensor, label: str, train: bool =
         raise LNStabError(f"{label} ended the process ({exit_call(exc)}) on token ids of shape {tuple(ids.shape)}, "
                           "before any training; lnstab check needs a forward that returns its logits") from None
     except Exception as exc:
-        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")[:300]
         hint = (f"; if its context is shorter than {ids.shape[-1]} tokens, give a smaller --seq-len"
                 if isinstance(exc, IndexError) else "")  # a position embedding indexed past its end
         raise LNStabError(f"{label} failed on token ids of shape {tuple(ids.shape)} "
-                          f"({type(exc).__name__}: {first}){hint}") from None
+                          f"({type(exc).__name__}: {first_line(exc)[:300]}){hint}") from None
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import torch
 
 from lnstab.check import cache
 from lnstab.check.runspec import exit_call, exits_caught
+from lnstab.errors import first_line
 from lnstab.parentdeath import blocked, die_with_parent
 
 AUTO_MAX_WORKERS = 4
@@ -70,11 +71,6 @@ class Failure:
         """The failure of job ``index`` that raised ``exc`` (its type and first line unless given)."""
         return cls(index, exc_type or type(exc).__name__, first_line(exc) if first is None else first,
                    "".join(traceback.format_exception(exc)))
-
-
-def first_line(exc: BaseException) -> str:
-    """The first non-blank line of ``exc``'s message, stripped."""
-    return next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
 
 
 def run_job(job: Job) -> Any:
