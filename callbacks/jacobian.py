@@ -14,7 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from typing_extensions import override
 
 from lnstab import validation as require
-from lnstab.errors import ConfigError
+from lnstab.errors import ConfigError, first_line
 
 from ._aside import aside
 from ._sites import BLOCK_PATTERN, LogsMetrics, Site, find_sites, first_tensor, probe_input
@@ -56,6 +56,37 @@ def block_call(block: nn.Module, args: tuple, kwargs: dict) -> Callable[[torch.T
         return first_tensor(block(x, *args[1:], **kwargs))
 
     return fn
+
+
+def probe_blocks(root: nn.Module, blocks: list[Site], forward: Callable[[], Any],
+                 norms: Callable[[nn.Module, tuple, dict, torch.Tensor], dict[str, torch.Tensor]]) -> dict[str, float]:
+    """``jacobian/<name>/<tag>`` of every call of ``blocks`` in ``forward()`` (``root`` in eval mode, no grad): each
+    ``name`` that ``norms(block, args, kwargs, x)`` gives at the call's input ``x`` (math attention), then
+    ``act_scale``, mean |x|; one host sync, nothing written to ``.grad``. A block that the forward runs several
+    times is measured at every call, each a layer of its own in call order (:func:`per_call`). Used by
+    :class:`JacobianSensitivity` and by ``lnstab check``'s probes."""
+    calls: list[tuple[int, tuple, dict]] = []  # (block, args, kwargs) in call order
+    handles = [s.module.register_forward_pre_hook(lambda m, args, kwargs, i=i: calls.append((i, args, kwargs)),
+                                                  with_kwargs=True) for i, s in enumerate(blocks)]
+    was_training = root.training
+    root.eval()
+    names, values = [], []
+    try:
+        with torch.no_grad():
+            forward()
+        for handle in handles:
+            handle.remove()
+        with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
+            for site, args, kwargs in per_call(blocks, calls):  # a looped block: every call, a layer of its own
+                x = first_tensor(args).detach()
+                for name, value in (*norms(site.module, args, kwargs, x).items(), ("act_scale", x.abs().mean())):
+                    names.append(f"jacobian/{name}/{site.tag}")
+                    values.append(value.detach())
+    finally:
+        for handle in handles:
+            handle.remove()
+        root.train(was_training)
+    return dict(zip(names, torch.stack(values).tolist() if values else [], strict=True))
 
 
 class JacobianSensitivity(LogsMetrics, Callback):
@@ -164,50 +195,22 @@ class JacobianSensitivity(LogsMetrics, Callback):
             return self._measure(module)
 
     def _measure(self, pl_module: nn.Module) -> dict[str, float]:
-        calls: list[tuple[int, tuple, dict]] = []  # (block, args, kwargs) in call order
+        def norms(block: nn.Module, args: tuple, kwargs: dict, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            fn = block_call(block, args, kwargs)
+            return {"residual": spectral_norm(fn, x, self.n_iter, self.seed),
+                    "sensitivity": spectral_norm(lambda z: fn(z) - z, x, self.n_iter, self.seed)}
 
-        def keep(i: int) -> Callable:
-            def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-                calls.append((i, args, kwargs))
+        return probe_blocks(pl_module, self.blocks, lambda: self._forward(pl_module), norms)
 
-            return hook
-
-        handles = [s.module.register_forward_pre_hook(keep(i), with_kwargs=True) for i, s in enumerate(self.blocks)]
-        was_training = pl_module.training
-        pl_module.eval()
+    def _forward(self, pl_module: nn.Module) -> None:
         try:
-            with torch.no_grad():
-                try:
-                    pl_module(self.probe.to(pl_module.device))
-                except (RuntimeError, IndexError, ValueError, TypeError) as exc:  # not an input the model takes
-                    said = (str(exc).strip().splitlines() or [""])[0][:200]
-                    raise ConfigError(
-                        f"{type(self).__name__}: the model's forward on its probe (shape {tuple(self.probe.shape)}, "
-                        f"{self.probe.dtype}; the first tensor of the first training batch unless probe= is given) "
-                        f"failed: {type(exc).__name__}: {said}; give probe= an input the model takes") from exc
-            for handle in handles:
-                handle.remove()
-            values = []
-            probed = per_call(self.blocks, calls)  # a looped block: every call, a layer of its own
-            with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
-                for site, args, kwargs in probed:
-                    x = first_tensor(args).detach()
-                    fn = block_call(site.module, args, kwargs)
-                    full = spectral_norm(fn, x, self.n_iter, self.seed)
-                    branch = spectral_norm(lambda z, fn=fn: fn(z) - z, x, self.n_iter, self.seed)
-                    values += [full.detach(), branch.detach(), x.abs().mean().to(full.dtype)]
-        finally:
-            for handle in handles:
-                handle.remove()
-            pl_module.train(was_training)
-        numbers = torch.stack(values).tolist() if values else []
-        metrics = {}
-        for i, (site, _, _) in enumerate(probed):
-            full, branch, scale = numbers[3 * i : 3 * i + 3]
-            metrics[f"jacobian/residual/{site.tag}"] = full
-            metrics[f"jacobian/sensitivity/{site.tag}"] = branch
-            metrics[f"jacobian/act_scale/{site.tag}"] = scale
-        return metrics
+            pl_module(self.probe.to(pl_module.device))
+        except (RuntimeError, IndexError, ValueError, TypeError) as exc:  # not an input the model takes
+            raise ConfigError(
+                f"{type(self).__name__}: the model's forward on its probe (shape {tuple(self.probe.shape)}, "
+                f"{self.probe.dtype}; the first tensor of the first training batch unless probe= is given) "
+                f"failed: {type(exc).__name__}: {first_line(exc)[:200]}; give probe= an input the model takes"
+            ) from exc
 
     @override
     def state_dict(self) -> dict[str, Any]:

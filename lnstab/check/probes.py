@@ -12,13 +12,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from typing_extensions import override
 
 from lnstab import validation as require
 from lnstab.callbacks import spectral_norm
-from lnstab.callbacks.jacobian import block_call
-from lnstab.callbacks.sites import find_sites, first_tensor, log_metrics, paused_taps, per_call, probe_input
+from lnstab.callbacks.jacobian import block_call, probe_blocks
+from lnstab.callbacks.sites import find_sites, log_metrics, paused_taps, probe_input
 
 
 def branch_norm(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, n_iter: int, seed: int = 0
@@ -50,41 +49,18 @@ def _branch_call(block: nn.Module, args: tuple, kwargs: dict) -> Callable[[torch
 
 def measure_branches(root: nn.Module, blocks: list[Any], probe: torch.Tensor, n_iter: int, seed: int = 0
                      ) -> dict[str, float]:
-    """``jacobian/sensitivity/<tag>`` and ``jacobian/act_scale/<tag>`` of every block site on ``probe`` (eval mode,
-    math attention, nothing written to ``.grad``, other instruments' taps paused); one host sync. A block that the
-    forward runs several times (weights shared across depth) is probed at each call's input, each call a layer of
-    its own in call order (:func:`lnstab.callbacks.sites.per_call`)."""
-    calls: list[tuple[int, tuple, dict]] = []  # (block, args, kwargs) in call order
-    handles = [s.module.register_forward_pre_hook(lambda m, args, kwargs, i=i: calls.append((i, args, kwargs)),
-                                                  with_kwargs=True) for i, s in enumerate(blocks)]
-    was_training = root.training
-    root.eval()
-    values: list[torch.Tensor] = []
-    try:
-        with paused_taps(root):
-            with torch.no_grad():
-                root(probe)
-            for handle in handles:
-                handle.remove()
-            probed = per_call(blocks, calls)
-            with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
-                for site, args, kwargs in probed:
-                    x = first_tensor(args).detach()
-                    fn = _branch_call(site.module, args, kwargs)
-                    try:
-                        norm = branch_norm(fn, x, n_iter, seed)
-                    except RuntimeError:  # an operation without double backward
-                        norm = spectral_norm(fn, x, n_iter, seed)
-                    values += [norm.detach(), x.abs().mean().to(norm.dtype)]
-    finally:
-        for handle in handles:
-            handle.remove()
-        root.train(was_training)
-    numbers = torch.stack(values).tolist() if values else []
-    metrics = {}
-    for (site, _, _), norm, scale in zip(probed, numbers[::2], numbers[1::2], strict=True):
-        metrics |= {f"jacobian/sensitivity/{site.tag}": norm, f"jacobian/act_scale/{site.tag}": scale}
-    return metrics
+    """``jacobian/sensitivity/<tag>`` and ``jacobian/act_scale/<tag>`` of every block site on ``probe``
+    (:func:`lnstab.callbacks.jacobian.probe_blocks`), other instruments' taps paused."""
+
+    def norms(block: nn.Module, args: tuple, kwargs: dict, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        fn = _branch_call(block, args, kwargs)
+        try:
+            return {"sensitivity": branch_norm(fn, x, n_iter, seed)}
+        except RuntimeError:  # an operation without double backward
+            return {"sensitivity": spectral_norm(fn, x, n_iter, seed)}
+
+    with paused_taps(root):
+        return probe_blocks(root, blocks, lambda: root(probe), norms)
 
 
 class BranchProbe(Callback):
