@@ -40,7 +40,7 @@ from lnstab.check.options import (
     worker_counts,
 )
 from lnstab.check.protocol import Protocol, RunFailed, plan, run_ladder
-from lnstab.check.report import terminal
+from lnstab.check.report import ERROR, INTERRUPTED, terminal
 from lnstab.check.runner import grade, lnstab_version, load_data, machine, public_command
 from lnstab.check.signals import Interrupted, interruptible
 from lnstab.check.subjects import Subject, context_length, hf_subject, lnstab_subject, references
@@ -50,7 +50,6 @@ from lnstab.errors import LNStabError, MachineError, first_line, one_line, refus
 from lnstab.rundir import atomic_write_text, check_name_lengths, check_writable
 
 DEFAULT_ROOT = Path("runs") / "check"
-INTERRUPTED = "interrupted.txt"  # in a run directory a signal ended: no verdict
 CARD_FILES = ("report.md", "report.json", "thresholds.yaml")  # what report.write_report writes
 CLAIM = ".claimed"  # an --out this check writes into, while it runs (removed as it ends)
 _claimed: list[Path] = []
@@ -99,7 +98,7 @@ def check_out(out: str | None) -> None:
         what = (" (a check a signal ended: its interrupted.txt says so; remove it to check again there)"
                 if (path / INTERRUPTED).is_file() else
                 " (a check that failed: its error.txt says why; remove it to check again there)"
-                if (path / "error.txt").is_file() else
+                if (path / ERROR).is_file() else
                 " (a check is writing into it, or one killed before it ended (kill -9, out of memory) left its "
                 f"{CLAIM} there; remove it to check again there)" if (path / CLAIM).is_file() else "")
         raise LNStabError(f"--out {out} already exists and is not empty{what}; a check never overwrites")
@@ -277,12 +276,12 @@ def check_failed(out: Path, exc: Exception) -> Exception:
     if isinstance(exc, RunFailed) and exc.detail:  # with the traceback of the process that ran the failed run
         text += "\nThe stress run's own traceback:\n" + exc.detail
     try:
-        atomic_write_text(out / "error.txt", text)
+        atomic_write_text(out / ERROR, text)
     except MachineError as full:  # the disk filled: the line says what failed and why error.txt is not there
         return MachineError(f"{what}; and {full}")
     if isinstance(exc, LNStabError):
         return exc
-    return CheckFailed(f"{what}; no verdict (traceback in {out / 'error.txt'})")
+    return CheckFailed(f"{what}; no verdict (traceback in {out / ERROR})")
 
 
 def _failure(exc: BaseException) -> str:

@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from lnstab.check.criteria import display
-from lnstab.check.report import MARK, cell, provenance
+from lnstab.check.options import EXIT_FAILED  # also the status of a comparison that failed
+from lnstab.check.report import ERROR, INTERRUPTED, MARK, cell, provenance
 from lnstab.check.runner import public_path
 from lnstab.errors import LNStabError, one_line
 from lnstab.rundir import read_json
 
-EXIT_FAILED = 3  # the comparison itself failed (lnstab check's status for a check that could not finish)
 TOLERANCES = (1e-3, 1e-2, 1e-1)  # the relative moves the measurement summary counts within
 LARGEST = 10  # measurements listed by how far they moved
 INPUTS = (("model", lambda c: (c.get("model") or {}).get("description")),  # what a card was made of
@@ -46,10 +46,9 @@ def load_cards(path: str) -> tuple[str, dict[str, dict[str, Any]]]:
             return "validation", {r: _read(where / r / "report.json", path) for r in rows}
     except OSError as exc:
         raise LNStabError(f"--compare {path} cannot be read ({exc.strerror or type(exc).__name__})") from None
-    # what a check that wrote no card leaves there (lnstab.check.cli: interrupted.txt, error.txt), said as such
     ended = (" (a check a signal ended there, with no card: see its interrupted.txt)"
-             if (where / "interrupted.txt").is_file() else
-             " (a check that failed there, with no card: see its error.txt)" if (where / "error.txt").is_file() else "")
+             if (where / INTERRUPTED).is_file() else
+             " (a check that failed there, with no card: see its error.txt)" if (where / ERROR).is_file() else "")
     raise LNStabError(f"--compare {path} is not allowed: give a card directory (report.json) or a validation "
                       f"directory (summary.json), as lnstab check writes them{ended}")
 

@@ -14,6 +14,8 @@ from lnstab.rundir import atomic_write_text, write_json
 
 SCHEMA = 2
 MARK = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "n/a": "n/a"}
+# What a check that wrote no card leaves in its run directory instead (lnstab.check.cli), which --compare names.
+INTERRUPTED, ERROR = "interrupted.txt", "error.txt"  # a signal ended it; it failed (the traceback)
 
 
 def threshold(row: dict[str, Any], level: str, rule: bool = False) -> str:
