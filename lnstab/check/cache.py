@@ -18,9 +18,10 @@ from typing import Any
 import torch
 
 from lnstab.check.runspec import RunResult
+from lnstab.check.subjects import REFERENCES
 from lnstab.safeload import load_json
 
-REFERENCE_KEYS = ("pre-ln", "peri-ln")
+REFERENCE_KEYS = tuple(REFERENCES)  # the subjects whose runs are kept
 ENV = "LNSTAB_CHECK_CACHE"
 RESULT = "result.json"
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 
+from lnstab.check.subjects import REFERENCES
 from lnstab.formatting import card_number as num
 from lnstab.formatting import cell
 from lnstab.rundir import atomic_write_text, write_json
@@ -28,7 +29,7 @@ def threshold(row: dict[str, Any], level: str, rule: bool = False) -> str:
 
 def reference_keys(card: dict[str, Any]) -> list[str]:
     """The references present in the card, in a fixed order."""
-    return [k for k in ("pre-ln", "peri-ln") if k in card["references"]]
+    return [k for k in REFERENCES if k in card["references"]]
 
 
 def terminal(card: dict[str, Any]) -> str:
