@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import os
@@ -235,11 +234,10 @@ def plan(subjects: list[Subject], protocol: Protocol) -> list[tuple[Subject, flo
     return [(s, lr, seed) for s in subjects if s.same_as is None for lr in protocol.lrs for seed in protocol.seeds]
 
 
-def run_ladder(subjects: list[Subject], protocol: Protocol, tokens: torch.Tensor, log_root: Path,
-               progress: bool = True, pool: Any = None, cache: Path | None = None) -> dict[str, list[RunResult]]:
-    """Train every planned run (a progress bar across runs on stderr) in ``pool`` (a
-    :class:`~lnstab.check.workers.RunPool`; ``None``: this process); ``{subject key: runs}``, copies included.
-    With ``cache``, a reference run kept there by an earlier card is reused (:mod:`lnstab.check.cache`).
+def run_ladder(subjects: list[Subject], protocol: Protocol, tokens: torch.Tensor, log_root: Path, *, progress: bool,
+               pool: RunPool, cache: Path | None = None) -> dict[str, list[RunResult]]:
+    """Train every planned run in ``pool`` (with ``progress``, a bar across runs on stderr); ``{subject key: runs}``,
+    copies included. With ``cache``, an earlier card's reference run kept there is reused (:mod:`lnstab.check.cache`).
 
     Only the runs at the first learning rate probe the Jacobians at initialisation: the others start from the same
     seeded weights and batches, and the card reads the initial probe of the first rate only.
@@ -263,8 +261,7 @@ def run_ladder(subjects: list[Subject], protocol: Protocol, tokens: torch.Tensor
         bar.update()
 
     try:
-        with RunPool(1) if pool is None else contextlib.nullcontext(pool) as running:
-            outcomes = running.run(jobs, done)
+        outcomes = pool.run(jobs, done)
     finally:
         bar.close()
     for job, outcome in zip(jobs, outcomes, strict=True):
