@@ -14,6 +14,19 @@ from typing import Any
 
 from torch import nn
 
+from lnstab.callbacks.sites import (
+    BLOCK_PATTERN,
+    COLLAPSE_WEIGHT,
+    DEFAULT_CHUNK_ELEMENTS,
+    DEFAULT_CHUNK_ROWS,
+    EMBED_PATTERN,
+    FINAL_PATTERN,
+    HEAD_PATTERN,
+    LNSTAB_RESIDUALS,
+    PARAM_LAYER_PATTERN,
+    attention_sites,
+    output_site,
+)
 from lnstab.check import hf
 from lnstab.check.runspec import Sites
 from lnstab.errors import LNStabError
@@ -23,21 +36,21 @@ from lnstab.moduleargs import MODEL_ARGS, MODULE_ARGS, gpt_config
 
 # Where the instruments look in lnstab's GPT (and, with defaults, in Hugging Face GPT-2): half-step residual modules.
 LNSTAB_SITES = Sites(
-    hidden_pattern=r"(?:^|\.)h\.(\d+)\.resid_(attn|mlp)$",
-    embed_pattern=r"(?:^|\.)transformer\.drop$",
-    final_pattern=r"(?:^|\.)transformer\.ln_f$",
+    hidden_pattern=LNSTAB_RESIDUALS,
+    embed_pattern=EMBED_PATTERN,
+    final_pattern=FINAL_PATTERN,
     block_pattern=r"(?:^|\.)h\.(\d+)$",
     param_pattern=r"(?:^|\.)h\.(\d+)\.",
-    norm_pattern=r"(?:^|\.)h\.(\d+)\.ln_([12])_out$",
+    norm_pattern=r"(?:^|\.)h\.(\d+)\.ln_([12])_out$",  # GrowthBoundMonitor's default (imports Lightning)
 )
 # Hugging Face decoders: numbered blocks (GPT-2 ``transformer.h.3``, Llama-style ``model.layers.3``).
-HF_BLOCKS = r"(?:^|\.)(?:h|layers|layer|blocks)\.(\d+)$"
+HF_BLOCKS = BLOCK_PATTERN
 HF_SITES = Sites(
     hidden_pattern=HF_BLOCKS,
-    embed_pattern=r"(?:^|\.)transformer\.drop$",
+    embed_pattern=EMBED_PATTERN,
     final_pattern=r"(?:^|\.)(?:transformer\.ln_f|model\.norm|model\.final_layernorm)$",
     block_pattern=HF_BLOCKS,
-    param_pattern=r"(?:^|\.)(?:h|layers|layer|blocks)\.(\d+)\.",
+    param_pattern=PARAM_LAYER_PATTERN,
 )
 REFERENCES = {"pre-ln": "pre", "peri-ln": "peri"}
 # GPTModule arguments that are optimisation settings of the stress runs rather than architecture.
@@ -136,8 +149,6 @@ class Subject:
 
 def attention_problem(model: nn.Module, qk: tuple[str, str, int] | None = None) -> str | None:
     """Why the attention-logit instrument cannot read ``model``'s q and k (``qk``: named projections), or ``None``."""
-    from lnstab.callbacks.sites import COLLAPSE_WEIGHT, DEFAULT_CHUNK_ELEMENTS, attention_sites
-
     options = {"chunk_elements": DEFAULT_CHUNK_ELEMENTS, "min_keys": 2, "collapse_weight": COLLAPSE_WEIGHT}
     q, k, n_head = (re.compile(qk[0]), re.compile(qk[1]), qk[2]) if qk else (None, None, None)
     try:
@@ -151,8 +162,6 @@ def instrument_support(model: nn.Module, head_pattern: str | None = None,
                        qk: tuple[str, str, int] | None = None) -> tuple[bool, bool]:
     """Whether the attention-logit instrument finds q and k in ``model`` (``qk``: named projections), and the
     output-logit one its logits."""
-    from lnstab.callbacks.sites import DEFAULT_CHUNK_ROWS, FINAL_PATTERN, HEAD_PATTERN, output_site
-
     try:
         output_site(model, "auto", re.compile(FINAL_PATTERN), re.compile(head_pattern or HEAD_PATTERN), None,
                     DEFAULT_CHUNK_ROWS)
