@@ -69,8 +69,8 @@ def checked_subject(args: argparse.Namespace, model_args: dict[str, Any]) -> tup
     if args.hf_init and not args.hf:
         raise LNStabError("--hf-init needs --hf PATH_OR_NAME")
     if not args.factory and any(getattr(args, p) is not None for p in FACTORY_OPTIONS):
-        raise LNStabError("--layer-pattern, --module-types, --embed-pattern, --final-pattern, --norm-pattern, "
-                          "--head-pattern, --q-pattern, --k-pattern and --n-head describe a --factory model")
+        *named, last = (f"--{p.replace('_', '-')}" for p in FACTORY_OPTIONS)
+        raise LNStabError(f"{', '.join(named)} and {last} describe a --factory model")
     from lnstab.check.subjects import check_z_loss, with_z_loss
 
     check_z_loss(args.z_loss)  # refused before the model is built
