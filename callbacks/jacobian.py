@@ -23,25 +23,28 @@ from ._tap import paused_taps
 from ._unroll import per_call
 
 
-def spectral_norm(
-    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, n_iter: int, seed: int = 0
-) -> torch.Tensor:
-    """Largest singular value of the Jacobian of ``fn`` at ``x`` (``fn`` maps a tensor to one of the same size).
-
-    Power iteration on ``JᵀJ`` with ``torch.func.jvp`` (``Jv``) and ``torch.func.vjp`` (``Jᵀu``); the estimate is the
-    Rayleigh quotient ``√(vᵀJᵀJv)`` of the last unit vector ``v``. Returns a 0-dim device tensor (no host sync).
-    """
+def power_iteration(jtj: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, n_iter: int, seed: int = 0
+                    ) -> torch.Tensor:
+    """The largest singular value of a Jacobian ``J`` at ``x``, given ``jtj: v ↦ JᵀJv``: ``n_iter`` steps from a
+    seeded random unit vector, the estimate the Rayleigh quotient ``√(vᵀJᵀJv)`` of the last unit vector ``v``."""
     generator = torch.Generator(device=x.device).manual_seed(seed)
     v = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
     v = v / torch.linalg.vector_norm(v)
-    _, vjp_fn = torch.func.vjp(fn, x)
     estimate = torch.zeros((), device=x.device, dtype=x.dtype)
     for _ in range(n_iter):
-        _, jv = torch.func.jvp(fn, (x,), (v,))
-        w = vjp_fn(jv)[0]  # JᵀJ v
-        estimate = (v * w).sum().clamp_min(0).sqrt()
-        v = w / torch.linalg.vector_norm(w).clamp_min(1e-30)
+        w = jtj(v)
+        estimate = (v * w).sum().clamp_min(0).sqrt().detach()
+        v = (w / torch.linalg.vector_norm(w).clamp_min(1e-30)).detach()
     return estimate
+
+
+def spectral_norm(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, n_iter: int, seed: int = 0
+                  ) -> torch.Tensor:
+    """Largest singular value of the Jacobian of ``fn`` at ``x`` (``fn`` maps a tensor to one of the same size):
+    :func:`power_iteration` with ``torch.func.jvp`` (``Jv``) and ``torch.func.vjp`` (``Jᵀu``); a 0-dim device tensor
+    (no host sync)."""
+    _, vjp_fn = torch.func.vjp(fn, x)
+    return power_iteration(lambda v: vjp_fn(torch.func.jvp(fn, (x,), (v,))[1])[0], x, n_iter, seed)
 
 
 def block_call(block: nn.Module, args: tuple, kwargs: dict) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -16,29 +16,25 @@ from typing_extensions import override
 
 from lnstab import validation as require
 from lnstab.callbacks import spectral_norm
-from lnstab.callbacks.jacobian import block_call, probe_blocks
+from lnstab.callbacks.jacobian import block_call, power_iteration, probe_blocks
 from lnstab.callbacks.sites import find_sites, log_metrics, paused_taps, probe_input
 
 
 def branch_norm(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, n_iter: int, seed: int = 0
                 ) -> torch.Tensor:
-    """Largest singular value of the Jacobian of ``fn`` at ``x`` by power iteration on ``JᵀJ`` (double backward: ``Jv``
-    is the vector–Jacobian product of the linear map ``u ↦ Jᵀu``), with the start vector and Rayleigh-quotient estimate
-    of :func:`lnstab.callbacks.spectral_norm`; a 0-dim tensor."""
-    generator = torch.Generator(device=x.device).manual_seed(seed)
-    v = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
-    v = v / torch.linalg.vector_norm(v)
+    """Largest singular value of the Jacobian of ``fn`` at ``x`` by :func:`lnstab.callbacks.jacobian.power_iteration`,
+    as :func:`lnstab.callbacks.spectral_norm` but by double backward (``Jv`` is the vector–Jacobian product of the
+    linear map ``u ↦ Jᵀu``); a 0-dim tensor."""
     xr = x.detach().requires_grad_(True)
     y = fn(xr)
     u = torch.zeros_like(y, requires_grad=True)
     (jt_u,) = torch.autograd.grad(y, xr, u, create_graph=True)  # Jᵀu, linear in u
-    estimate = torch.zeros((), device=x.device, dtype=x.dtype)
-    for _ in range(n_iter):
+
+    def jtj(v: torch.Tensor) -> torch.Tensor:
         (jv,) = torch.autograd.grad(jt_u, u, v, retain_graph=True)  # J v
-        (w,) = torch.autograd.grad(y, xr, jv, retain_graph=True)  # Jᵀ J v
-        estimate = (v * w).sum().clamp_min(0).sqrt().detach()
-        v = (w / torch.linalg.vector_norm(w).clamp_min(1e-30)).detach()
-    return estimate
+        return torch.autograd.grad(y, xr, jv, retain_graph=True)[0]  # Jᵀ J v
+
+    return power_iteration(jtj, x, n_iter, seed)
 
 
 def _branch_call(block: nn.Module, args: tuple, kwargs: dict) -> Callable[[torch.Tensor], torch.Tensor]:
