@@ -266,6 +266,22 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, expected) -> N
     assert not out.exists()
 
 
+def test_more_threads_than_cpus_are_refused_before_anything_is_loaded(tmp_path, capsys, monkeypatch) -> None:
+    """``--threads 1000`` on two cores was taken as asked: the card was made by '1 worker × 1000 threads'. Now one
+    line naming the flag and its range, exit 2, before the factory's module is imported or --out is made."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    (tmp_path / "threads_lm.py").write_text("from check_factories import encoder_lm  # noqa: F401\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    threads, out = torch.get_num_threads(), tmp_path / "card"
+    with pytest.raises(SystemExit) as info:
+        main(["check", "--factory", "threads_lm:encoder_lm", *ENCODER[2:], *TINY, "--threads", "1000", "--out",
+              str(out)])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and err == ("lnstab: error: --threads=1000 is not allowed; it must be an integer in "
+                                            "[1, 2], the CPUs this process may use"), err
+    assert "threads_lm" not in sys.modules and not out.exists() and torch.get_num_threads() == threads
+
+
 def test_bad_thresholds_and_an_existing_run_directory_are_refused(tmp_path, capsys) -> None:
     bad = tmp_path / "bad.yaml"
     for text, expected in (("growth: {fail: 1}\n", "criterion 'growth' is not allowed"),

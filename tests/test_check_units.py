@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from lnstab.check.analysis import layer_depths
 from lnstab.check.card import relation
 from lnstab.check.criteria import DEFAULT_THRESHOLDS, evaluate_expression, load_thresholds, resolve, status
 from lnstab.check.factory import factory_subject
-from lnstab.check.options import build_parser, make_protocol, split_model_args, worker_counts
+from lnstab.check.options import build_parser, checked_threads, make_protocol, split_model_args, worker_counts
 from lnstab.check.subjects import context_length, lnstab_subject, references
 from lnstab.errors import LNStabError
 from lnstab.measures import deep_doublings, fit_line, growth_fit
@@ -180,3 +181,19 @@ def test_no_more_workers_than_runs(monkeypatch) -> None:
     assert worker_counts(build_parser().parse_args(["--workers", "1000"]), 3) == (3, 1)
     assert worker_counts(build_parser().parse_args(["--workers", "2"]), 18) == (2, 1)
     assert worker_counts(build_parser().parse_args([]), 18) == (2, 1)  # the default: one per thread
+
+
+def test_threads_are_at_most_the_cpus_this_process_may_use(monkeypatch) -> None:
+    """--threads 1000 on two cores was taken as asked: torch.set_num_threads(1000), a thousand threads contending for
+    two CPUs. The range is 1 … the process's CPU affinity (a container's or taskset's share), else the machine's."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)  # the machine has more; this process may use two
+    assert checked_threads(1) == 1 and checked_threads(2) == 2
+    for threads in (3, 1000, 0, -1):
+        with pytest.raises(LNStabError, match=rf"^--threads={threads} is not allowed; it must be an integer in "
+                                              r"\[1, 2\], the CPUs this process may use$"):
+            checked_threads(threads)
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # macOS, Windows: the machine's count
+    assert checked_threads(64) == 64
+    with pytest.raises(LNStabError, match=r"in \[1, 64\]"):
+        checked_threads(65)

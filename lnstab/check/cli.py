@@ -33,6 +33,7 @@ from lnstab.check.options import (
     EXIT_FAILED,
     FACTORY_OPTIONS,
     build_parser,
+    checked_threads,
     make_protocol,
     split_model_args,
     tier_model_args,
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
         args = build_parser().parse_args(rest)
     threads = torch.get_num_threads()
     if args.threads is not None:
-        torch.set_num_threads(validation.positive_int("--threads", args.threads))
+        torch.set_num_threads(checked_threads(args.threads))
     try:
         with interruptible():
             if args.validate:

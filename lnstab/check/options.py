@@ -5,6 +5,7 @@ both read their options here, so the validation never imports the command line t
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -114,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     pro.add_argument("--data.source", dest="data_source", default="auto", help="auto, files or synthetic.")
     pro.add_argument("--accelerator", default="cpu", help="cpu (default), gpu or auto; always fp32.")
     pro.add_argument("--threads", type=int, help="torch CPU threads in all (default: torch's), shared by the "
-                                                 "workers.")
+                                                 "workers; at most the CPUs this process may use.")
     pro.add_argument("--workers", type=int, help="Processes running the stress runs, one thread each by default "
                                                  "(default: one per thread, at most 4; 1: this process).")
     pro.add_argument("--vocab", choices=VOCAB_MODES, default="protocol",
@@ -218,6 +219,24 @@ def tier_thresholds(tier: str, path: str | None) -> dict[str, dict[str, Any]]:
 
     own = tiers()[tier].get("thresholds")
     return load_thresholds(path, load_thresholds(TIERS_FILE.with_name(own)) if own else None)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity where the OS keeps one (a container's or taskset's share),
+    else the machine's count."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def checked_threads(threads: int) -> int:
+    """``--threads`` when it is 1 … :func:`usable_cpus`; else one line naming the flag and that range (exit 2).
+    More threads than CPUs only contend for them (``--threads 1000`` on two cores ran a thousand)."""
+    cpus = usable_cpus()
+    if isinstance(threads, bool) or not 1 <= threads <= cpus:
+        raise LNStabError(f"--threads={threads} is not allowed; it must be an integer in [1, {cpus}], the CPUs this "
+                          "process may use")
+    return threads
 
 
 def worker_counts(args: argparse.Namespace, n_runs: int) -> tuple[int, int]:
