@@ -222,6 +222,10 @@ def test_a_block_skipped_in_training_is_named_as_why_growth_after_training_is_n_
         (["--factory", "check_factories:pooled_lm"], "it must map token ids (B, T) to logits (B, T, V)"),
         (["--factory", "check_factories:last_position_lm", *ENCODER[2:]], "as nanoGPT's GPT returns without targets"),
         ([*ENCODER[:2], "--layer-pattern", r"nomatch\.(\d+)$"], "matched no module"),
+        # the four LayerNorms were graded as the model's blocks ("4 layers × 32 wide"), exit 0
+        ([*ENCODER[:2], "--module-types", "torch.nn.LayerNorm"], "--module-types 'torch.nn.LayerNorm' is not allowed; "
+         "it matched 4 modules with no submodules (encoder.layers.0.norm1, encoder.layers.0.norm2, …), which cannot "
+         "be Transformer blocks"),
         (["--factory", "check_factories:table_lm", "--layer-pattern", r"blocks\.(\d+)$"],
          "matched no module of the model from --factory 'check_factories:table_lm' (it has no submodules, only the "
          "TableLM itself)"),  # it said "(its modules: , …)"

@@ -90,3 +90,16 @@ def test_an_unanchored_site_pattern_is_refused_under_its_own_flag() -> None:
     with pytest.raises(LNStabError, match=r"^--norm-pattern 'unit_\(\\d\+\)' is not allowed; it gives layer index 3"):
         factory_subject("check_factories:reversed_lm", layers, None, 16, norm_pattern=r"unit_(\d+)")
     assert factory_subject("check_factories:reversed_lm", layers, None, 16, norm_pattern=layers).sites.norm_pattern
+
+
+def test_module_types_whose_modules_have_no_submodules_are_refused_by_name() -> None:
+    """--module-types torch.nn.LayerNorm was taken as the blocks' class: the card graded the norms as layers. Each
+    class is judged alone: a leaf class beside the blocks' own is refused under its own name."""
+    from lnstab.errors import LNStabError
+
+    blocks = "torch.nn.TransformerEncoderLayer"
+    with pytest.raises(LNStabError, match=r"^--module-types 'torch\.nn\.Linear' is not allowed; it matched 7 modules "
+                                          r"with no submodules \(encoder\.layers\.0\.self_attn\.out_proj, "
+                                          r"encoder\.layers\.0\.linear1, …\), .*give the class of the blocks"):
+        factory_subject("check_factories:encoder_lm", None, f"{blocks}, torch.nn.Linear", 16)
+    assert factory_subject("check_factories:encoder_lm", None, blocks, 16).shape.n_layer == 2

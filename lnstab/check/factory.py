@@ -130,6 +130,22 @@ def resolve_types(option: str, value: str | None) -> tuple[type, ...]:
     return tuple(types)
 
 
+def check_block_types(model: nn.Module, module_types: str, types: tuple[type, ...]) -> None:
+    """Refuse a ``--module-types`` class (``types``, resolved from ``module_types`` in order) whose modules in
+    ``model`` all have no submodules: a Transformer block holds its attention and MLP, so such a class
+    (``torch.nn.LayerNorm``, ``torch.nn.Linear``) selects pieces of the blocks, which the card would grade as the
+    blocks."""
+    items = [v.strip() for v in module_types.split(",") if v.strip()]
+    for item, cls in zip(items, types, strict=True):
+        matched = [name for name, module in model.named_modules() if name and isinstance(module, cls)]
+        if not matched or any(next(model.get_submodule(n).children(), None) is not None for n in matched):
+            continue
+        some = f"{', '.join(matched[:2])}{', …' if len(matched) > 2 else ''}"
+        raise LNStabError(f"--module-types {item!r} is not allowed; it matched {len(matched)} module"
+                          f"{'s' * (len(matched) != 1)} with no submodules ({some}), which cannot be Transformer "
+                          "blocks (a block holds its attention and MLP): give the class of the blocks that hold them")
+
+
 def compile_regex(option: str, value: str | None) -> re.Pattern | None:
     """``value`` compiled, or a one-line error naming the option."""
     if value is None:
@@ -255,6 +271,8 @@ def factory_subject(
     if not names:
         what = f"--layer-pattern {layer_pattern!r}" if layer_pattern else f"--module-types {module_types!r}"
         raise LNStabError(f"{what} matched no module of the model from --factory {spec!r} ({some})")
+    if types:
+        check_block_types(model, module_types, types)
     exact_sites: dict[str, str | None] = {}
     for option, regex in given.items():  # searched in the model's own names, as --layer-pattern is: the stress
         matched = block_names(model, regex, (), option) if regex is not None else []  # runs see them under a prefix
