@@ -103,3 +103,27 @@ def test_module_types_whose_modules_have_no_submodules_are_refused_by_name() -> 
                                           r"encoder\.layers\.0\.linear1, …\), .*give the class of the blocks"):
         factory_subject("check_factories:encoder_lm", None, f"{blocks}, torch.nn.Linear", 16)
     assert factory_subject("check_factories:encoder_lm", None, blocks, 16).shape.n_layer == 2
+
+
+def test_a_users_own_block_class_with_bare_parameters_is_taken() -> None:
+    """The leaf refusal is for torch's own layers: a block a user wrote with bare parameters and functional ops has
+    no submodules either, and is a block."""
+    import torch
+    from torch import nn
+
+    from lnstab.check.factory import check_block_types
+    from lnstab.errors import LNStabError
+
+    class BareBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(8, 8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + x @ self.w
+
+    model = nn.Sequential(BareBlock(), nn.LayerNorm(8), BareBlock())
+    check_block_types(model, "BareBlock", (BareBlock,))  # taken
+    with pytest.raises(LNStabError, match=r"^--module-types 'torch\.nn\.LayerNorm' is not allowed; it matched 1 module "
+                                          r"with no submodules \(1\)"):
+        check_block_types(model, "torch.nn.LayerNorm", (nn.LayerNorm,))

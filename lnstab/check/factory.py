@@ -131,14 +131,15 @@ def resolve_types(option: str, value: str | None) -> tuple[type, ...]:
 
 
 def check_block_types(model: nn.Module, module_types: str, types: tuple[type, ...]) -> None:
-    """Refuse a ``--module-types`` class (``types``, resolved from ``module_types`` in order) whose modules in
-    ``model`` all have no submodules: a Transformer block holds its attention and MLP, so such a class
-    (``torch.nn.LayerNorm``, ``torch.nn.Linear``) selects pieces of the blocks, which the card would grade as the
-    blocks."""
+    """Refuse a ``--module-types`` class of torch's own layers (``types``, resolved from ``module_types`` in order)
+    whose modules in ``model`` all have no submodules: ``torch.nn.LayerNorm`` or ``torch.nn.Linear`` selects pieces
+    of the blocks, which the card would grade as the blocks (a user's own class, a block written with bare
+    parameters, is taken)."""
     items = [v.strip() for v in module_types.split(",") if v.strip()]
     for item, cls in zip(items, types, strict=True):
         matched = [name for name, module in model.named_modules() if name and isinstance(module, cls)]
-        if not matched or any(next(model.get_submodule(n).children(), None) is not None for n in matched):
+        if not cls.__module__.startswith("torch.nn.") or not matched or any(
+                next(model.get_submodule(n).children(), None) is not None for n in matched):
             continue
         some = f"{', '.join(matched[:2])}{', …' if len(matched) > 2 else ''}"
         raise LNStabError(f"--module-types {item!r} is not allowed; it matched {len(matched)} module"
