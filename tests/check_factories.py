@@ -249,6 +249,25 @@ def deaf_lm(vocab_size: int = VOCAB) -> nn.Module:
     return EncoderLM()
 
 
+class ShortEmbeddingLM(EncoderLM):
+    """Logits over ``vocab_size`` tokens, but an embedding of 100 rows whatever ``vocab_size`` is."""
+
+    def __init__(self, vocab_size: int = VOCAB) -> None:
+        super().__init__(norm_first=True)
+        self.embed = nn.Embedding(100, WIDTH)
+        self.head = nn.Linear(WIDTH, vocab_size)
+
+
+def short_embedding_lm() -> nn.Module:
+    """No ``vocab_size`` argument: the check feeds it its own vocabulary, ids 0…127, which its 100 rows do not hold."""
+    return ShortEmbeddingLM()
+
+
+def short_embedding_sized_lm(vocab_size: int = VOCAB) -> nn.Module:
+    """Sizes its head by ``vocab_size`` but not its embedding (100 rows)."""
+    return ShortEmbeddingLM(vocab_size)
+
+
 def mode_lm() -> nn.Module:
     """A model that records its training mode."""
     return ModeLM()

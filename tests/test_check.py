@@ -286,6 +286,24 @@ def test_more_threads_than_cpus_are_refused_before_anything_is_loaded(tmp_path, 
     assert "threads_lm" not in sys.modules and not out.exists() and torch.get_num_threads() == threads
 
 
+@pytest.mark.parametrize(("factory", "advice"), [
+    ("short_embedding_lm", "its logits are 128 wide, so the protocol draws token ids from all 128: give its embedding "
+                           "128 rows, one per logit"),
+    ("short_embedding_sized_lm", r"the check builds it with vocab_size=\d+ \(the protocol vocabulary, the distinct "
+                                 r"tokens of its windows\): size its embedding by vocab_size, as its logits are"),
+])
+def test_an_embedding_smaller_than_the_protocol_vocabulary_is_said_so(tmp_path, capsys, factory, advice) -> None:
+    # it was the IndexError of a position embedding, 'give a smaller --seq-len', which changed nothing
+    out = tmp_path / "card"
+    with pytest.raises(SystemExit) as info:
+        main(["check", *TINY, "--factory", f"check_factories:{factory}", *ENCODER[2:], "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and not out.exists()
+    assert re.fullmatch(rf"lnstab: error: checked \(check_factories:{factory}\) has too small a vocabulary for the "
+                        r"protocol's token ids: they run from 0 to \d+, but its embedding 'embed' has 100 rows "
+                        rf"\(IndexError: index out of range in self\); {advice}", err), err
+
+
 def test_bad_thresholds_and_an_existing_run_directory_are_refused(tmp_path, capsys) -> None:
     bad = tmp_path / "bad.yaml"
     for text, expected in (("growth: {fail: 1}\n", "criterion 'growth' is not allowed"),

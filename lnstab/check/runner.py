@@ -98,7 +98,7 @@ def check_model(subject: Subject, vocab_size: int, seq_len: int, *, width: bool 
     model = subject.build()
     T = max(2, seq_len)  # the length the runs use: a model need not take any other
     ids = torch.randint(0, vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
-    a = probe_forward(model, ids, subject.label)
+    a = probe_forward(model, ids, subject.label, vocabulary=vocabulary_advice(subject, vocab_size))
     got = a.shape[-1] if isinstance(a, torch.Tensor) else None
     if width and got != vocab_size:
         raise LNStabError(f"{subject.label} built with vocab_size={vocab_size} returned logits over {got} tokens; "
@@ -124,6 +124,16 @@ def check_model(subject: Subject, vocab_size: int, seq_len: int, *, width: bool 
     if torch.isfinite(a).all() and torch.isfinite(b).all():  # a model NaN in training diverges, and is graded so
         refuse_reading_ahead(subject.label, a, b, half, T, " in train mode (its training forward: in eval mode it "
                              "is causal)")
+
+
+def vocabulary_advice(subject: Subject, vocab_size: int) -> str:
+    """What to do when ``subject`` cannot embed token ids below ``vocab_size``, the protocol vocabulary it is built
+    with (``own_vocab`` set: a factory's ``vocab_size`` argument, ``--hf-init``) or its own (its logits' width)."""
+    if subject.own_vocab is not None:
+        return (f"the check builds it with vocab_size={vocab_size} (the protocol vocabulary, the distinct tokens of "
+                "its windows): size its embedding by vocab_size, as its logits are")
+    return (f"its logits are {vocab_size} wide, so the protocol draws token ids from all {vocab_size}: give its "
+            f"embedding {vocab_size} rows, one per logit")
 
 
 def fresh_copy(model: nn.Module, subject: Subject) -> nn.Module:

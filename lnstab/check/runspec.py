@@ -51,9 +51,11 @@ def logits_of(out: Any) -> Any:
     return getattr(out, "logits", out)
 
 
-def probe_forward(model: nn.Module, ids: torch.Tensor, label: str, train: bool = False) -> Any:
+def probe_forward(model: nn.Module, ids: torch.Tensor, label: str, train: bool = False, vocabulary: str = "") -> Any:
     """The logits of ``model`` (:func:`logits_of`; eval mode, or train mode with ``train``; no grad) for ``ids``, or
-    a one-line error naming ``label`` when its forward fails or ends the process (``sys.exit``, ``os._exit``)."""
+    a one-line error naming ``label`` when its forward fails or ends the process (``sys.exit``, ``os._exit``); one
+    that fails on the values of ``ids`` where it runs on zeros of their shape (an embedding with fewer rows than the
+    ids need) says so, and then ``vocabulary``: what to do."""
     try:
         with exits_caught(), torch.no_grad():
             return logits_of(model.train(train)(ids))
@@ -61,10 +63,42 @@ def probe_forward(model: nn.Module, ids: torch.Tensor, label: str, train: bool =
         raise LNStabError(f"{label} ended the process ({exit_call(exc)}) on token ids of shape {tuple(ids.shape)}, "
                           "before any training; lnstab check needs a forward that returns its logits") from None
     except Exception as exc:
+        failure = f"({type(exc).__name__}: {first_line(exc)[:300]})"
+        short = ids_past_embedding(model, ids, train) if isinstance(exc, IndexError) else None
+        if short is not None:
+            raise LNStabError(f"{label} has too small a vocabulary for the protocol's token ids: they run from 0 to "
+                              f"{int(ids.max())}, but {short} {failure}{'; ' if vocabulary else ''}{vocabulary}"
+                              ) from None
         hint = (f"; if its context is shorter than {ids.shape[-1]} tokens, give a smaller --seq-len"
                 if isinstance(exc, IndexError) else "")  # a position embedding indexed past its end
-        raise LNStabError(f"{label} failed on token ids of shape {tuple(ids.shape)} "
-                          f"({type(exc).__name__}: {first_line(exc)[:300]}){hint}") from None
+        raise LNStabError(f"{label} failed on token ids of shape {tuple(ids.shape)} {failure}{hint}") from None
+
+
+def ids_past_embedding(model: nn.Module, ids: torch.Tensor, train: bool) -> str | None:
+    """Where ``model``, whose forward raised an ``IndexError`` on ``ids``, takes fewer token ids than they hold: its
+    ``nn.Embedding`` indexed past its rows (``its embedding 'embed' has 100 rows``), or its forward where no such
+    embedding is seen; ``None`` when it fails on zeros of the same shape too (the length, not the ids, is at fault)."""
+    past: list[str] = []
+
+    def seen(name: str, module: nn.Embedding, args: Any) -> None:
+        x = args[0] if args else None
+        if isinstance(x, torch.Tensor) and x.numel() and not x.is_floating_point() and (
+                int(x.max()) >= module.num_embeddings):
+            past.append(f"its embedding {name!r} has {module.num_embeddings} rows")
+
+    for x in (torch.zeros_like(ids), ids):
+        try:
+            with exits_caught(), torch.no_grad(), contextlib.ExitStack() as hooks:
+                for name, module in model.named_modules():
+                    if isinstance(module, nn.Embedding):
+                        hooks.enter_context(module.register_forward_pre_hook(
+                            lambda m, a, name=name: seen(name, m, a)))
+                model.train(train)(x)
+        except (Exception, SystemExit):
+            if x is not ids:  # zeros fail too: not the ids' values
+                return None
+            return past[0] if past else "its forward indexes past the end of a table with them"
+    return None  # the ids went through this time: no verdict on them
 
 
 @dataclass(frozen=True)
