@@ -4,6 +4,13 @@ on directories built from configs (no downloads), and dropout switched off for t
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from support.check import SHAPE, TINY, check, olmo2, rows
@@ -228,3 +235,51 @@ def test_a_file_given_as_hf_is_one_line_saying_so(tmp_path, capsys) -> None:
     err = capsys.readouterr().err.strip()
     assert code == 2 and "config.json' is a file; give the directory save_pretrained wrote" in err, err
     assert "\n" not in err and "weights_only" not in err and not (tmp_path / "card").exists()
+
+
+def unreachable_hub(tmp_path: Path) -> dict[str, str]:
+    """An environment whose Hugging Face hub refuses every connection (a local port nothing listens on: refused at
+    once, whatever the machine's network), ``HF_HUB_OFFLINE`` unset, and an empty cache of its own."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # free once closed: nothing listens there
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
+                                                            "HF_DATASETS_OFFLINE")}
+    return {**env, "HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HOME": str(tmp_path / "hf"),
+            "HF_HUB_CACHE": str(tmp_path / "hf" / "hub"), "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1"}
+
+
+def hf_check(tmp_path: Path, env: dict[str, str], name: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lnstab", "check", "--hf", name, "--lrs", "1e-2", "--no-reference",
+                           *TINY, "--out", str(tmp_path / "card")], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_a_hub_name_with_the_hub_unreachable_is_one_line_at_once(tmp_path) -> None:
+    """Without network, --hf gpt2 waited through huggingface_hub's five retries, a warning each ('Retrying in 8s
+    [Retry 5/5]'), then said only that transformers could not connect."""
+    done = hf_check(tmp_path, unreachable_hub(tmp_path), "someone/tiny-gpt2")
+    err = done.stderr.strip()
+    assert done.returncode == 2 and err == (
+        "lnstab: error: --hf 'someone/tiny-gpt2' cannot be loaded: the Hugging Face hub cannot be reached "
+        "(ConnectError) and the model is not in the local Hugging Face cache; give --hf a local directory of the "
+        "model (what save_pretrained wrote), which works offline"), err
+    assert not (tmp_path / "card").exists()
+
+
+def test_a_cached_hub_model_is_checked_with_the_hub_unreachable(tmp_path) -> None:
+    """A hub name in the local Hugging Face cache loads from it, in the check's process and in its worker, without a
+    word about the hub."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    env = unreachable_hub(tmp_path)
+    repo, commit = Path(env["HF_HUB_CACHE"]) / "models--someone--tiny-gpt2", "0" * 40
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=32, bos_token_id=0,
+                               eos_token_id=0)).save_pretrained(repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    done = hf_check(tmp_path, env, "someone/tiny-gpt2")
+    assert done.returncode in (0, 1), done.stderr
+    assert "Hub" not in done.stderr and "Retry" not in done.stderr, done.stderr
+    report = json.loads((tmp_path / "card" / "report.json").read_text())
+    assert report["model"]["shape"]["n_layer"] == 2

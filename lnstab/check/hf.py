@@ -168,11 +168,12 @@ class HFRecipe:
     name: str
     init: bool
     overrides: tuple[tuple[str, Any], ...] = ()
+    local_files_only: bool = False  # a hub name read from the local cache: the hub could not be reached
 
     def config(self) -> Any:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(self.name, trust_remote_code=False)
+        config = AutoConfig.from_pretrained(self.name, trust_remote_code=False, local_files_only=self.local_files_only)
         for key, value in self.overrides:
             setattr(config, key, value)
         return config
@@ -192,7 +193,8 @@ class HFRecipe:
                     config.pad_token_id = None  # the windows hold no padding: no real token gets a zero embedding
                     model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
                 else:
-                    model = AutoModelForCausalLM.from_pretrained(self.name, config=config, trust_remote_code=False)
+                    model = AutoModelForCausalLM.from_pretrained(self.name, config=config, trust_remote_code=False,
+                                                                 local_files_only=self.local_files_only)
         finally:
             hf_logging.set_verbosity(level)
         for module in model.modules():  # trained weights: the padding row trains like any token's (no padding here)
@@ -206,20 +208,46 @@ class HFRecipe:
         if not self.init:
             return None
         overrides = {**dict(self.overrides), **vocab_overrides(self.config(), vocab_size)}
-        return HFRecipe(self.name, True, tuple(overrides.items()))
+        return HFRecipe(self.name, True, tuple(overrides.items()), self.local_files_only)
 
 
-def load_config(name: str) -> Any:
-    """The config of ``name`` (a directory or a hub name), or a one-line error."""
+def hub_unreachable(name: str, timeout: float = 5.0) -> str | None:
+    """Why the hub of ``name``, a hub name (not a local directory) with ``HF_HUB_OFFLINE`` unset, does not answer (the
+    error's type), else ``None``: one request, no retries (huggingface_hub retries a download five times, a warning
+    each, before it fails). Any answer, an error status included, is a reachable hub: transformers then loads as it
+    always did."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError
+
+    if os.path.isdir(os.path.expanduser(name)) or constants.HF_HUB_OFFLINE:
+        return None
+    try:
+        HfApi().model_info(name, timeout=timeout)
+    except (HfHubHTTPError, HFValidationError):  # the hub answered, or the name is none: transformers says so
+        return None
+    except Exception as exc:  # noqa: BLE001 - any transport failure (no DNS, refused, timed out) means "unreachable"
+        return type(exc).__name__
+    return None
+
+
+def load_config(name: str) -> tuple[Any, bool]:
+    """The config of ``name`` (a directory or a hub name) and whether it is read from the local Hugging Face cache
+    alone (a hub name whose hub cannot be reached: :func:`hub_unreachable`), or a one-line error."""
     from transformers import AutoConfig
 
     # a file: transformers reads it as the config, then torch.loads it as the weights ('Weights only load failed')
     if os.path.isfile(os.path.expanduser(name)):
         raise LNStabError(f"--hf {name!r} is a file; give the directory save_pretrained wrote (its config.json and "
                           "weights) or a hub name")
-    try:
-        return AutoConfig.from_pretrained(name, trust_remote_code=False)
+    unreachable = hub_unreachable(name)
+    try:  # from the cache alone where the hub does not answer: a cached model loads offline, at once
+        config = AutoConfig.from_pretrained(name, trust_remote_code=False, local_files_only=bool(unreachable))
+        return config, bool(unreachable)
     except Exception as exc:  # OSError offline / missing, ValueError for remote code or unknown types
+        if unreachable and isinstance(exc, OSError):
+            raise LNStabError(f"--hf {name!r} cannot be loaded: the Hugging Face hub cannot be reached ({unreachable}) "
+                              "and the model is not in the local Hugging Face cache; give --hf a local directory of "
+                              "the model (what save_pretrained wrote), which works offline") from None
         raise load_error(name, "cannot be loaded", exc) from None
 
 

@@ -271,12 +271,12 @@ def with_z_loss(subject: Subject, z_loss: float | None) -> Subject:
 def hf_subject(name: str, init: bool) -> Subject:
     """A Hugging Face causal LM: a local directory or a hub name, trained weights or (``init``) its config's init, never
     remote code (``transformers`` refuses what needs it), every dropout probability of its config set to 0."""
-    config = hf.load_config(name)
+    config, local = hf.load_config(name)
     if getattr(config, "text_config", None) is not None or getattr(config, "vision_config", None) is not None:
         raise LNStabError(f"--hf {name!r} is a multimodal model ({config.model_type}); lnstab check reads text-only "
                           "causal LMs: give a directory of its text model (saved from its text_config)")
     dropped = hf.dropout_overrides(config)
-    recipe = hf.HFRecipe(name, init, tuple(dropped.items()))
+    recipe = hf.HFRecipe(name, init, tuple(dropped.items()), local)
     try:
         probe = recipe.build()
     except Exception as exc:
