@@ -127,3 +127,15 @@ def test_a_users_own_block_class_with_bare_parameters_is_taken() -> None:
     with pytest.raises(LNStabError, match=r"^--module-types 'torch\.nn\.LayerNorm' is not allowed; it matched 1 module "
                                           r"with no submodules \(1\)"):
         check_block_types(model, "torch.nn.LayerNorm", (nn.LayerNorm,))
+
+
+def test_a_layer_pattern_that_selects_torch_layers_without_submodules_is_refused() -> None:
+    """--layer-pattern 'layers\\.(\\d+)\\.norm1$' was graded as the blocks, as --module-types torch.nn.LayerNorm was."""
+    from lnstab.errors import LNStabError
+
+    norms = r"layers\.(\d+)\.norm1$"
+    said = re.escape(f"--layer-pattern {norms!r} is not allowed; it matched 2 modules with no submodules "
+                     "(encoder.layers.0.norm1, encoder.layers.1.norm1)")
+    with pytest.raises(LNStabError, match=f"^{said}.*give a pattern of the blocks that hold them$"):
+        factory_subject("check_factories:encoder_lm", norms, None, 16)
+    assert factory_subject("check_factories:encoder_lm", r"layers\.(\d+)$", None, 16).shape.n_layer == 2

@@ -138,13 +138,19 @@ def check_block_types(model: nn.Module, module_types: str, types: tuple[type, ..
     items = [v.strip() for v in module_types.split(",") if v.strip()]
     for item, cls in zip(items, types, strict=True):
         matched = [name for name, module in model.named_modules() if name and isinstance(module, cls)]
-        if not cls.__module__.startswith("torch.nn.") or not matched or any(
-                next(model.get_submodule(n).children(), None) is not None for n in matched):
-            continue
-        some = f"{', '.join(matched[:2])}{', …' if len(matched) > 2 else ''}"
-        raise LNStabError(f"--module-types {item!r} is not allowed; it matched {len(matched)} module"
-                          f"{'s' * (len(matched) != 1)} with no submodules ({some}), which cannot be Transformer "
-                          "blocks (a block holds its attention and MLP): give the class of the blocks that hold them")
+        refuse_torch_leaves(model, f"--module-types {item!r}", matched, "the class of the blocks")
+
+
+def refuse_torch_leaves(model: nn.Module, what: str, names: list[str], give: str) -> None:
+    """Refuse ``names`` (the blocks ``what`` selected) when every one is a layer of torch's own without submodules."""
+    modules = [model.get_submodule(n) for n in names]
+    if not modules or any(type(m).__module__.split(".")[:2] != ["torch", "nn"] or next(m.children(), None) is not None
+                          for m in modules):
+        return
+    some = f"{', '.join(names[:2])}{', …' if len(names) > 2 else ''}"
+    raise LNStabError(f"{what} is not allowed; it matched {len(names)} module{'s' * (len(names) != 1)} with no "
+                      f"submodules ({some}), which cannot be Transformer blocks (a block holds its attention and MLP): "
+                      f"give {give} that hold them")
 
 
 def compile_regex(option: str, value: str | None) -> re.Pattern | None:
@@ -274,6 +280,8 @@ def factory_subject(
         raise LNStabError(f"{what} matched no module of the model from --factory {spec!r} ({some})")
     if types:
         check_block_types(model, module_types, types)
+    elif layer_pattern:
+        refuse_torch_leaves(model, f"--layer-pattern {layer_pattern!r}", names, "a pattern of the blocks")
     exact_sites: dict[str, str | None] = {}
     for option, regex in given.items():  # searched in the model's own names, as --layer-pattern is: the stress
         matched = block_names(model, regex, (), option) if regex is not None else []  # runs see them under a prefix
