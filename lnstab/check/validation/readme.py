@@ -1,22 +1,20 @@
 """The validation READMEs, rendered from one run record: the ``summary.json`` that ``lnstab check --validate`` writes
 (its ``readme`` key holds what the cards do not: the command, the run counts, the shape and data flags, whether the
-notes apply, the thresholds' ``git log`` at the time) and the cards of its rows. The page is ``readme.md``, its parts
-``sections.md`` (``string.Template``); the main README also reports the held-out set and the supplements found
-beside it. Everything here reads; nothing trains.
+notes apply, the thresholds' ``git log`` at the time) and the cards of its rows. The page is the Jinja template
+``readme.md``, its parts the macros of ``sections.md``; the main README also reports the held-out set and the
+supplements found beside it. Everything here reads; nothing trains.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 from pathlib import Path
-from string import Template
 from typing import Any
 
 from lnstab.check.criteria import CRITERIA
 from lnstab.check.protocol import tiers
-from lnstab.check.report import MARK as SHORT  # a status as the README tables show it
+from lnstab.check.report import TEMPLATES
 from lnstab.check.report import provenance as made_by
 from lnstab.check.validation.notes import (
     HELDOUT_NOTES,
@@ -30,10 +28,8 @@ from lnstab.check.validation.notes import (
 from lnstab.check.validation.score import best_constant, constant_counts, score
 from lnstab.check.validation.sets import HELDOUT, HELDOUT_PREDICTION, ROWS, STABLE, SUPPLEMENT_IDS, SUPPLEMENTS, Row
 from lnstab.check.validation.sets import supplement_rows as with_supplement
-from lnstab.formatting import cell
 from lnstab.rundir import read_json
 
-HERE = Path(__file__).parent
 HELDOUT_DIR = "heldout"  # the held-out set's directory under the main set's
 SETS = {"main": ROWS, "heldout": HELDOUT}  # --set: the validation set, the held-out set (its own README)
 DEFAULT_TIER = "quick"  # a run record without a tier (before issue 39) ran at the quick tier's protocol
@@ -42,20 +38,8 @@ HISTORY_PATHS = ("lnstab/check/criteria.py", "lnstab/check/thresholds.yaml", "ln
                  "lnstab/check/tiers.yaml", "lnstab/check/validation.py",
                  "lnstab/check/validation/rows.yaml", "lnstab/check/validation/heldout.yaml",
                  "lnstab/check/validation/supplements.yaml")
-_MARKER = re.compile(r"^<!-- ([a-z][a-z-]*)(?:: [^>]*)? -->$", re.MULTILINE)
-
-
-def _templates() -> tuple[Template, dict[str, Template]]:
-    """``readme.md`` and the parts of ``sections.md`` by name (each the text between its marker and the next, less
-    the newlines it ends with)."""
-    text = (HERE / "sections.md").read_text(encoding="utf-8")
-    marks = list(_MARKER.finditer(text))
-    parts = {m[1]: Template(text[m.end() + 1:(marks[i + 1].start() if i + 1 < len(marks) else len(text))].rstrip("\n"))
-             for i, m in enumerate(marks)}
-    return Template((HERE / "readme.md").read_text(encoding="utf-8")), parts
-
-
-PAGE, PARTS = _templates()
+PAGE = TEMPLATES.get_template("validation/readme.md")
+SECTIONS = TEMPLATES.get_template("validation/sections.md").module
 
 
 def reference_text(cards: list[dict[str, Any]]) -> str:
@@ -123,37 +107,13 @@ def heldout_result(where: Path) -> dict[str, Any] | None:
         return None
 
 
-def verdict_list(summary: dict[str, Any]) -> str:
-    """``post-ln FAIL, deepnorm FAIL (disagrees)``: each row of a run's ``summary.json`` with its card's verdict."""
-    return ", ".join(f"{row} {SHORT[v['card']]}" + ("" if v["card"] in v["expected"] else " (disagrees)")
-                     for row, v in summary["rows"].items())
-
-
-def verdicts(row: Row) -> str:
-    return " or ".join(SHORT[e] for e in row.expected)
-
-
 def supplement_section(results: dict[str, dict[str, Any] | None], data_arg: str) -> str:
     """The main README's section on the supplements: question, prediction, command and what came out."""
     items = []
     for sup in SUPPLEMENTS:
-        got = results.get(sup.id)
-        expected = "".join(PARTS["supplement-expected"].substitute(
-            id=row.id, design=row.design, verdicts=verdicts(row), outcome=row.outcome, source=row.source)
-            for row in sup.rows)
-        result = "not run yet" if got is None else PARTS["supplement-result"].substitute(
-            agree=got["agree"], n_rows=len(got["rows"]), id=sup.id, minutes=f"{got['wall_s'] / 60:.1f}",
-            verdicts=verdict_list(got))
-        note = SUPPLEMENT_NOTES.get(sup.id)
-        note = " " + note_text(note, got["cards"]) if note and got is not None and got.get("cards") else ""
-        items.append(PARTS["supplement-item"].substitute(
-            id=sup.id, data=data_arg, args=" ".join(sup.args), question=sup.question, expected=expected,
-            prediction=sup.prediction, result=result, note=note))
-    return PARTS["supplements"].substitute(items="\n".join(items))
-
-
-def percent(value: float) -> str:
-    return f"{100 * value:.0f}"
+        got, note = results.get(sup.id), SUPPLEMENT_NOTES.get(sup.id)
+        items.append((sup, got, note_text(note, got["cards"]) if note and got is not None and got.get("cards") else ""))
+    return SECTIONS.supplements(items, data_arg)
 
 
 def run_tier(summary: dict[str, Any]) -> str | None:
@@ -171,24 +131,9 @@ def reach_headline(summary: dict[str, Any], rows: list[Row], cards: list[str]) -
     tier = run_tier(summary)
     if tier is None:
         return ""
-    got = score(rows, cards, tier)
-    left = ", ".join(f"{r.id} ({why})" for r, why in got.left_out) or "none"
-    unrun = [r.id for r in SETS[summary["set"]] if r.id not in summary["rows"]]
-    unrun_text = "" if not unrun or "--rows" in summary.get("args", []) else PARTS["reach-unrun"].substitute(
-        rows=", ".join(unrun))
-    if not got.scored:
-        return PARTS["reach-none"].substitute(tier=tier, left_out=left, unrun=unrun_text) + "\n\n"
-    n, (constant, constant_agree) = len(got.scored), got.baseline
-    low, high = got.interval
-    return PARTS["reach-headline"].substitute(
-        tier=tier, agree=got.agree, n=n, percent=percent(got.agree / n), low=percent(low), high=percent(high),
-        constant=SHORT[constant], constant_agree=constant_agree, margin=margin(got.agree - constant_agree),
-        left_out=left, unrun=unrun_text) + "\n\n"
-
-
-def margin(more: int) -> str:
-    """How many more rows the check agrees on than the constant verdict: ``2 more``, ``as many``, ``1 fewer``."""
-    return f"{more} more" if more > 0 else "as many" if more == 0 else f"{-more} fewer"
+    unrun = [] if "--rows" in summary.get("args", []) else [
+        r.id for r in SETS[summary["set"]] if r.id not in summary["rows"]]
+    return SECTIONS.reach(score(rows, cards, tier), unrun)
 
 
 def reached(row: Row, tier: str | None) -> str:
@@ -203,22 +148,18 @@ def reached(row: Row, tier: str | None) -> str:
 
 def heldout_section(got: dict[str, Any] | None) -> str:
     """The main README's section on the held-out set: what it is, what was predicted, what came out."""
-    result = "not run yet." if got is None else PARTS["heldout-result"].substitute(
-        agree=got["agree"], n_rows=len(got["rows"]), dir=HELDOUT_DIR, minutes=f"{got['wall_s'] / 60:.1f}",
-        verdicts=verdict_list(got), baseline=constant_text([r for r in HELDOUT if r.id in got["rows"]]),
-        stable=sum(r.expected == STABLE for r in HELDOUT), n_all=len(HELDOUT),
-        reach=reach_headline(got, record_rows(got), [v["card"] for v in got["rows"].values()]).strip()
-        .replace("**", ""))
-    return PARTS["heldout"].substitute(n_rows=len(HELDOUT), prediction=HELDOUT_PREDICTION, result=result)
+    if got is None:  # the macro's other arguments are for a result
+        return SECTIONS.heldout(len(HELDOUT), HELDOUT_PREDICTION, None)
+    reach = reach_headline(got, record_rows(got), [v["card"] for v in got["rows"].values()]).replace("**", "")
+    return SECTIONS.heldout(len(HELDOUT), HELDOUT_PREDICTION, got, HELDOUT_DIR, reach,
+                            constant_text([r for r in HELDOUT if r.id in got["rows"]]),
+                            sum(r.expected == STABLE for r in HELDOUT))
 
 
 def constant_text(rows: list[Row]) -> str:
     """What a card that always gives one verdict would score on ``rows``: the baseline the check's agreement is to be
     read against (most published outcomes are "stable", which any verdict but FAIL matches)."""
-    (best, agree), counts = best_constant(rows), constant_counts(rows)
-    others = ", ".join(f"always {SHORT[v]} {n}" for v, n in counts.items() if v != best)
-    return (f"Baseline: a card that always said {SHORT[best]}, whatever the model, would agree on {agree} of "
-            f"{len(rows)} rows ({others}); the check's worth is in the rows a constant verdict gets wrong.")
+    return SECTIONS.baseline(*best_constant(rows), len(rows), constant_counts(rows))
 
 
 def record_rows(summary: dict[str, Any]) -> list[Row]:
@@ -233,69 +174,37 @@ def readme(summary: dict[str, Any], cards: list[dict[str, Any]], out: Path) -> s
     the whole set at the default shape and protocol (the record's ``notes``: they explain that run's numbers; another
     run's disagreements are in the main README's supplement notes); for the main set also the held-out set and the
     supplements found under ``out``, the validation's directory."""
-    rec, set_name = summary["readme"], summary["set"]
+    rec, heldout = summary["readme"], summary["set"] == "heldout"
     rows = record_rows(summary)
-    sup = SUPPLEMENT_IDS.get(summary.get("supplement", ""))
     tier = run_tier(summary)
-    notes, heldout = rec["notes"], set_name == "heldout"
     graded = (cards[0].get("tier") or {}).get("name", DEFAULT_TIER) if cards else DEFAULT_TIER
     other_tier = graded != DEFAULT_TIER  # the cards were made at that tier's shape, with its thresholds
-    agree = [c["status"] in r.expected for r, c in zip(rows, cards, strict=True)]
     by_row = {r.id: c for r, c in zip(rows, cards, strict=True)}  # what the row notes quote
-    strict = sum(a for a, r in zip(agree, rows, strict=True) if len(r.expected) == 1)
-    single = sum(len(r.expected) == 1 for r in rows)
     row_notes = HELDOUT_NOTES if heldout else NOTES
-    preamble = ""
-    if heldout:
-        preamble += PARTS["heldout-preamble"].substitute(prediction=HELDOUT_PREDICTION) + "\n\n"
-    if sup is not None:
-        preamble += PARTS["supplement-preamble"].substitute(id=sup.id, question=sup.question,
-                                                            prediction=sup.prediction) + "\n\n"
     table = []
-    for i, (row, card, ok) in enumerate(zip(rows, cards, agree, strict=True), 1):
+    for row, card in zip(rows, cards, strict=True):
+        ok = card["status"] in row.expected
         decided = ", ".join(f"`{c}`" for c in deciding(card)) or "every criterion passes"
-        note = note_text(row_notes.get(row.id, ""), by_row) if notes else ""
-        why = decided + (f"; {note}" if note else "" if ok or not notes else "; not yet explained")
-        table.append(f"| {i} | [{cell(row.design)}]({row.id}/report.md) | {cell(row.outcome)} ({cell(row.source)}) | "
-                     f"{verdicts(row)} | {cell(reached(row, tier))} | **{SHORT[card['status']]}** | "
-                     f"{'yes' if ok else '**no**'} | {cell(why)} |")
-    decides = []
-    for c in CRITERIA:
-        found = {level: [r.id for r, k in zip(rows, cards, strict=True)
-                         if k["status"] == level and statuses(k)[c.id] == level] for level in ("fail", "warn")}
-        decides.append(f"- `{c.id}`: fails {', '.join(found['fail']) or 'no row'}; is among the warnings of "
-                       f"{', '.join(found['warn']) or 'no row'}")
-    sections = PARTS["row-changes"].substitute(changes="; ".join(ROW_CHANGES)) if ROW_CHANGES else ""
-    if notes and set_name == "main":
-        sections += heldout_section(heldout_result(out / HELDOUT_DIR))
-        sections += supplement_section(supplement_results(out), rec["data"])
-    shape = rec["shape"]
-    return PAGE.substitute(
-        title=": the held-out set" if heldout else "", command=rec["command"],
-        minutes=f"{summary['wall_s'] / 60:.1f}", runs=rec["runs"], models=rec["models"],
-        made_by=made_by(cards[0]["provenance"]),
-        shape=(f"the {graded} tier's shape" if other_tier else "the check's default shape")
-        + ("" if not shape else " but " + ", ".join(f"`--model.{k} {v}`" for k, v in shape.items())),
-        reference=reference_text(cards), protocol=cards[0]["protocol_text"], data=cards[0]["data_text"],
-        preamble=preamble, headline=reach_headline(summary, rows, [c["status"] for c in cards]), agree=sum(agree),
-        n_rows=len(rows), percent=percent(sum(agree) / max(1, len(rows))),
-        goal="; out of sample" if heldout else "; goal ≥ 90 %", strict=strict, single=single,
-        stable_agree=sum(agree) - strict, stable=len(rows) - single,
-        thresholds="**a --thresholds file, not the defaults**." if not rec["default_thresholds"] else
-        PARTS["thresholds-tier"].substitute(tier=graded, file=tiers()[graded]["thresholds"]) if other_tier else
-        "the defaults of `lnstab/check/thresholds.yaml`, fixed before the set was first run"
-        + (f"; {len(THRESHOLD_CHANGES)} changed after that run, every verdict re-run or re-graded (see Thresholds)."
-           if THRESHOLD_CHANGES else " (history below)."),
-        baseline=constant_text(rows), table="\n".join(table),
-        criteria=" | ".join(c.id for c in CRITERIA), rule="---|" * len(CRITERIA),
-        criteria_table="\n".join(f"| {row.id} | " + " | ".join(SHORT[statuses(card)[c.id]] for c in CRITERIA) + " |"
-                                 for row, card in zip(rows, cards, strict=True)),
-        decides="\n".join(decides),
-        history="\n".join([f"- `{h}`" for h in rec["history"]] or ["- (not a git checkout)"]),
-        changes=PARTS["tier-changes"].substitute(tier=graded, quick="../../" if heldout else "../") if other_tier else
-        "; ".join(THRESHOLD_CHANGES) if THRESHOLD_CHANGES else
-        "none; every verdict above is from the thresholds fixed before it.",
-        sections=sections)
+        note = note_text(row_notes.get(row.id, ""), by_row) if rec["notes"] else ""
+        why = decided + (f"; {note}" if note else "" if ok or not rec["notes"] else "; not yet explained")
+        table.append({"row": row, "card": card, "ok": ok, "reached": reached(row, tier), "why": why,
+                      "statuses": [statuses(card)[c.id] for c in CRITERIA]})
+    decides = {c.id: {level: [r["row"].id for r in table if r["card"]["status"] == level
+                              and statuses(r["card"])[c.id] == level] for level in ("fail", "warn")}
+               for c in CRITERIA}
+    sections = None
+    if rec["notes"] and summary["set"] == "main":
+        sections = {"heldout": heldout_section(heldout_result(out / HELDOUT_DIR)),
+                    "supplements": supplement_section(supplement_results(out), rec["data"])}
+    single = [r for r in table if len(r["row"].expected) == 1]  # the rows whose outcome implies one verdict
+    return PAGE.render(
+        summary=summary, rec=rec, card=cards[0], made_by=made_by(cards[0]["provenance"]),
+        reference=reference_text(cards), heldout=heldout, heldout_prediction=HELDOUT_PREDICTION,
+        sup=SUPPLEMENT_IDS.get(summary.get("supplement", "")), graded=graded, other_tier=other_tier, tiers=tiers(),
+        threshold_changes=THRESHOLD_CHANGES, row_changes=ROW_CHANGES,
+        headline=reach_headline(summary, rows, [c["status"] for c in cards]), table=table,
+        agree=sum(r["ok"] for r in table), strict=sum(r["ok"] for r in single), single=len(single),
+        baseline=constant_text(rows), criteria=CRITERIA, decides=decides, sections=sections)
 
 
 def rerender(where: Path) -> str:
