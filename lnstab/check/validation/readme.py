@@ -15,7 +15,6 @@ from typing import Any
 from lnstab.check.criteria import CRITERIA
 from lnstab.check.protocol import tiers
 from lnstab.check.report import TEMPLATES
-from lnstab.check.report import provenance as made_by
 from lnstab.check.validation.notes import (
     HELDOUT_NOTES,
     NOTES,
@@ -198,10 +197,9 @@ def readme(summary: dict[str, Any], cards: list[dict[str, Any]], out: Path) -> s
                     "supplements": supplement_section(supplement_results(out), rec["data"])}
     single = [r for r in table if len(r["row"].expected) == 1]  # the rows whose outcome implies one verdict
     return PAGE.render(
-        summary=summary, rec=rec, card=cards[0], made_by=made_by(cards[0]["provenance"]),
-        reference=reference_text(cards), heldout=heldout, heldout_prediction=HELDOUT_PREDICTION,
-        sup=SUPPLEMENT_IDS.get(summary.get("supplement", "")), graded=graded, other_tier=other_tier, tiers=tiers(),
-        threshold_changes=THRESHOLD_CHANGES, row_changes=ROW_CHANGES,
+        summary=summary, rec=rec, card=cards[0], reference=reference_text(cards), heldout=heldout,
+        heldout_prediction=HELDOUT_PREDICTION, sup=SUPPLEMENT_IDS.get(summary.get("supplement", "")), graded=graded,
+        other_tier=other_tier, tiers=tiers(), threshold_changes=THRESHOLD_CHANGES, row_changes=ROW_CHANGES,
         headline=reach_headline(summary, rows, [c["status"] for c in cards]), table=table,
         agree=sum(r["ok"] for r in table), strict=sum(r["ok"] for r in single), single=len(single),
         baseline=constant_text(rows), criteria=CRITERIA, decides=decides, sections=sections)
