@@ -45,7 +45,7 @@ from lnstab.check.report import ERROR, INTERRUPTED, terminal
 from lnstab.check.runner import grade, lnstab_version, load_data, machine, public_command
 from lnstab.check.signals import Interrupted, interruptible
 from lnstab.check.subjects import Subject, context_length, hf_subject, lnstab_subject, references
-from lnstab.check.validation import supplement_argv
+from lnstab.check.validation import checked_supplement
 from lnstab.check.workers import RunPool
 from lnstab.errors import LNStabError, MachineError, first_line, one_line, refused_write
 from lnstab.rundir import atomic_write_text, check_name_lengths, check_writable
@@ -156,7 +156,6 @@ def main(argv: list[str] | None = None) -> None:
             check itself fails (``LNSTAB_DEBUG=1`` raises the original error instead).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    typed = list(argv)  # what the user typed, before a supplement's own arguments are added
     model_args, rest = split_model_args(argv)
     args = build_parser().parse_args(rest)
     if args.compare:
@@ -175,12 +174,14 @@ def main(argv: list[str] | None = None) -> None:
                           "(give --tier quick or leave it out)")
     if args.set != "main" and not args.validate:
         raise LNStabError("--set is for --validate")
+    sup = None
     if args.supplement is not None:
         if not args.validate or args.set != "main":
             raise LNStabError("--supplement is for --validate of the main set (not with --set heldout)")
-        argv = supplement_argv(args.supplement, argv)  # its rows, shape and protocol, as if typed
-        model_args, rest = split_model_args(argv)
-        args = build_parser().parse_args(rest)
+        sup = checked_supplement(args.supplement, argv)
+        own_model, own = split_model_args(list(sup.args))  # its rows, shape and protocol, which argv cannot give
+        model_args = {**model_args, **own_model}
+        build_parser().parse_args(own, namespace=args)  # sets the options it gives, no others
     threads = torch.get_num_threads()
     if args.threads is not None:
         torch.set_num_threads(checked_threads(args.threads))
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.validate:
                 from lnstab.check.validation.run import main as validate
 
-                validate(args, model_args, argv, typed)
+                validate(args, model_args, argv, sup)
                 return
             card = run_check(args, model_args, public_command(argv))
     except Interrupted as exc:

@@ -12,9 +12,9 @@ from lnstab.check.validation.sets import (
     SUPPLEMENTS,
     Row,
     Supplement,
-    supplement_argv,
+    checked_supplement,
     supplement_rows,
 )
 
 __all__ = ["DEFAULT_SHAPE", "HELDOUT", "HELDOUT_PREDICTION", "HF_FAMILIES", "ROWS", "STABLE", "SUPPLEMENT_IDS",
-           "SUPPLEMENTS", "Row", "Supplement", "supplement_argv", "supplement_rows"]
+           "SUPPLEMENTS", "Row", "Supplement", "checked_supplement", "supplement_rows"]

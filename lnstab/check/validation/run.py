@@ -22,13 +22,13 @@ from typing import Any
 
 from lnstab.check.hf import progress_bars_off
 from lnstab.check.options import FACTORY_OPTIONS, build_parser, make_protocol, pairs, tier_thresholds, worker_counts
-from lnstab.check.protocol import plan, run_ladder, tiers
+from lnstab.check.protocol import Protocol, plan, run_ladder, tiers
 from lnstab.check.runner import check_model, grade, lnstab_version, load_data, machine, public_command, public_path
 from lnstab.check.signals import Interrupted, deferred
 from lnstab.check.subjects import Subject, context_length, hf_subject, lnstab_subject, references
 from lnstab.check.validation.families import HF_FAMILIES
 from lnstab.check.validation.readme import HELDOUT_DIR, SETS, history, readme
-from lnstab.check.validation.sets import DEFAULT_SHAPE, SUPPLEMENT_IDS, Row, Supplement, model_flags, supplement_rows
+from lnstab.check.validation.sets import DEFAULT_SHAPE, Row, Supplement, model_flags, supplement_rows
 from lnstab.check.workers import RunPool
 from lnstab.errors import LNStabError
 from lnstab.rundir import atomic_write_text, check_writable, read_json
@@ -114,12 +114,49 @@ def replace_cards(out: Path, stage: Path, rows: list[Row], files: dict[str, str]
             atomic_write_text(out / name, text)
 
 
-def main(args: argparse.Namespace, model_args: dict[str, Any], argv: list[str], typed: list[str]) -> None:
-    """Run the validation set; exit status 0 when every row agrees, 1 when one does not.
+@dataclasses.dataclass(frozen=True)
+class Validation:
+    """One ``--validate`` run, its arguments checked by :func:`main`."""
 
-    ``argv`` is what the set runs with (a supplement's arguments included), ``typed`` what the user typed: the README
-    names the command that reproduces it.
-    """
+    args: argparse.Namespace  # a supplement's arguments included
+    model_args: dict[str, Any]  # the shape given (a supplement's included)
+    typed: list[str]  # what the user typed: the README names the command that reproduces it
+    sup: Supplement | None
+    rows: list[Row]
+    wanted: list[str]  # the --rows asked for, empty for all
+    out: Path
+    protocol: Protocol
+    thresholds: dict[str, Any]
+    started: float
+
+    def flags(self) -> list[str]:
+        """The protocol flags given (a supplement's after the user's): what a row's card adds to the row's own."""
+        return protocol_args([*self.typed, *(self.sup.args if self.sup else ())])
+
+    def summary(self, agree: int, cards: list[dict[str, Any]], wall: float, n_runs: int, models: int
+                ) -> dict[str, Any]:
+        """The run record (``summary.json``), from which the README is rendered."""
+        args, model_args, sup, wanted = self.args, self.model_args, self.sup, self.wanted
+        shown = [*model_flags(model_args), *(["--set", args.set] if args.set == "heldout" else []),
+                 *(["--rows", ",".join(wanted)] if wanted else []), *self.flags()]
+        tier, at_default = args.tier, default_protocol(self.protocol, args.tier)
+        at_tier = {} if sup or model_args or not at_default else {"tier": tier}  # a tier's run says so (issue 39)
+        # the row notes explain the quick tier's whole default run, and quote its numbers
+        full = not wanted and not model_args and tier == "quick" and at_default
+        return {"set": args.set, **({"supplement": sup.id} if sup else {}), **at_tier,  # args: no local path
+                "args": shlex.split(public_command(shown).removeprefix("lnstab check ")),
+                "agree": agree, "rows": {r.id: {"card": c["status"], "expected": list(r.expected)}
+                                         for r, c in zip(self.rows, cards, strict=True)}, "wall_s": round(wall, 1),
+                "readme": {  # what the README says beyond the cards: it is rendered from this record
+                    "command": public_command(["--validate", *(a for a in self.typed if a != "--validate")]),
+                    "runs": n_runs, "models": models, "shape": model_args, "data": data_text(self.protocol),
+                    "notes": full, "default_thresholds": self.thresholds == tier_thresholds(tier, None),
+                    "history": history()}}
+
+
+def main(args: argparse.Namespace, model_args: dict[str, Any], typed: list[str], sup: Supplement | None) -> None:
+    """Run the validation set (with ``--supplement``: ``sup``'s, whose arguments ``args`` and ``model_args`` hold);
+    exit status 0 when every row agrees, 1 when one does not."""
     started = time.perf_counter()
     if args.hf or args.factory:
         raise LNStabError("--validate checks its own set of models; --hf and --factory are not used with it")
@@ -133,7 +170,6 @@ def main(args: argparse.Namespace, model_args: dict[str, Any], argv: list[str], 
     if bad:
         raise LNStabError(f"--model.{bad[0]} is not allowed with --validate; only the shape may change "
                           f"({', '.join(SHAPE_KEYS)})")
-    sup = SUPPLEMENT_IDS.get(args.supplement) if args.supplement else None
     every = supplement_rows(sup, SETS[args.set])  # a supplement's protocol may imply another outcome for a row
     wanted = [r.strip() for r in (args.rows or "").split(",") if r.strip()]
     unknown = [r for r in wanted if r not in {row.id for row in every}]
@@ -141,13 +177,11 @@ def main(args: argparse.Namespace, model_args: dict[str, Any], argv: list[str], 
         raise LNStabError(f"--rows {unknown[0]} is not allowed; rows of --set {args.set}: "
                           f"{', '.join(r.id for r in every)}")
     rows = [r for r in every if not wanted or r.id in wanted]
-
-    protocol = make_protocol(args, {})
-    thresholds = tier_thresholds(args.tier, args.thresholds)
     out = Path(args.out) if args.out else default_out(args.tier, args.set, sup.id if sup else None)
+    run = Validation(args, model_args, typed, sup, rows, wanted, out, make_protocol(args, {}),
+                     tier_thresholds(args.tier, args.thresholds), started)
     try:
-        agree, wall = validate_rows(args, argv, typed, rows, sup, wanted, model_args, out, protocol, thresholds,
-                                    started)
+        agree, wall = validate_rows(run)
     except Interrupted as exc:
         exc.where = exc.where or f"; nothing in {out} was replaced"
         raise
@@ -167,13 +201,12 @@ def default_out(tier: str, set_name: str, supplement: str | None) -> Path:
         else base
 
 
-def validate_rows(args: argparse.Namespace, argv: list[str], typed: list[str], rows: list[Row], sup: Supplement | None,
-                  wanted: list[str], model_args: dict[str, Any], out: Path, protocol: Any, thresholds: dict[str, Any],
-                  started: float) -> tuple[int, float]:
-    """Train every row's runs (``wanted``: the ``--rows`` asked for, empty for all), grade the cards and replace
-    ``out``'s validation with them; ``(agreeing rows, wall seconds)``."""
+def validate_rows(run: Validation) -> tuple[int, float]:
+    """Train every row's runs, grade the cards and replace ``run.out``'s validation with them; ``(agreeing rows, wall
+    seconds)``."""
+    args, protocol, rows, out = run.args, run.protocol, run.rows, run.out
     tier_shape = (tiers()[args.tier].get("model") or {}) if args.tier != "quick" else {}
-    shape = {**pairs(DEFAULT_SHAPE), **tier_shape, **model_args}
+    shape = {**pairs(DEFAULT_SHAPE), **tier_shape, **run.model_args}
     with tempfile.TemporaryDirectory(prefix="lnstab-validate-") as tmp:
         work = Path(tmp)
         checked = [row_subject(row, shape, work) for row in rows]
@@ -198,32 +231,17 @@ def validate_rows(args: argparse.Namespace, argv: list[str], typed: list[str], r
                     for name, k in ref_keys.items()]
                 card_runs = {"checked": runs[key], **{name: runs[k] for name, k in ref_keys.items()}}
                 spent = sum(r.wall_s for k in {key, *ref_keys.values()} for r in runs[k])
-                command = public_command([*card_args, *protocol_args(argv)])
-                cards.append(grade(card_subjects[0], card_subjects, card_runs, protocol, thresholds, data, seq_len,
-                                   stage / row.id, command, time.perf_counter() - spent, provenance, figures=False,
-                                   shown=out / row.id))
-            wall = time.perf_counter() - started
+                cards.append(grade(card_subjects[0], card_subjects, card_runs, protocol, run.thresholds, data, seq_len,
+                                   stage / row.id, public_command([*card_args, *run.flags()]),
+                                   time.perf_counter() - spent, provenance, figures=False, shown=out / row.id))
+            wall = time.perf_counter() - run.started
             n_runs = sum(len(v) for k, v in runs.items() if k in registry)
             agree = sum(c["status"] in r.expected for r, c in zip(rows, cards, strict=True))
-            shown = [*model_flags(model_args), *(["--set", args.set] if args.set == "heldout" else []),
-                     *(["--rows", ",".join(wanted)] if wanted else []), *protocol_args(argv)]
-            tier, at_default = args.tier, default_protocol(protocol, args.tier)
-            at_tier = {} if sup or model_args or not at_default else {"tier": tier}  # a tier's run says so (issue 39)
-            # the row notes explain the quick tier's whole default run, and quote its numbers
-            full = not wanted and not model_args and tier == "quick" and at_default
-            summary = {"set": args.set, **({"supplement": sup.id} if sup else {}), **at_tier,  # args: no local path
-                       "args": shlex.split(public_command(shown).removeprefix("lnstab check ")),
-                       "agree": agree, "rows": {r.id: {"card": c["status"], "expected": list(r.expected)}
-                                                for r, c in zip(rows, cards, strict=True)}, "wall_s": round(wall, 1),
-                       "readme": {  # what the README says beyond the cards: it is rendered from this record
-                           "command": public_command(["--validate", *(a for a in typed if a != "--validate")]),
-                           "runs": n_runs, "models": len(registry), "shape": model_args, "data": data_text(protocol),
-                           "notes": full, "default_thresholds": thresholds == tier_thresholds(tier, None),
-                           "history": history()}}
+            summary = run.summary(agree, cards, wall, n_runs, len(registry))
             text = readme(summary, cards, out)
             try:
                 replace_cards(out, stage, rows, {"summary.json": json.dumps(summary, indent=1) + "\n",
-                                                        "README.md": text})
+                                                 "README.md": text})
             except Interrupted as exc:  # held back while the cards were replaced: the new validation is whole
                 exc.where = f" after the new validation was written to {out}"
                 raise

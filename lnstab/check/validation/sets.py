@@ -197,8 +197,8 @@ SUPPLEMENTS: tuple[Supplement, ...] = load_supplements()
 SUPPLEMENT_IDS = {s.id: s for s in SUPPLEMENTS}
 
 
-def supplement_argv(sup_id: str, argv: list[str]) -> list[str]:
-    """``argv`` (a ``--validate`` command line) with supplement ``sup_id``'s arguments appended.
+def checked_supplement(sup_id: str, argv: list[str]) -> Supplement:
+    """Supplement ``sup_id``, for a ``--validate`` command line ``argv`` that gives none of the flags it sets.
 
     Raises:
         LNStabError: ``sup_id`` is not a supplement, or ``argv`` gives a flag the supplement sets itself.
@@ -212,7 +212,7 @@ def supplement_argv(sup_id: str, argv: list[str]) -> list[str]:
     if clash:
         raise LNStabError(f"--supplement {sup_id} sets {', '.join(own)} itself; {clash[0]} is not allowed with it "
                           "(give only the data, output and machine options)")
-    return [*argv, *sup.args]
+    return sup
 
 
 def supplement_rows(sup: Supplement | None, rows: tuple[Row, ...]) -> tuple[Row, ...]:
