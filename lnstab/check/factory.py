@@ -71,6 +71,7 @@ def takes_vocab_size(fn: Callable[..., Any]) -> bool:
 
 
 LOOKUP_ERRORS = (ImportError, AttributeError, ValueError)  # a dotted path that names nothing
+SITE_OPTIONS = ("--embed-pattern", "--final-pattern", "--norm-pattern", "--head-pattern")  # each a Sites field
 
 
 def import_user_module(where: str, module_name: str, passed_on: tuple[type[Exception], ...] = (),
@@ -253,9 +254,9 @@ def factory_subject(
         raise LNStabError(f"--n-head={n_head} is not allowed; it must be an integer >= 1")
     pattern = compile_regex("--layer-pattern", layer_pattern)
     types = resolve_types("--module-types", module_types)
-    given = {option: compile_regex(option, value) for option, value in (
-        ("--embed-pattern", embed_pattern), ("--final-pattern", final_pattern), ("--norm-pattern", norm_pattern),
-        ("--head-pattern", head_pattern), ("--q-pattern", q_spec), ("--k-pattern", k_spec))}
+    given = {option: compile_regex(option, value) for option, value in zip(
+        (*SITE_OPTIONS, "--q-pattern", "--k-pattern"),
+        (embed_pattern, final_pattern, norm_pattern, head_pattern, q_spec, k_spec), strict=True)}
 
     recipe = FactoryRecipe(spec, (), tuple(p for p in sys.path if p))
     model = recipe.build()
@@ -266,12 +267,12 @@ def factory_subject(
                           "weights: build it on the CPU, or call .to_empty(device='cpu') and initialise it")
     dropped = dropout_off(model)
     context = hf.context_of(getattr(model, "config", None))  # GPT-2's n_positions, nanoGPT's block_size, ...
-    if pattern is None and not types:
+    if default := (pattern is None and not types):
         pattern = re.compile(HF_BLOCKS)
-        if not block_names(model, pattern, ()):
-            raise LNStabError(f"--factory {spec!r}: no numbered blocks (h.N, layers.N, blocks.N) found; "
-                              "give --layer-pattern REGEX or --module-types package.Class")
     names = block_names(model, pattern, types)
+    if default and not names:
+        raise LNStabError(f"--factory {spec!r}: no numbered blocks (h.N, layers.N, blocks.N) found; "
+                          "give --layer-pattern REGEX or --module-types package.Class")
     children = [n for n, _ in model.named_modules()][1:]
     some = (f"its modules: {', '.join(children[:6])}{', …' if len(children) > 6 else ''}" if children else
             f"it has no submodules, only the {type(model).__name__} itself")
@@ -300,18 +301,9 @@ def factory_subject(
                           f"{spec!r}; {attention_problem(model, qk_sites)}")
     if qk_sites:
         check_head_widths(model, spec, exact_sites, n_head)
-    sites = Sites(
-        hidden_pattern=exact,
-        embed_pattern=exact_sites["--embed-pattern"],
-        final_pattern=exact_sites["--final-pattern"],
-        block_pattern=exact,
-        param_pattern=param_pattern(names, pattern),
-        norm_pattern=exact_sites["--norm-pattern"],
-        head_pattern=exact_sites["--head-pattern"],
-        attention=attention,
-        logits=logits,
-        qk=qk_sites,
-    )
+    sites = Sites(hidden_pattern=exact, block_pattern=exact, param_pattern=param_pattern(names, pattern),
+                  attention=attention, logits=logits, qk=qk_sites,
+                  **{option[2:].replace("-", "_"): exact_sites[option] for option in SITE_OPTIONS})
     name = "factory-" + spec.rpartition(":")[2].replace(".", "-")
     what = (f"{dropped} dropout{'s' if dropped != 1 else ''} (nn.Dropout modules, nn.MultiheadAttention's) set to 0"
             if dropped else "no nn.Dropout module nor nn.MultiheadAttention dropout")
