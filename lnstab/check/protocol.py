@@ -162,14 +162,10 @@ class Protocol:
 
 def load_tokens(protocol: Protocol, vocab_size: int, seq_len: int, own_vocab: bool = True
                 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """``batch_size × (steps + 1)`` windows ``(N, seq_len + 1)`` of token ids, and what they are.
-
-    ``files`` streams GPT-2 tokens of ``data_path`` through :class:`lnstab.datamodules.OpenWebTextDataModule` (with
-    ``own_vocab`` the model must predict GPT-2's 50257 tokens; without, the windows are relabelled onto the protocol
-    vocabulary afterwards, :func:`compact_vocabulary`); ``synthetic`` is lnstab's seeded Markov stream over
-    ``vocab_size`` tokens (:class:`lnstab.datamodules.SyntheticDataModule`). Every run takes the same windows, each
-    seed in its own order.
-    """
+    """``batch_size × (steps + 1)`` windows ``(N, seq_len + 1)`` of token ids, and what they are: GPT-2 tokens of
+    ``data_path`` (``files``; with ``own_vocab`` the model must predict all 50257, else they are relabelled afterwards:
+    :func:`compact_vocabulary`) or lnstab's seeded Markov stream over ``vocab_size`` tokens (``synthetic``). Every run
+    takes the same windows, each seed in its own order."""
     n = protocol.batch_size * (protocol.optimisation.steps + 1)
     if protocol.source == "synthetic":
         from lnstab.datamodules import SyntheticDataModule
@@ -238,14 +234,13 @@ def run_ladder(subjects: list[Subject], protocol: Protocol, tokens: torch.Tensor
                pool: RunPool, cache: Path | None = None) -> dict[str, list[RunResult]]:
     """Train every planned run in ``pool`` (with ``progress``, a bar across runs on stderr); ``{subject key: runs}``,
     copies included. With ``cache``, an earlier card's reference run kept there is reused (:mod:`lnstab.check.cache`).
-
-    Only the runs at the first learning rate probe the Jacobians at initialisation: the others start from the same
-    seeded weights and batches, and the card reads the initial probe of the first rate only.
     """
     from tqdm.auto import tqdm
 
     settings = {key: getattr(protocol, key) for key in ("batch_size", "optimisation", "measure_every", "jacobian_iters",
                                                         "probe_size", "accelerator")}
+    # only the first rate probes the Jacobians at initialisation: every rate starts from the same seeded weights and
+    # batches, and the card reads the initial probe of the first rate only
     first_lr = min(protocol.lrs)
     jobs = [Job(i, s, lr, seed, {**settings, "probe_init": lr == first_lr}, tokens, log_root, cache)
             for i, (s, lr, seed) in enumerate(plan(subjects, protocol))]

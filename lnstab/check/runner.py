@@ -8,6 +8,7 @@ import copy
 import os
 import platform
 import re
+import shlex
 import subprocess
 import time
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from lnstab.check.subjects import Subject
 from lnstab.check.workers import RunPool
 from lnstab.errors import LNStabError
 from lnstab.precision import cpu_has_native_bf16
-from lnstab.rundir import sha256_file
+from lnstab.rundir import sha256_file, short_path
 
 VOCAB_MODES = ("protocol", "model")
 
@@ -209,16 +210,12 @@ def public_path(text: str) -> str:
     path = Path(os.path.expanduser(text))
     if not path.is_absolute() and ".." not in path.parts:
         return text
-    try:
-        return str(path.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return path.name or text
+    shown = short_path(path)
+    return (path.name or text) if shown.is_absolute() else str(shown)
 
 
 def public_command(argv: list[str]) -> str:
     """``lnstab check …`` with every absolute path argument (or ``--opt=/abs/path``) shown by :func:`public_path`."""
-    import shlex
-
     shown = []
     for arg in argv:
         key, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
