@@ -51,9 +51,9 @@ def source_digest() -> str:
 
 
 def run_key(job: Any, threads: int) -> str | None:
-    """The key of ``job``'s run (a :class:`~lnstab.check.workers.Job`), or ``None`` where it is not a reference."""
+    """The key of ``job``'s run (a :class:`~lnstab.check.workers.Job`); ``None``: no ``job.cache`` or no reference."""
     subject = job.subject
-    if subject.key not in REFERENCE_KEYS or subject.config is None:
+    if job.cache is None or subject.key not in REFERENCE_KEYS or subject.config is None:
         return None
     tokens = job.tokens.contiguous()
     what = {
@@ -72,10 +72,10 @@ def log_dir(job: Any) -> Path:
     return Path(job.log_root) / job.subject.key / f"lr{job.lr:g}_seed{job.seed}"
 
 
-def load(root: Path, key: str, job: Any) -> RunResult | None:
-    """The kept run of ``key`` with its logs copied to ``job``'s log directory, or ``None``: absent, unreadable (the
-    entry is removed, to be written anew) or not copied (a full disk: the run trains, and its own write says so)."""
-    entry = root / key
+def load(job: Any, key: str) -> RunResult | None:
+    """The run of ``key`` in ``job.cache``, its logs copied to ``job``'s log directory, or ``None``: absent, unreadable
+    (the entry is removed, to be written anew) or not copied (a full disk: the run trains; its own write says so)."""
+    entry = job.cache / key
     if not (entry / RESULT).is_file():
         return None
     try:

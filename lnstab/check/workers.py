@@ -78,8 +78,8 @@ def run_job(job: Job) -> Any:
     :class:`Failure` when the model (or the check) raised, or ended the process (``sys.exit``, ``os._exit``)."""
     from lnstab.check.training import stress_run
 
-    key = cache.run_key(job, torch.get_num_threads()) if job.cache is not None else None
-    if key is not None and (kept := cache.load(job.cache, key, job)) is not None:
+    key = cache.run_key(job, torch.get_num_threads())
+    if key is not None and (kept := cache.load(job, key)) is not None:
         return kept
     try:
         with exits_caught():
