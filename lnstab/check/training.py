@@ -65,13 +65,9 @@ def event_writer_errors() -> Iterator[list[OSError]]:
 
 
 class StressModule(pl.LightningModule):
-    """Next-token loss of ``model`` (token ids ``(B, T)`` → logits ``(B, T, V)``) under :class:`Optimisation`.
-
-    The model trains in train mode (switch its dropout off first; :mod:`lnstab.check.subjects`). lnstab's GPT is
-    trained on its own objective (``model(idx, targets)``: the chunked head's cross-entropy plus its z-loss, if any),
-    any other model, or any model given ``z_loss``, on the cross-entropy of its logits (:func:`logits_of`; whatever
-    else it returns, an auxiliary loss say, is not trained on) plus ``z_loss·mean (log Z)²``, PaLM's z-loss as
-    :func:`lnstab.loss.lm_head_losses` forms it; AdamW with decay on matrices only, linear warmup then cosine, as
+    """Next-token loss of ``model`` (token ids ``(B, T)`` → logits ``(B, T, V)``) under :class:`Optimisation`, in train
+    mode, on docs/check/README.md's objective: lnstab's GPT on its own (``model(idx, targets)``), any other (or any
+    given ``z_loss``) on the cross-entropy of :func:`logits_of` plus ``z_loss·mean (log Z)²``; AdamW and schedule as
     :class:`lnstab.module.GPTModule`. The cross-entropy of every step is kept in :attr:`losses`.
 
     Args:
