@@ -101,14 +101,14 @@ def test_thresholds_file_overrides_key_by_key(tmp_path) -> None:
 
 def test_relation_names_the_nearest_reference() -> None:
     refs = {"pre-ln": (1.5, 0.05), "peri-ln": (0.5, 0.05)}
-    assert relation("growth_trained", 1.45, 0.0, refs) == "grows like Pre-LN"
-    assert relation("growth_trained", 3.0, 0.0, refs) == "grows faster than both references"
-    assert relation("growth_trained", 0.0, 0.0, refs) == "grows slower than both references"
-    assert relation("growth_trained", 1.0, 0.0, refs) == "between Peri-LN and Pre-LN"
-    assert relation("sensitivity", 0.52, 0.0, refs) == "as insensitive as Peri-LN to activation scale"
-    assert relation("sensitivity", 1.52, 0.0, refs) == "as sensitive as Pre-LN to activation scale"
-    assert relation("divergence", 0.0, 0.0, {"pre-ln": (0.0, 0.0), "peri-ln": (0.0, 0.0)}).endswith("both references")
-    assert relation("growth_trained", 1.0, 0.0, {}) == ""
+    assert relation("growth_trained", 1.45, refs) == "grows like Pre-LN"
+    assert relation("growth_trained", 3.0, refs) == "grows faster than both references"
+    assert relation("growth_trained", 0.0, refs) == "grows slower than both references"
+    assert relation("growth_trained", 1.0, refs) == "between Peri-LN and Pre-LN"
+    assert relation("sensitivity", 0.52, refs) == "as insensitive as Peri-LN to activation scale"
+    assert relation("sensitivity", 1.52, refs) == "as sensitive as Pre-LN to activation scale"
+    assert relation("divergence", 0.0, {"pre-ln": (0.0, 0.0), "peri-ln": (0.0, 0.0)}).endswith("both references")
+    assert relation("growth_trained", 1.0, {}) == ""
 
 
 def test_model_arguments_are_parsed_as_yaml_and_split_from_the_rest() -> None:

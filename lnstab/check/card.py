@@ -8,7 +8,7 @@ from typing import Any
 from lnstab.check.criteria import BY_ID, CRITERIA, LABELS, resolve, status
 
 
-def relation(cid: str, value: float, sd: float, refs: dict[str, tuple[float, float]]) -> str:
+def relation(cid: str, value: float, refs: dict[str, tuple[float, float]]) -> str:
     """``grows like Pre-LN`` / ``… than both references`` / ``between Peri-LN and Pre-LN`` (empty without refs)."""
     finite = {k: v for k, v in refs.items() if math.isfinite(v[0])}
     phrases = BY_ID[cid].phrases if cid in BY_ID else None
@@ -46,7 +46,7 @@ def build_rows(summaries: dict[str, dict[str, Any]], thresholds: dict[str, dict[
         if not math.isfinite(value) and criterion.missing is not None:
             text = criterion.missing(checked, sites)
         else:  # what was measured, how it compares, then the references' values
-            rel = relation(cid, value, sd, refs)
+            rel = relation(cid, value, refs)
             text = criterion.explain(checked, value, sd, ref_summaries) + (f"; {rel}" if rel else "")
             if criterion.quote is not None and ref_summaries:
                 text += f" ({', '.join(f'{LABELS[k]} {criterion.quote(r)}' for k, r in ref_summaries.items())})"
