@@ -14,8 +14,8 @@ from lnstab.check.analysis import lr_sensitivity, summarise
 from lnstab.check.card import build_rows
 from lnstab.check.criteria import DEFAULT_PATH, DEFAULT_THRESHOLDS, IDS, load_thresholds, read_defaults, resolve, status
 from lnstab.check.probes import branch_norm
-from lnstab.check.protocol import compact_vocabulary
 from lnstab.check.training import RunResult
+from lnstab.datamodules.vocab import compact_vocabulary
 from lnstab.errors import LNStabError
 from lnstab.measures import ladder_sensitivity
 from lnstab.report.lr_sensitivity import Ladder

@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from lnstab.check.protocol import compact_vocabulary
 from lnstab.datamodules import DataError, OpenWebTextDataModule
 from lnstab.datamodules.sample import sample_path
-from lnstab.datamodules.vocab import VocabMap, compact_map, top_k_map
+from lnstab.datamodules.vocab import VocabMap, compact_map, compact_vocabulary, top_k_map
 from lnstab.module import GPTModule
 from lnstab.tokenizer import EOT_TOKEN, gpt2_encoding
 

@@ -42,7 +42,7 @@ from lnstab.check.options import (
 )
 from lnstab.check.protocol import Protocol, RunFailed, plan, run_ladder
 from lnstab.check.report import ERROR, INTERRUPTED, terminal
-from lnstab.check.runner import grade, lnstab_version, load_data, machine, public_command
+from lnstab.check.runner import grade, load_data, provenance, public_command
 from lnstab.check.signals import Interrupted, interruptible
 from lnstab.check.subjects import Subject, context_length, hf_subject, lnstab_subject, references
 from lnstab.check.validation import checked_supplement
@@ -237,7 +237,7 @@ def run_check(args: argparse.Namespace, model_args: dict[str, Any], command: str
                     sys.stderr.write(f"lnstab: lnstab check: {note}\n")
             subjects = [subject] + ([] if args.no_reference else references(subject, seq_len))
             out = run_directory(args, args.name or subject.name)  # only now: a usage error leaves nothing behind
-            provenance = {"lnstab": lnstab_version(), "machine": machine(workers, per_worker)}
+            made_by = provenance(workers, per_worker)
             runs = run_ladder(subjects, protocol, data.tokens, out / "tb", progress=not args.no_progress, pool=pool,
                               cache=cache_root(args.no_cache))
         except Interrupted as exc:
@@ -249,7 +249,7 @@ def run_check(args: argparse.Namespace, model_args: dict[str, Any], command: str
                 raise
             raise check_failed(out, exc) from exc
     try:  # the workers are gone or going: the grading has the machine to itself
-        return grade(subject, subjects, runs, protocol, thresholds, data, seq_len, out, command, started, provenance)
+        return grade(subject, subjects, runs, protocol, thresholds, data, seq_len, out, command, started, made_by)
     except Interrupted as exc:
         for name in CARD_FILES:  # a card cut off between its files (report.md without report.json): no verdict
             (out / name).unlink(missing_ok=True)

@@ -65,7 +65,7 @@ class Protocol:
         tier: ``quick`` (the per-PR screen) or ``proxy`` (docs/proxy's shape; lnstab/check/tiers.yaml).
         vocab_top_k: With ``files``: the windows relabelled onto the ``K`` most frequent training tokens + one UNK
             (:func:`lnstab.datamodules.vocab.top_k_map`), every model built with ``K + 1`` outputs; ``None``: GPT-2's
-            tokens (or the protocol vocabulary of the windows, :func:`compact_vocabulary`).
+            tokens (or the windows' protocol vocabulary, :func:`lnstab.datamodules.vocab.compact_vocabulary`).
         val_documents: With ``vocab_top_k``: the first documents of ``data_path``, held out of the vocabulary and of
             the windows (the OpenWebText DataModule's ``val_split: documents``).
     """
@@ -164,8 +164,8 @@ def load_tokens(protocol: Protocol, vocab_size: int, seq_len: int, own_vocab: bo
                 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """``batch_size × (steps + 1)`` windows ``(N, seq_len + 1)`` of token ids, and what they are: GPT-2 tokens of
     ``data_path`` (``files``; with ``own_vocab`` the model must predict all 50257, else they are relabelled afterwards:
-    :func:`compact_vocabulary`) or lnstab's seeded Markov stream over ``vocab_size`` tokens (``synthetic``). Every run
-    takes the same windows, each seed in its own order."""
+    :func:`lnstab.datamodules.vocab.compact_vocabulary`) or lnstab's seeded Markov stream over ``vocab_size`` tokens
+    (``synthetic``). Every run takes the same windows, each seed in its own order."""
     n = protocol.batch_size * (protocol.optimisation.steps + 1)
     if protocol.source == "synthetic":
         from lnstab.datamodules import SyntheticDataModule
@@ -215,14 +215,6 @@ def load_tokens(protocol: Protocol, vocab_size: int, seq_len: int, own_vocab: bo
                         "vocab_size": vocab.size, "top_k": protocol.vocab_top_k,
                         "unk_share": float((tokens == vocab.unk).double().mean())}
     return tokens, {**info, "validation_documents_skipped": int(dm.hparams.val_tokens), "vocab_size": GPT2_VOCAB}
-
-
-def compact_vocabulary(tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """:func:`lnstab.datamodules.vocab.compact_vocabulary` (the windows on the distinct tokens they hold, and ``V'``,
-    the protocol vocabulary), imported when called so the check's parent process stays free of Lightning."""
-    from lnstab.datamodules.vocab import compact_vocabulary as shared
-
-    return shared(tokens)
 
 
 def plan(subjects: list[Subject], protocol: Protocol) -> list[tuple[Subject, float, int]]:

@@ -22,7 +22,7 @@ from torch import nn
 from lnstab.check.analysis import first_bad, summarise
 from lnstab.check.card import build_rows
 from lnstab.check.criteria import overall
-from lnstab.check.protocol import GPT2_VOCAB, Protocol, compact_vocabulary, load_tokens, plan, tiers
+from lnstab.check.protocol import GPT2_VOCAB, Protocol, load_tokens, plan, tiers
 from lnstab.check.report import write_report
 from lnstab.check.runspec import probe_forward
 from lnstab.check.subjects import Subject
@@ -77,12 +77,14 @@ def windows(protocol: Protocol, vocab: int, seq_len: int, own_vocab: bool
             ) -> tuple[np.ndarray, dict[str, Any], int]:
     """:func:`~lnstab.check.protocol.load_tokens` with the windows as a numpy array (what a worker sends back) and
     the vocabulary they are in: without ``own_vocab``, relabelled onto the tokens they hold, here where the text was
-    read (:func:`~lnstab.check.protocol.compact_vocabulary` imports Lightning)."""
+    read (in a worker: :mod:`lnstab.datamodules` imports Lightning)."""
     tokens, info = load_tokens(protocol, vocab, seq_len, own_vocab=own_vocab)
     size = vocab
     if protocol.vocab_top_k is not None:  # relabelled onto the top-K + UNK where the text was read
         size = info["vocab_size"]
     elif not own_vocab:
+        from lnstab.datamodules.vocab import compact_vocabulary
+
         tokens, size = compact_vocabulary(tokens)
     return tokens.numpy(), info, size
 
@@ -195,13 +197,15 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
-def machine(workers: int, threads: int) -> dict[str, Any]:
-    """The machine kind a card was made on: CPU model, cores, the vector instructions torch's CPU kernels use
-    (``isa``: ``AVX512``, ``AVX2``, ``DEFAULT`` …; fp32 runs at high learning rates round differently from one to
-    another, see docs/check/validation/across-machines.md), native bf16, threads and workers, torch."""
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "isa": torch.backends.cpu.get_cpu_capability(),
-            "native_bf16": cpu_has_native_bf16(), "workers": workers, "threads_per_worker": threads,
-            "torch": torch.__version__, "os": platform.system()}
+def provenance(workers: int, threads: int) -> dict[str, Any]:
+    """What a card was made by: the lnstab version and the machine kind (CPU model, cores, the vector instructions
+    torch's CPU kernels use, ``isa``: ``AVX512``, ``AVX2``, ``DEFAULT`` …; fp32 runs at high learning rates round
+    differently from one to another, see docs/check/validation/across-machines.md), native bf16, threads and workers,
+    torch."""
+    return {"lnstab": lnstab_version(), "machine": {
+        "cpu": cpu_model(), "cores": os.cpu_count(), "isa": torch.backends.cpu.get_cpu_capability(),
+        "native_bf16": cpu_has_native_bf16(), "workers": workers, "threads_per_worker": threads,
+        "torch": torch.__version__, "os": platform.system()}}
 
 
 def public_path(text: str) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 from lnstab.check.hf import progress_bars_off
 from lnstab.check.options import FACTORY_OPTIONS, build_parser, make_protocol, pairs, tier_thresholds, worker_counts
 from lnstab.check.protocol import Protocol, plan, run_ladder, tiers
-from lnstab.check.runner import check_model, grade, lnstab_version, load_data, machine, public_command, public_path
+from lnstab.check.runner import check_model, grade, load_data, provenance, public_command, public_path
 from lnstab.check.signals import Interrupted, deferred
 from lnstab.check.subjects import Subject, context_length, hf_subject, lnstab_subject, references
 from lnstab.check.validation.families import HF_FAMILIES
@@ -220,7 +220,7 @@ def validate_rows(run: Validation) -> tuple[int, float]:
             registry, keys = unique_runs(rows, subjects, seq_len)
             runs = run_ladder(list(registry.values()), protocol, data.tokens, work / "tb",
                               progress=not args.no_progress, pool=pool)
-        provenance = {"lnstab": lnstab_version(), "machine": machine(workers, per_worker)}
+        made_by = provenance(workers, per_worker)
         cards = []
         stage = Path(tempfile.mkdtemp(prefix=STAGE_PREFIX, dir=out))  # beside the cards it replaces: renames
         try:
@@ -233,7 +233,7 @@ def validate_rows(run: Validation) -> tuple[int, float]:
                 spent = sum(r.wall_s for k in {key, *ref_keys.values()} for r in runs[k])
                 cards.append(grade(card_subjects[0], card_subjects, card_runs, protocol, run.thresholds, data, seq_len,
                                    stage / row.id, public_command([*card_args, *run.flags()]),
-                                   time.perf_counter() - spent, provenance, figures=False, shown=out / row.id))
+                                   time.perf_counter() - spent, made_by, figures=False, shown=out / row.id))
             wall = time.perf_counter() - run.started
             n_runs = sum(len(v) for k, v in runs.items() if k in registry)
             agree = sum(c["status"] in r.expected for r, c in zip(rows, cards, strict=True))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lnstab.check.protocol import TIERS  # lnstab check --tier: what a row's `reachable` is said for
 from lnstab.check.validation.families import HF_FAMILIES
 from lnstab.errors import LNStabError
 from lnstab.safeload import DataFileError, load_yaml
@@ -18,7 +19,6 @@ DEFAULT_SHAPE = ("--model.preset", "mini", "--model.block_size", "128")
 STABLE = ("pass", "warn")
 STATUSES = ("pass", "warn", "fail")
 HF_NAMES = tuple(HF_FAMILIES)  # a tuple: an unhashable hf (a list) is refused, not a TypeError
-TIERS = ("quick", "proxy")  # lnstab check --tier: what a row's `reachable` is said for
 REACH_KEYS = ("reachable", "reported", "reach_note")
 
 

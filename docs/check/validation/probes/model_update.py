@@ -21,9 +21,10 @@ import sys
 import torch
 
 from lnstab.check.cli import build_parser, make_protocol
-from lnstab.check.protocol import compact_vocabulary, load_tokens
+from lnstab.check.protocol import load_tokens
 from lnstab.check.subjects import lnstab_subject
 from lnstab.check.training import Optimisation, StressModule, batches
+from lnstab.datamodules.vocab import compact_vocabulary
 
 BATCH, SEQ = 8, 64
 
