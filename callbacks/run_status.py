@@ -151,7 +151,7 @@ class RunStatus(Callback):
                 rank_zero_info(note)
             before = _previous_summary(directory)
             self._before, self._began = before, False
-            self._wall_before = float(before.get("wall_s") or 0.0) if _is_number(before.get("wall_s")) else 0.0
+            self._wall_before = float(before.get("wall_s") or 0.0) if require.is_number(before.get("wall_s")) else 0.0
             update_summary(trainer, status="running", started_at=before.get("started_at") or _now(), ended_at=None,
                            error=None, signal=None, interrupted_step=None)
         else:
@@ -406,10 +406,6 @@ def _previous_summary(directory: Path) -> dict[str, Any]:
         os.replace(directory / SUMMARY_FILE, aside)
         rank_zero_info(f"lnstab: {exc}; moved to {aside.name}, and this run writes a new summary.json")
         return {}
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _detach_from_closed_terminal() -> None:

@@ -42,12 +42,13 @@ from lnstab.rundir import CHECKPOINT_DIR, CONFIG_FILE, check_writable, short_pat
 from lnstab.rundir import run_dir as trainer_run_dir
 from lnstab.safeload import load_yaml
 from lnstab.trainer import LNStabTrainer
+from lnstab.validation import is_integer, is_number
 
 
 def _check_run_numbers(c: Any, sub: str) -> None:
     """Refuse the values Lightning takes without a word and then divides by, ignores or trains 0 steps on."""
     seed = c.get("seed_everything")
-    if isinstance(seed, int) and not isinstance(seed, bool) and not 0 <= seed <= 2**32 - 1:
+    if is_integer(seed) and not 0 <= seed <= 2**32 - 1:
         raise ConfigError(f"seed_everything={seed} is not allowed; it must be an integer in [0, {2**32 - 1}], or "
                           "true/false")
     if sub != "fit":
@@ -63,7 +64,7 @@ def _check_run_numbers(c: Any, sub: str) -> None:
         if value is not None and value < 1 and not (value == -1 and other.startswith(", or -1")):
             raise ConfigError(f"trainer.{key}={value} is not allowed; it must be an integer >= 1{other}")
     interval = t.get("val_check_interval")
-    if isinstance(interval, int | float) and not isinstance(interval, bool) and interval <= 0:
+    if is_number(interval) and interval <= 0:
         raise ConfigError(f"trainer.val_check_interval={interval} is not allowed; it must be > 0 (a fraction of an "
                           "epoch, a number of batches or a duration), or null")
     clip = t.get("gradient_clip_val")

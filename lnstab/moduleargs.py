@@ -42,12 +42,12 @@ MODULE_TYPES: dict[str, str] = {k: kind for k, (kind, _) in {**_MODEL_ARGUMENTS,
 # Each part of those annotations: whether a config's value is of it, and the words for it.
 TYPE_CHECKS: dict[str, tuple[Any, str]] = {
     "str": (lambda v: isinstance(v, str), "a string"),
-    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
-    "float": (lambda v: isinstance(v, int | float) and not isinstance(v, bool), "a number"),
+    "int": (require.is_integer, "an integer"),
+    "float": (require.is_number, "a number"),
     "bool": (lambda v: isinstance(v, bool), "true or false"),
     "None": (lambda v: v is None, "null"),
-    "tuple[float, float]": (lambda v: isinstance(v, list | tuple) and len(v) == 2 and all(
-        isinstance(x, int | float) and not isinstance(x, bool) for x in v), "a list of two numbers"),
+    "tuple[float, float]": (lambda v: isinstance(v, list | tuple) and len(v) == 2 and all(map(require.is_number, v)),
+                            "a list of two numbers"),
 }
 # How AdamW's decay relates to the learning rate (GPTModule's weight_decay_mode).
 WEIGHT_DECAY_MODES = ("coupled", "independent")

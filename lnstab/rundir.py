@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from lnstab.errors import ConfigError, cannot_write
 from lnstab.safeload import MAX_JSON_BYTES, DataFileError, check_json_depth, json_loads, load_json, read_text
+from lnstab.validation import is_integer, is_number
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -234,21 +235,13 @@ def read_summary(directory: str | os.PathLike) -> dict[str, Any]:
         if summary.get(key) is not None and not isinstance(summary[key], dict):
             raise RunFileError(path, f"'{key}' holds a JSON {type(summary[key]).__name__}, not an object")
     kinds = {"status": (lambda v: v in STATUSES, f"a run status ({', '.join(STATUSES[:-1])} or {STATUSES[-1]})"),
-             "wall_s": (_is_number, "a number of seconds"),
-             **dict.fromkeys(SUMMARY_STEPS, (_is_int, "a step (an integer)")),
+             "wall_s": (is_number, "a number of seconds"),
+             **dict.fromkeys(SUMMARY_STEPS, (is_integer, "a step (an integer)")),
              **dict.fromkeys(SUMMARY_TEXTS, (lambda v: isinstance(v, str), "text (a string)"))}
     for key, (fits, what) in kinds.items():
         if summary.get(key) is not None and not fits(summary[key]):
             raise RunFileError(path, f"'{key}' holds {shown(summary[key])}, not {what} or null")
     return summary
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def shown(value: Any, limit: int = 40) -> str:

@@ -18,6 +18,7 @@ from lnstab import runlock
 from lnstab.checkpoint import CheckpointError, checkpoints_of, is_complete, newest_checkpoint
 from lnstab.errors import ConfigError
 from lnstab.rundir import CHECKPOINT_DIR, CONFIG_FILE, SUMMARY_FILE, RunFileError, latest_eval, read_summary
+from lnstab.validation import is_number
 
 RESUME_KEYWORDS = ("last", "auto")
 
@@ -321,7 +322,7 @@ def final_evaluation_owed(step: int | None, run_dir: str | None, max_steps: int 
 def _normal(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return tuple(_normal(v) for v in value)
-    if isinstance(value, int | float) and not isinstance(value, bool):
+    if is_number(value):
         return float(value)
     return value
 

@@ -20,13 +20,23 @@ from typing import Any
 from lnstab.errors import ConfigError, LNStabError
 
 
+def is_number(value: Any) -> bool:
+    """Whether ``value`` is an ``int`` or a ``float`` and not a ``bool`` (finite or not)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def is_integer(value: Any) -> bool:
+    """Whether ``value`` is an ``int`` and not a ``bool``."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _fail(field: str, value: Any, allowed: str, error: type[LNStabError]) -> LNStabError:
     return error(f"{field}={value!r} is not allowed; {allowed}")
 
 
 def integer(field: str, value: Any, minimum: int | None = None, *, error: type[LNStabError] = ConfigError) -> int:
     """``value`` as an ``int`` (bools refused) that is ``>= minimum`` when given."""
-    if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
+    if not is_integer(value) or (minimum is not None and value < minimum):
         bound = f" >= {minimum}" if minimum is not None else ""
         raise _fail(field, value, f"it must be an integer{bound}", error)
     return value
@@ -48,7 +58,7 @@ def number(
     error: type[LNStabError] = ConfigError,
 ) -> float:
     """``value`` as a finite ``float`` in the interval given by ``low``/``high`` (open ends with ``*_open``)."""
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    ok = is_number(value) and math.isfinite(value)
     if ok and low is not None:
         ok = value > low if low_open else value >= low
     if ok and high is not None:

@@ -19,6 +19,7 @@ from lnstab.check.report import ERROR, INTERRUPTED, MARK, cell, provenance
 from lnstab.check.runner import public_path
 from lnstab.errors import LNStabError, one_line
 from lnstab.rundir import read_json
+from lnstab.validation import is_number
 
 TOLERANCES = (1e-3, 1e-2, 1e-1)  # the relative moves the measurement summary counts within
 LARGEST = 10  # measurements listed by how far they moved
@@ -77,7 +78,7 @@ VERDICTS = ("pass", "warn", "fail")  # a card's status, and a criterion's with n
 
 
 def _is(value: Any, kind: str) -> bool:
-    number = isinstance(value, int | float) and not isinstance(value, bool)
+    number = is_number(value)
     return {"a string": isinstance(value, str), STRING: value is None or isinstance(value, str),
             NUMBER: value is None or number, "an object or null": value is None or isinstance(value, dict),
             "true, false or null": value is None or isinstance(value, bool),
@@ -129,7 +130,7 @@ def moved(a: Any, b: Any) -> float | None:
     value or missing alike, ``inf`` when only one is finite, ``None`` when either is not a number."""
     if a is None and b is None:
         return 0.0
-    if not (isinstance(a, int | float) and isinstance(b, int | float)) or isinstance(a, bool) or isinstance(b, bool):
+    if not (is_number(a) and is_number(b)):
         return None if a is not None and b is not None else math.inf
     if not (math.isfinite(a) and math.isfinite(b)):
         return 0.0 if repr(float(a)) == repr(float(b)) else math.inf
@@ -140,7 +141,7 @@ def moved(a: Any, b: Any) -> float | None:
 def shown(cid: str, value: Any) -> str:
     """A value as the card reads it (:func:`~lnstab.check.criteria.display`; a number too large for its
     units, e.g. a growth exponent of 1e299 as a factor, as the number itself), anything else as text."""
-    if not isinstance(value, int | float) or isinstance(value, bool):
+    if not is_number(value):
         return str(value)
     try:
         return display(cid, value)

@@ -19,6 +19,7 @@ from lnstab.errors import LNStabError
 from lnstab.formatting import card_quote, card_short
 from lnstab.measures import BF16_MAX, FP16_MAX
 from lnstab.safeload import load_yaml
+from lnstab.validation import is_number
 
 NAMES = ("pre", "peri", "pre_sd", "peri_sd", "sd")
 OWN = ("loss_init",)  # the checked model's own numbers: an absolute threshold may name them (no reference needed)
@@ -335,7 +336,7 @@ def check_expression(where: str, text: Any, names: tuple[str, ...] = NAMES + OWN
     shown = repr(text) if len(repr(text)) <= 80 else f"{repr(text)[:60]}…({len(str(text))} characters)"
     if isinstance(text, float) and not math.isfinite(text):  # YAML's .nan/.inf: it was swapped for the absolute one
         raise LNStabError(f"{where}={shown} is not allowed; give a finite number, null or an expression")
-    if text is None or (isinstance(text, int | float) and not isinstance(text, bool)):
+    if text is None or is_number(text):
         return
     if not isinstance(text, str):
         raise LNStabError(f"{where}={shown} is not allowed; give a number, null or an expression")
@@ -364,7 +365,7 @@ def evaluate_expression(text: Any, names: dict[str, float]) -> float | None:
         raise LNStabError("it is not an expression") from None
 
     def ev(node: ast.AST) -> float:
-        if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
+        if isinstance(node, ast.Constant) and is_number(node.value):
             return float(node.value)
         if isinstance(node, ast.Name) and (node.id in names or node.id in CONSTANTS):
             return float(names.get(node.id, CONSTANTS.get(node.id)))
@@ -443,7 +444,7 @@ def refuse_warn_above_fail(where: str, cid: str, spec: dict[str, Any]) -> None:
     as divergence's defaults may)."""
     for prefix, pair in ((cid, spec), (f"{cid}.absolute", spec["absolute"])):
         warn, fail = pair.get("warn"), pair.get("fail")
-        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (warn, fail)) and warn > fail:
+        if is_number(warn) and is_number(fail) and warn > fail:
             raise LNStabError(f"{where}: {prefix}.warn={warn} is not allowed above {prefix}.fail={fail}; a warn "
                               "threshold must be at most the fail threshold (equal: no warning band), or null")
 

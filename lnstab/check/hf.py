@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lnstab.errors import LNStabError, first_line
+from lnstab.validation import is_integer
 
 # model_type -> (output norms of one decoder layer in update order, whether the RMSNorm scales by 1 + weight). Located
 # per family, never guessed from names: Llama's post_attention_layernorm is its MLP's input norm, not an output norm.
@@ -111,7 +112,7 @@ def context_of(config: Any) -> int | None:
     ``None``."""
     for key in CONTEXT_KEYS:
         value = getattr(config, key, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        if is_integer(value) and value > 0:
             return value
     return None
 

@@ -21,6 +21,7 @@ from importlib import resources
 from pathlib import Path
 
 from lnstab.errors import LNStabError
+from lnstab.validation import is_integer
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
 PAPER_BERTSCORE_MODEL = "roberta-large"
@@ -141,7 +142,7 @@ def load_bertscore(model: str | None = None, num_layers: int = DEFAULT_BERTSCORE
     Raises:
         LNStabError: The model directory is missing or the model cannot be loaded (e.g. hub unreachable).
     """
-    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
+    if not is_integer(num_layers) or num_layers < 1:
         raise LNStabError(f"bertscore_layers={num_layers!r} is not allowed; it must be a positive integer")
     return _scorer(resolve_bertscore_model(model), num_layers, device, batch_size)
 

@@ -39,6 +39,7 @@ from lnstab.rundir import (
 )
 from lnstab.safeload import DataFileError, load_yaml
 from lnstab.sweep.state import manifest_runs, read_manifest
+from lnstab.validation import is_integer, is_number
 
 # Config keys that say where a run ran or how often it was measured and saved, not what it is: not part of a
 # configuration (two runs that differ only in how often a probe ran are the same configuration).
@@ -196,12 +197,11 @@ def _event_file_problem(path: Path, partial_end: bool) -> str | None:
 
 
 def _finite(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) \
-        else None
+    return float(value) if is_number(value) and math.isfinite(value) else None
 
 
 def _step(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    return value if is_integer(value) else None
 
 
 def read_run(directory: Path) -> RunRecord:

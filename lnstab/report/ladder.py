@@ -33,6 +33,7 @@ from lnstab.report.tables import (
     is_seed,
     short_names,
 )
+from lnstab.validation import is_number
 
 
 def t_quantile(df: float, level: float = 0.975) -> float:
@@ -109,7 +110,7 @@ class Design(Ladder):
 def rate(run: RunRecord, key: str) -> float | None:
     """The run's learning rate under ``key`` (``None``: not a number)."""
     lr = run.config.get(key)
-    return float(lr) if isinstance(lr, int | float) and not isinstance(lr, bool) else None
+    return float(lr) if is_number(lr) else None
 
 
 def _seed(run: RunRecord) -> str:

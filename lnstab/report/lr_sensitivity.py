@@ -24,6 +24,7 @@ from lnstab.formatting import number
 from lnstab.measures import best_rate, ladder_loss, ladder_sensitivity
 from lnstab.report.collect import RunRecord
 from lnstab.report.tables import Table, _norm, _show, config_label, short_names, varying_keys
+from lnstab.validation import is_integer, is_number
 
 LR_NAMES = ("learning_rate", "lr")
 
@@ -57,7 +58,7 @@ def initial_loss(run: RunRecord) -> float | None:
     vocab = run.config.get("model.vocab_size")
     if vocab is None and "model.preset" in run.config:  # lnstab's GPT: the preset's vocabulary (GPT-2's 50257)
         vocab = _preset_vocab(run.config)
-    if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 1:
+    if is_integer(vocab) and vocab > 1:
         return math.log(vocab)
     return next((v for _, v in series if math.isfinite(v)), None)
 
@@ -113,7 +114,7 @@ def ladders(records: list[RunRecord]) -> tuple[str | None, list[str], list[Ladde
         by_lr: dict[float, list[float]] = {}
         for r in ladder.runs:
             lr, loss = r.config.get(key) if key else None, final_loss(r)
-            if not isinstance(lr, int | float) or isinstance(lr, bool) or loss is None or ladder.initial is None:
+            if not is_number(lr) or loss is None or ladder.initial is None:
                 continue
             by_lr.setdefault(float(lr), []).append(ladder_loss(loss, ladder.initial))
             ladder.diverged[float(lr)] = ladder.diverged.get(float(lr), 0) + (r.status == "diverged")

@@ -29,6 +29,7 @@ from typing import Any
 from lnstab.formatting import cell, mean_pm, number, text
 from lnstab.measures import FP16_MAX, SENSITIVITY, jacobian_points, log_log_slope
 from lnstab.report.collect import RunRecord
+from lnstab.validation import is_number
 
 WATCHED_EVENTS = ("attention_collapse", "logit_drift")  # non-fatal DivergenceMonitor kinds the divergence table shows
 PERFORMANCE_METRICS = ("val_loss", "eval_loss", "ppl_exp_mean_loss", "ppl_mean_seq", "rouge1", "rouge2", "rougeL",
@@ -44,7 +45,7 @@ def is_seed(key: str) -> bool:
 
 
 def _norm(value: Any) -> str:
-    if isinstance(value, int | float) and not isinstance(value, bool):
+    if is_number(value):
         return repr(float(value))
     return json.dumps(value, sort_keys=True, default=str)
 

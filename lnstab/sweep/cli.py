@@ -45,6 +45,7 @@ from lnstab.sweep.state import (
     run_directory,
     sweep_dir,
 )
+from lnstab.validation import is_number
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -268,23 +269,19 @@ def show_status(grid: Grid, runs: list[Run], root: str) -> None:
             damaged.append(f"{run.name}: {exc}")
     for row in rows:
         row["step"] = "-" if row["step"] is None else row["step"]
-        row["val_loss"] = f"{row['val_loss']:.4f}" if _number(row["val_loss"]) else "-"
-        row["wall"] = format_duration(row["wall"] if _number(row["wall"]) else None)
+        row["val_loss"] = f"{row['val_loss']:.4f}" if is_number(row["val_loss"]) else "-"
+        row["wall"] = format_duration(row["wall"] if is_number(row["wall"]) else None)
     print_table(rows, ["run", "status", "step", "val_loss", "wall", "next"])
     counts: dict[str, int] = {}
     for row in rows:
         counts[row["status"]] = counts.get(row["status"], 0) + 1
-    total = sum(r for r in (s.get("wall_s") for s in _summaries(grid, runs, root)) if _number(r))
+    total = sum(r for r in (s.get("wall_s") for s in _summaries(grid, runs, root)) if is_number(r))
     print(f"{len(rows)} runs: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
           + f"; wall time so far {format_duration(total)}")
     if any(row["next"].endswith("*") for row in rows):
         print("* running, but no sweep on this machine holds it: killed (a rerun resumes it), or training elsewhere")
     for line in damaged:
         print(f"damaged: {line}")
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _summaries(grid: Grid, runs: list[Run], root: str) -> list[dict[str, Any]]:

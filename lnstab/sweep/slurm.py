@@ -18,6 +18,7 @@ from typing import Any
 from lnstab.sweep.grid import Grid, GridError, Run
 from lnstab.sweep.runner import RESUME_ARGS, fit_command
 from lnstab.sweep.state import sweep_dir
+from lnstab.validation import is_integer
 
 SLURM_DEFAULTS: dict[str, Any] = {
     "nodes": 1,
@@ -47,7 +48,7 @@ def slurm_settings(grid: Grid, **overrides: Any) -> dict[str, Any]:
     settings = {**SLURM_DEFAULTS, **grid.slurm, **{k: v for k, v in overrides.items() if v is not None}}
     for key in ("nodes", "gpus_per_node", "cpus_per_task", "signal_s"):
         value, low = settings[key], 0 if key == "gpus_per_node" else 1
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        if not is_integer(value) or value < low:
             raise GridError(f"grid {grid.path}: slurm {key}={value!r} is not allowed; it must be an integer >= {low}"
                             + (" (0: a CPU job, one task per node)" if low == 0 else ""))
     for key in ("sbatch", "setup"):
