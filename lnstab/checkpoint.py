@@ -27,7 +27,7 @@ import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from typing_extensions import override
 
-from lnstab.errors import LNStabError, MachineError
+from lnstab.errors import LNStabError, MachineError, first_line
 from lnstab.rundir import checkpoint_dir, fsync_dir
 
 
@@ -92,10 +92,9 @@ def load_checkpoint(
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise CheckpointError(
-            f"{field} {path} holds objects that are not plain data ({first[:200]}); lnstab loads checkpoints with "
-            f"weights_only=True and will not run code from a file"
+            f"{field} {path} holds objects that are not plain data ({first_line(exc)[:200]}); lnstab loads checkpoints "
+            f"with weights_only=True and will not run code from a file"
         ) from None
     except Exception as exc:  # noqa: BLE001 - any unreadable file is a user error here
         raise CheckpointError(f"{field} {path} is not a readable checkpoint ({type(exc).__name__})") from None

@@ -51,8 +51,8 @@ def one_line(exc: BaseException) -> str:
     return " ".join(part.strip() for part in text.splitlines() if part.strip())
 
 
-def first_line(exc: BaseException, default: str = "") -> str:
-    """The first non-blank line of ``exc``'s message, stripped (``default`` where it has none)."""
+def first_line(exc: BaseException | str, default: str = "") -> str:
+    """The first non-blank line of ``exc``'s message (or of a message), stripped (``default`` where it has none)."""
     return next((line.strip() for line in str(exc).splitlines() if line.strip()), default)
 
 

