@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 
 # lnstab's GPT: the parameter-free Residual modules after every attention / MLP half-step.
 LNSTAB_RESIDUALS = r"(?:^|\.)h\.(\d+)\.resid_(attn|mlp)$"
+# Output norms by name, for models that do not expose ``output_norms()`` (lnstab's GPT does): GrowthBoundMonitor's.
+OUTPUT_NORMS = r"(?:^|\.)h\.(\d+)\.ln_([12])_out$"
 # X_0 (output of the embedding dropout) and the final-norm input, in lnstab's GPT and Hugging Face GPT-2 alike.
 EMBED_PATTERN = r"(?:^|\.)transformer\.drop$"
 FINAL_PATTERN = r"(?:^|\.)transformer\.ln_f$"

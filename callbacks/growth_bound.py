@@ -12,11 +12,12 @@ from typing_extensions import override
 
 from lnstab import validation as require
 from lnstab.layers import NORM_MODULES
-from lnstab.measures import growth_law
+from lnstab.measures import growth_law, layer_depths
 
 from ._sites import (
     EMBED_PATTERN,
     FINAL_PATTERN,
+    OUTPUT_NORMS,
     Site,
     auto_sites,
     clean_name,
@@ -26,8 +27,6 @@ from ._sites import (
 from ._strategy import abs_max, all_reduce_, reduce_over_shards_, require_strategy
 from ._tap_callback import TapCallback
 
-# Output norms by name, for models that do not expose ``output_norms()`` (lnstab's GPT does).
-OUTPUT_NORMS = r"(?:^|\.)h\.(\d+)\.ln_([12])_out$"
 _SIBLING = {"ln_1_out": "resid_attn", "ln_2_out": "resid_mlp"}
 _GATE = {"ln_1_out": "gate_attn", "ln_2_out": "gate_mlp"}
 
@@ -194,9 +193,7 @@ class GrowthBoundMonitor(TapCallback):
             self.sites = []
         elif self.sites[0].tag != "embed":  # X_0 = the input of the first layer (of its first call)
             self.sites.insert(0, Site("embed", layers[0].name, layers[0].module, use_input=True, call=layers[0].call))
-        n_layers = len({s.tag.split("_")[0] for s in layers}) or 1
-        per_layer = len(layers) / n_layers
-        self.depths = [0.0] + [(k + 1) / per_layer for k in range(len(layers))]
+        self.depths = [0.0, *layer_depths([s.tag for s in layers]).values()]  # one per site: tags are unique
         updates = self._find_updates(pl_module)
         self.norms, self.gates = [(m, dt) for m, dt, _ in updates], [g for _, _, g in updates]
         self.norm_calls = [(norm_calls or {}).get(id(m), 1) for m, _ in self.norms]

@@ -1,8 +1,9 @@
 """The measures that the instruments, ``lnstab report`` and ``lnstab check`` share, once: plain floats, no torch.
 
-* :func:`fit_line`, least squares, and the growth of a depth profile: :func:`growth_law`, its exponential and linear
-  fits (:class:`lnstab.callbacks.GrowthBoundMonitor` logs them live), and :func:`growth_fit`, those with the doublings
-  over the deeper half (:func:`deep_doublings`) that the check grades;
+* :func:`fit_line`, least squares, and the growth of a depth profile (its sites' depths: :func:`layer_depths`):
+  :func:`growth_law`, its exponential and linear fits (:class:`lnstab.callbacks.GrowthBoundMonitor` logs them
+  live), and :func:`growth_fit`, those with the doublings over the deeper half (:func:`deep_doublings`) that the
+  check grades;
 * :func:`ladder_loss`, :func:`ladder_sensitivity`, :func:`best_rate`: Wortsman et al. (2023)'s LR sensitivity;
 * :func:`jacobian_points` and :func:`log_log_slope`: the Jacobian probe's ``(activation scale, sensitivity)`` pairs
   and the slope Propositions 7/8 predict (−1).
@@ -47,6 +48,15 @@ def fit_line(x: list[float], y: list[float], *, complete: bool = False) -> dict[
     r2 = 1.0 - sse / syy if syy > 0 else 1.0
     se = math.sqrt(sse / (n - 2) / sxx) if n > 2 else 0.0
     return {"slope": slope, "intercept": my - slope * mx, "r2": r2, "se": se, "n": n}
+
+
+def layer_depths(tags: list[str]) -> dict[str, float]:
+    """Depth in layers of every layer site (tags ``L00``, ``L00_attn`` …): half-step ``k`` of a two-site block sits at
+    ``(k + 1) / 2``. ``embed`` (X_0, whose scale is arbitrary next to the updates') and ``final`` are left out."""
+    layers = [t for t in tags if t.startswith("L")]
+    n_layers = len({t.split("_")[0] for t in layers}) or 1
+    per_layer = len(layers) / n_layers
+    return {t: (k + 1) / per_layer for k, t in enumerate(layers)}
 
 
 def interpolate(depths: list[float], values: list[float], at: float) -> float:

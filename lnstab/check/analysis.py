@@ -15,17 +15,9 @@ from lnstab.measures import (
     jacobian_points,
     ladder_loss,
     ladder_sensitivity,
+    layer_depths,
     log_log_slope,
 )
-
-
-def layer_depths(tags: list[str]) -> dict[str, float]:
-    """Depth in layers of every layer site (tags ``L00``, ``L00_attn`` …): half-step ``k`` of a two-site block sits at
-    ``(k + 1) / 2``. ``embed`` (X_0, whose scale is arbitrary next to the updates') and ``final`` are left out."""
-    layers = [t for t in tags if t.startswith("L")]
-    n_layers = len({t.split("_")[0] for t in layers}) or 1
-    per_layer = len(layers) / n_layers
-    return {t: (k + 1) / per_layer for k, t in enumerate(layers)}
 
 
 def profile(run: RunResult, stat: str, index: int) -> tuple[list[float], list[float]]:

@@ -23,6 +23,7 @@ from lnstab.callbacks.sites import (
     FINAL_PATTERN,
     HEAD_PATTERN,
     LNSTAB_RESIDUALS,
+    OUTPUT_NORMS,
     PARAM_LAYER_PATTERN,
     attention_sites,
     output_site,
@@ -41,7 +42,7 @@ LNSTAB_SITES = Sites(
     final_pattern=FINAL_PATTERN,
     block_pattern=r"(?:^|\.)h\.(\d+)$",
     param_pattern=r"(?:^|\.)h\.(\d+)\.",
-    norm_pattern=r"(?:^|\.)h\.(\d+)\.ln_([12])_out$",  # GrowthBoundMonitor's default (imports Lightning)
+    norm_pattern=OUTPUT_NORMS,
 )
 # Hugging Face decoders: numbered blocks (GPT-2 ``transformer.h.3``, Llama-style ``model.layers.3``).
 HF_BLOCKS = BLOCK_PATTERN
