@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from lnstab.errors import LNStabError
+from lnstab.hub import hub_error
 from lnstab.tokenizer import EOT_TOKEN, get_encoding
 
 SOURCES = ("hf", "files", "prepared", "sample", "synthetic", "auto")
@@ -179,19 +180,15 @@ def check_hub(dataset: str, revision: str | None, timeout: float = 5.0) -> None:
     """
     if hub_offline():
         raise DataError(f"--data.dataset {dataset}: HF_HUB_OFFLINE is set, the hub cannot be used; {_OFFLINE_HINT}")
-    from huggingface_hub import HfApi
     from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
-    try:
-        HfApi().dataset_info(dataset, revision=revision, timeout=timeout)
-    except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
-        raise DataError(
-            f"--data.dataset {dataset} (revision {revision}) is not on the hub: {type(exc).__name__}"
-        ) from None
-    except Exception as exc:  # noqa: BLE001 - any transport failure means "unreachable"
+    exc = hub_error(dataset, "dataset", revision, timeout)
+    if isinstance(exc, RepositoryNotFoundError | RevisionNotFoundError):
+        raise DataError(f"--data.dataset {dataset} (revision {revision}) is not on the hub: {type(exc).__name__}")
+    if exc is not None:  # any other failure means "unreachable"
         raise DataError(
             f"--data.dataset {dataset}: the Hugging Face hub cannot be reached ({type(exc).__name__}); {_OFFLINE_HINT}"
-        ) from None
+        )
 
 
 def hub_reachable(dataset: str, revision: str | None, timeout: float = 3.0) -> bool:

@@ -85,7 +85,7 @@ def test_a_cycle_is_found() -> None:
 LAYERS = [
     ("shared", ("lnstab.errors", "lnstab.validation", "lnstab.loss", "lnstab.measures", "lnstab.formatting",
                 "lnstab.rundir", "lnstab.safeload", "lnstab.parentdeath", "lnstab.distributed", "lnstab.precision",
-                "lnstab.tokenizer", "lnstab.runlock", "lnstab.checkpoint")),
+                "lnstab.tokenizer", "lnstab.runlock", "lnstab.checkpoint", "lnstab.hub")),
     ("model", ("lnstab.gptconfig", "lnstab.placements", "lnstab.layers", "lnstab.model", "lnstab.moduleargs",
                "lnstab.hf", "lnstab.flops", "lnstab.memory")),
     ("instruments and data", ("lnstab.callbacks", "lnstab.datamodules")),

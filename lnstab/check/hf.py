@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lnstab.errors import LNStabError, first_line
+from lnstab.hub import hub_error
 from lnstab.validation import is_integer
 
 # model_type -> (output norms of one decoder layer in update order, whether the RMSNorm scales by 1 + weight). Located
@@ -212,23 +213,18 @@ class HFRecipe:
         return HFRecipe(self.name, True, tuple(overrides.items()), self.local_files_only)
 
 
-def hub_unreachable(name: str, timeout: float = 5.0) -> str | None:
+def hub_unreachable(name: str) -> str | None:
     """Why the hub of ``name``, a hub name (not a local directory) with ``HF_HUB_OFFLINE`` unset, does not answer (the
-    error's type), else ``None``: one request, no retries (huggingface_hub retries a download five times, a warning
-    each, before it fails). Any answer, an error status included, is a reachable hub: transformers then loads as it
-    always did."""
-    from huggingface_hub import HfApi, constants
+    error's type, :func:`lnstab.hub.hub_error`), else ``None``. Any answer, an error status included, is a reachable
+    hub: transformers then loads as it always did."""
+    from huggingface_hub import constants
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 
     if os.path.isdir(os.path.expanduser(name)) or constants.HF_HUB_OFFLINE:
         return None
-    try:
-        HfApi().model_info(name, timeout=timeout)
-    except (HfHubHTTPError, HFValidationError):  # the hub answered, or the name is none: transformers says so
-        return None
-    except Exception as exc:  # noqa: BLE001 - any transport failure (no DNS, refused, timed out) means "unreachable"
-        return type(exc).__name__
-    return None
+    exc = hub_error(name, "model")
+    # the hub answered, or the name is none (transformers says so); else any transport failure: no DNS, refused, …
+    return None if exc is None or isinstance(exc, HfHubHTTPError | HFValidationError) else type(exc).__name__
 
 
 def load_config(name: str) -> tuple[Any, bool]:
