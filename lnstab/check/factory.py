@@ -23,7 +23,7 @@ from torch import nn
 from lnstab.check import hf
 from lnstab.check.runspec import Sites, exit_call, exits_caught, probe_forward
 from lnstab.check.subjects import HF_BLOCKS, Shape, Subject, attention_problem, dropout_off, instrument_support
-from lnstab.errors import LNStabError
+from lnstab.errors import LNStabError, first_line
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def import_user_module(where: str, module_name: str, passed_on: tuple[type[Excep
                           ) from None
     except Exception as exc:  # the module itself raised: the user's code, not a failed check (exit 3)
         raise LNStabError(f"{where}: module {module_name!r} cannot be imported ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+                          f"{first_line(exc)})") from None
 
 
 def import_factory(spec: str) -> Callable[[], Any]:
