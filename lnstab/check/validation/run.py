@@ -120,7 +120,8 @@ class Validation:
 
     args: argparse.Namespace  # a supplement's arguments included
     model_args: dict[str, Any]  # the shape given (a supplement's included)
-    typed: list[str]  # what the user typed: the README names the command that reproduces it
+    command: str  # the README names the command the user typed, which reproduces it
+    flags: list[str]  # the protocol flags given (a supplement's after the user's): what a row's card adds to its own
     sup: Supplement | None
     rows: list[Row]
     wanted: list[str]  # the --rows asked for, empty for all
@@ -129,16 +130,12 @@ class Validation:
     thresholds: dict[str, Any]
     started: float
 
-    def flags(self) -> list[str]:
-        """The protocol flags given (a supplement's after the user's): what a row's card adds to the row's own."""
-        return protocol_args([*self.typed, *(self.sup.args if self.sup else ())])
-
     def summary(self, agree: int, cards: list[dict[str, Any]], wall: float, n_runs: int, models: int
                 ) -> dict[str, Any]:
         """The run record (``summary.json``), from which the README is rendered."""
         args, model_args, sup, wanted = self.args, self.model_args, self.sup, self.wanted
         shown = [*model_flags(model_args), *(["--set", args.set] if args.set == "heldout" else []),
-                 *(["--rows", ",".join(wanted)] if wanted else []), *self.flags()]
+                 *(["--rows", ",".join(wanted)] if wanted else []), *self.flags]
         tier, at_default = args.tier, default_protocol(self.protocol, args.tier)
         at_tier = {} if sup or model_args or not at_default else {"tier": tier}  # a tier's run says so (issue 39)
         # the row notes explain the quick tier's whole default run, and quote its numbers
@@ -148,7 +145,7 @@ class Validation:
                 "agree": agree, "rows": {r.id: {"card": c["status"], "expected": list(r.expected)}
                                          for r, c in zip(self.rows, cards, strict=True)}, "wall_s": round(wall, 1),
                 "readme": {  # what the README says beyond the cards: it is rendered from this record
-                    "command": public_command(["--validate", *(a for a in self.typed if a != "--validate")]),
+                    "command": self.command,
                     "runs": n_runs, "models": models, "shape": model_args, "data": data_text(self.protocol),
                     "notes": full, "default_thresholds": self.thresholds == tier_thresholds(tier, None),
                     "history": history()}}
@@ -178,8 +175,9 @@ def main(args: argparse.Namespace, model_args: dict[str, Any], typed: list[str],
                           f"{', '.join(r.id for r in every)}")
     rows = [r for r in every if not wanted or r.id in wanted]
     out = Path(args.out) if args.out else default_out(args.tier, args.set, sup.id if sup else None)
-    run = Validation(args, model_args, typed, sup, rows, wanted, out, make_protocol(args, {}),
-                     tier_thresholds(args.tier, args.thresholds), started)
+    run = Validation(args, model_args, public_command(["--validate", *(a for a in typed if a != "--validate")]),
+                     protocol_args([*typed, *(sup.args if sup else ())]), sup, rows, wanted, out,
+                     make_protocol(args, {}), tier_thresholds(args.tier, args.thresholds), started)
     try:
         agree, wall = validate_rows(run)
     except Interrupted as exc:
@@ -232,7 +230,7 @@ def validate_rows(run: Validation) -> tuple[int, float]:
                 card_runs = {"checked": runs[key], **{name: runs[k] for name, k in ref_keys.items()}}
                 spent = sum(r.wall_s for k in {key, *ref_keys.values()} for r in runs[k])
                 cards.append(grade(card_subjects[0], card_subjects, card_runs, protocol, run.thresholds, data, seq_len,
-                                   stage / row.id, public_command([*card_args, *run.flags()]),
+                                   stage / row.id, public_command([*card_args, *run.flags]),
                                    time.perf_counter() - spent, made_by, figures=False, shown=out / row.id))
             wall = time.perf_counter() - run.started
             n_runs = sum(len(v) for k, v in runs.items() if k in registry)
