@@ -4,6 +4,7 @@ it depends on, :func:`run_key`) is the same; the checked model's runs are never 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -99,7 +100,7 @@ def load(job: Any, key: str) -> RunResult | None:
 def store(root: Path, key: str, result: RunResult) -> None:
     """Keep ``result`` and its logs under ``key`` (written aside, then renamed into place: a reader never sees half
     an entry). Best effort: a cache that cannot be written costs only the next card's time."""
-    try:
+    with contextlib.suppress(OSError):
         root.mkdir(parents=True, exist_ok=True)
         stage = Path(tempfile.mkdtemp(prefix=f".{key[:12]}-", dir=root))
         try:
@@ -109,5 +110,3 @@ def store(root: Path, key: str, result: RunResult) -> None:
             os.rename(stage, root / key)
         except OSError:
             shutil.rmtree(stage, ignore_errors=True)
-    except OSError:
-        pass
