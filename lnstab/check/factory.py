@@ -20,9 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from lnstab.callbacks.sites import BLOCK_PATTERN
 from lnstab.check import hf
 from lnstab.check.runspec import Sites, exit_call, exits_caught, probe_forward
-from lnstab.check.subjects import HF_BLOCKS, Shape, Subject, attention_problem, dropout_off, instrument_support
+from lnstab.check.subjects import Shape, Subject, attention_problem, dropout_off, instrument_support
 from lnstab.errors import LNStabError, first_line
 
 
@@ -268,7 +269,7 @@ def factory_subject(
     dropped = dropout_off(model)
     context = hf.context_of(getattr(model, "config", None))  # GPT-2's n_positions, nanoGPT's block_size, ...
     if default := (pattern is None and not types):
-        pattern = re.compile(HF_BLOCKS)
+        pattern = re.compile(BLOCK_PATTERN)
     names = block_names(model, pattern, types)
     if default and not names:
         raise LNStabError(f"--factory {spec!r}: no numbered blocks (h.N, layers.N, blocks.N) found; "

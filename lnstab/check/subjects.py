@@ -45,12 +45,11 @@ LNSTAB_SITES = Sites(
     norm_pattern=OUTPUT_NORMS,
 )
 # Hugging Face decoders: numbered blocks (GPT-2 ``transformer.h.3``, Llama-style ``model.layers.3``).
-HF_BLOCKS = BLOCK_PATTERN
 HF_SITES = Sites(
-    hidden_pattern=HF_BLOCKS,
+    hidden_pattern=BLOCK_PATTERN,
     embed_pattern=EMBED_PATTERN,
     final_pattern=r"(?:^|\.)(?:transformer\.ln_f|model\.norm|model\.final_layernorm)$",
-    block_pattern=HF_BLOCKS,
+    block_pattern=BLOCK_PATTERN,
     param_pattern=PARAM_LAYER_PATTERN,
 )
 REFERENCES = {"pre-ln": "pre", "peri-ln": "peri"}
