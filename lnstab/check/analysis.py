@@ -131,30 +131,23 @@ def series_max(run: RunResult, prefix: str, from_step: int = 0, to_step: float =
     return max(values) if values else math.nan
 
 
-def logit_summary(runs: list[RunResult], prefix: str, from_step: int) -> dict[str, Any]:
+def logit_summary(runs: list[RunResult], prefix: str, from_step: int, event: str) -> dict[str, Any]:
     """The worst learning rate's mean (over seeds, completed runs) of each run's largest ``|metric|``, with its sd,
-    its learning rate, and the mean over runs of the largest ``|metric|`` at initialisation (step 0)."""
+    its learning rate, the mean over runs of the largest ``|metric|`` at initialisation (step 0), and the number of
+    ``event`` divergence events."""
     init = mean_sd([series_max(r, prefix, 0, 0) for r in runs if r.metrics.get(0)])[0]
-    return {**worst(runs, lambda r: series_max(r, prefix, from_step)), "init": init}
+    events = sum(e["kind"] == event for r in runs for e in r.events)
+    return {**worst(runs, lambda r: series_max(r, prefix, from_step)), "init": init, "events": events}
 
 
 def attention_summary(runs: list[RunResult]) -> dict[str, Any]:
     """Largest attention logit |q·k|/√d over layers and measured steps (worst learning rate), with the largest
     collapsed-row fraction, the smallest entropy and the attention-collapse events."""
-    out = logit_summary(runs, "attn/max_logit/", 0)
+    out = logit_summary(runs, "attn/max_logit/", 0, "attention_collapse")
     completed = [r for r in runs if not r.diverged]
     out["collapsed"] = max((series_max(r, "attn/collapsed/") for r in completed), default=math.nan)
     mins = [v for r in completed for m in r.metrics.values() for k, v in m.items() if k.startswith("attn/entropy_min/")]
     out["entropy_min"] = min(mins) if mins else math.nan
-    out["events"] = sum(e["kind"] == "attention_collapse" for r in runs for e in r.events)
-    return out
-
-
-def log_z_summary(runs: list[RunResult]) -> dict[str, Any]:
-    """Largest |mean log Z| of the output logits after initialisation (worst learning rate), log Z at
-    initialisation, and the logit-drift events."""
-    out = logit_summary(runs, "output/log_z_mean", 1)
-    out["events"] = sum(e["kind"] == "logit_drift" for r in runs for e in r.events)
     return out
 
 
@@ -201,7 +194,7 @@ def summarise(runs: list[RunResult], steps: int) -> dict[str, Any]:
         "loss": worst(runs, final_loss, pick=min),
         "lr_sensitivity": lr_sensitivity(runs),
         "attention": attention_summary(runs),
-        "log_z": log_z_summary(runs),
+        "log_z": logit_summary(runs, "output/log_z_mean", 1, "logit_drift"),  # |mean log Z| after initialisation
         "profiles": {
             "init": mean_profiles(init_runs, 0),
             "trained": {str(lr): mean_profiles([r for r in completed if r.lr == lr], steps)
