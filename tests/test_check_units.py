@@ -8,14 +8,13 @@ import os
 import pytest
 import torch
 
-from lnstab.check.analysis import layer_depths
 from lnstab.check.card import relation
 from lnstab.check.criteria import DEFAULT_THRESHOLDS, evaluate_expression, load_thresholds, resolve, status
 from lnstab.check.factory import factory_subject
 from lnstab.check.options import build_parser, checked_threads, make_protocol, split_model_args, worker_counts
 from lnstab.check.subjects import context_length, lnstab_subject, references
 from lnstab.errors import LNStabError
-from lnstab.measures import deep_doublings, fit_line, growth_fit
+from lnstab.measures import deep_doublings, fit_line, growth_fit, layer_depths
 
 DEPTHS = [0.5 * k for k in range(1, 13)]  # six layers of half-steps
 
