@@ -31,8 +31,8 @@ def test_wheel_installs_namespaced_packages_into_a_fresh_venv(tmp_path: Path) ->
         assert module in names
     for data in ("lnstab/datamodules/data/owt-sample-250.jsonl.gz", "lnstab/datamodules/data/README.md",
                  "lnstab/check/thresholds.yaml", "lnstab/check/validation/rows.yaml",
-                 "lnstab/check/validation/readme.md"):
-        assert data in names  # the OpenWebText sample the quickstart reads offline, and its notice
+                 "lnstab/check/validation/readme.md", "lnstab/check/validation/sections.md", "lnstab/check/report.md"):
+        assert data in names  # the OpenWebText sample the quickstart reads offline, and its notice; the templates
 
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
@@ -46,7 +46,9 @@ def test_wheel_installs_namespaced_packages_into_a_fresh_venv(tmp_path: Path) ->
         "from lnstab.datamodules.sample import sample_path;"
         "print(lnstab.callbacks.__file__);"
         "print(importlib.util.find_spec('callbacks') is None and importlib.util.find_spec('datamodules') is None);"
-        "print(sample_path())"
+        "print(sample_path());"
+        "import lnstab.check.validation.readme as r;"  # compiles the README's two templates from the wheel
+        "print(r.TEMPLATES.get_template('report.md').filename)"
     )
     out = subprocess.run(
         [str(python), "-c", code], cwd=tmp_path, env={**os.environ, "PYTHONPATH": deps},
@@ -55,5 +57,6 @@ def test_wheel_installs_namespaced_packages_into_a_fresh_venv(tmp_path: Path) ->
     assert Path(out[0]).is_relative_to(env_dir) and out[0].endswith("lnstab/callbacks/__init__.py")
     assert out[1] == "True"
     assert Path(out[2]).is_relative_to(env_dir) and Path(out[2]).stat().st_size > 100_000  # found as package data
+    assert Path(out[3]).is_relative_to(env_dir)  # the card's template, from the wheel
     script = env_dir / "bin" / "lnstab"
     assert script.is_file()  # the console script
