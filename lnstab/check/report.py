@@ -45,7 +45,7 @@ def terminal(card: dict[str, Any]) -> str:
         f"lnstab check: {card['model']['label']} — {MARK[card['status']]}",
         f"  {card['model']['description']}; {card['protocol_text']}",
         *([f"  {tier_text(card['tier'])}"] if card.get("tier") else []),
-        *([f"  {cached_text(card)}"] if cached_text(card) else []),
+        *([f"  {cached}"] if (cached := cached_text(card)) else []),
         *([f"  weights shared across depth: {repeated_text(card['model']['repeated'])}"]
           if card["model"].get("repeated") else []),
         "",

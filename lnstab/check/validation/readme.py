@@ -187,9 +187,9 @@ def readme(summary: dict[str, Any], cards: list[dict[str, Any]], out: Path) -> s
         note = note_text(row_notes.get(row.id, ""), by_row) if rec["notes"] else ""
         why = decided + (f"; {note}" if note else "" if ok or not rec["notes"] else "; not yet explained")
         table.append({"row": row, "card": card, "ok": ok, "reached": reached(row, tier), "why": why,
-                      "statuses": [statuses(card)[c.id] for c in CRITERIA]})
+                      "statuses": statuses(card)})
     decides = {c.id: {level: [r["row"].id for r in table if r["card"]["status"] == level
-                              and statuses(r["card"])[c.id] == level] for level in ("fail", "warn")}
+                              and r["statuses"][c.id] == level] for level in ("fail", "warn")}
                for c in CRITERIA}
     sections = None
     if rec["notes"] and summary["set"] == "main":
