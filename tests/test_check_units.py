@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -12,9 +13,10 @@ from lnstab.check.card import relation
 from lnstab.check.criteria import DEFAULT_THRESHOLDS, evaluate_expression, load_thresholds, resolve, status
 from lnstab.check.factory import factory_subject
 from lnstab.check.options import build_parser, checked_threads, make_protocol, split_model_args, worker_counts
-from lnstab.check.subjects import context_length, lnstab_subject, references
+from lnstab.check.subjects import REFERENCE_KEEPS, context_length, lnstab_subject, references
 from lnstab.errors import LNStabError
 from lnstab.measures import deep_doublings, fit_line, growth_fit, layer_depths
+from lnstab.model import GPTConfig
 
 DEPTHS = [0.5 * k for k in range(1, 13)]  # six layers of half-steps
 
@@ -157,6 +159,29 @@ def test_references_have_the_checked_shape_and_reuse_identical_runs(model, same)
         assert (config.norm_placement, config.norm_type, config.residual_scale) == (placement, "layernorm", 1.0)
         assert (config.n_layer, config.n_embd, config.block_size, config.vocab_size) == (
             subject.config.n_layer, subject.config.n_embd, subject.config.block_size, subject.config.vocab_size)
+
+
+# Every GPTConfig field a reference does not copy, at a value other than its default. A field added to GPTConfig
+# must be named here or in REFERENCE_KEEPS: the test fails until it is.
+OPTIONS_ON = {"norm_type": "rmsnorm", "residual_scale": 0.1, "dropout": 0.1, "qk_norm": True, "z_loss": 1e-4,
+              "dyt_alpha_init": 0.3, "residual_gate": "layerscale", "layerscale_init": 0.01}
+KEPT = {"pad_vocab_multiple": 8, "bias": False, "tie_embeddings": False, "init": "xavier"}
+
+
+def test_references_take_every_option_at_its_default_and_keep_the_shape() -> None:
+    """A reference is lnstab's block under its placement with the checked GPT's shape: every option of the checked
+    model (and any option added to GPTConfig later) at GPTConfig's default, never copied from the checked model."""
+    fields = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    assert set(fields) == {"norm_placement", *REFERENCE_KEEPS, *OPTIONS_ON}, "name a new GPTConfig field above"
+    subject, _ = lnstab_subject({"preset": "tiny", "norm_placement": "post", **OPTIONS_ON, **KEPT})
+    subject = dataclasses.replace(subject, config=dataclasses.replace(subject.config, norm_eps=1e-6))  # not an argument
+    for ref in references(subject, 16):
+        config = ref.config
+        assert ref.same_as is None and config.norm_placement == ref.key.removesuffix("-ln")
+        assert {k: getattr(config, k) for k in OPTIONS_ON} == {k: fields[k] for k in OPTIONS_ON}
+        assert {k: getattr(config, k) for k in REFERENCE_KEEPS} == {k: getattr(subject.config, k)
+                                                                     for k in REFERENCE_KEEPS}
+        assert {k: getattr(config, k) for k in KEPT} == KEPT and config.norm_eps == 1e-6
 
 
 def test_factory_blocks_by_type_get_exact_patterns() -> None:

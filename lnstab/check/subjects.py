@@ -53,6 +53,11 @@ HF_SITES = Sites(
     param_pattern=PARAM_LAYER_PATTERN,
 )
 REFERENCES = {"pre-ln": "pre", "peri-ln": "peri"}
+# What a reference copies from a checked lnstab GPT: its shape and the choices that are not about its norms or residual
+# stream. Every other GPTConfig field (norm type, Δt, QK-norm, z-loss, gates, dropout, an option added later) is
+# GPTConfig's default.
+REFERENCE_KEEPS = ("block_size", "vocab_size", "pad_vocab_multiple", "n_layer", "n_head", "n_embd", "bias", "norm_eps",
+                   "tie_embeddings", "init")
 # GPTModule arguments that are optimisation settings of the stress runs rather than architecture.
 OPTIMISATION_ARGS = ("weight_decay", "betas", "eps", "warmup_steps")
 UNUSED_ARGS = ("min_lr", "lr_decay_steps", "compile")
@@ -299,31 +304,24 @@ def hf_subject(name: str, init: bool) -> Subject:
                    name=f"hf-{base}{'-init' if init else ''}", dropout=note)
 
 
-def reference_config(shape: Shape, placement: str, seq_len: int) -> GPTConfig:
-    """lnstab's GPT-2 block (LayerNorm, biases, Δt = 1) under ``placement`` with the checked model's shape."""
+def reference_config(checked: Subject, placement: str, seq_len: int) -> GPTConfig:
+    """lnstab's GPT-2 block (LayerNorm, Δt = 1, every option at :class:`GPTConfig`'s default) under ``placement``,
+    with the checked model's shape: a checked lnstab GPT's :data:`REFERENCE_KEEPS`, else its :class:`Shape`."""
+    if checked.config is not None:
+        return GPTConfig(norm_placement=placement, **{k: getattr(checked.config, k) for k in REFERENCE_KEEPS})
+    shape = checked.shape
     heads = shape.n_head if shape.n_head and shape.n_embd % shape.n_head == 0 else None
     if heads is None:  # unknown: heads of 64 channels where the width allows, else one head
         heads = next(h for h in range(max(1, shape.n_embd // 64), 0, -1) if shape.n_embd % h == 0)
-    return GPTConfig(
-        block_size=shape.block_size or seq_len,
-        vocab_size=shape.vocab_size,
-        n_layer=shape.n_layer,
-        n_head=heads,
-        n_embd=shape.n_embd,
-        norm_placement=placement,
-    )
+    return GPTConfig(block_size=shape.block_size or seq_len, vocab_size=shape.vocab_size, n_layer=shape.n_layer,
+                     n_head=heads, n_embd=shape.n_embd, norm_placement=placement)
 
 
 def references(checked: Subject, seq_len: int) -> list[Subject]:
     """The Pre-LN and Peri-LN references of ``checked``; one identical to it reuses its runs (``same_as``)."""
     out = []
     for key, placement in REFERENCES.items():
-        config = reference_config(checked.shape, placement, seq_len)
-        if checked.config is not None:
-            config = dataclasses.replace(checked.config, norm_placement=placement, norm_type="layernorm",
-                                         residual_scale=1.0, dropout=0.0, qk_norm=False, z_loss=0.0,
-                                         residual_gate="none", layerscale_init=None,
-                                         dyt_alpha_init=GPTConfig.dyt_alpha_init)
+        config = reference_config(checked, placement, seq_len)
         label = f"{placement.capitalize()}-LN reference"
         out.append(Subject(key, label, LnstabRecipe(config), LNSTAB_SITES,
                            Shape(config.n_layer, config.n_embd, config.block_size, config.vocab_size, config.n_head),
