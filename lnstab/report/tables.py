@@ -28,6 +28,7 @@ from typing import Any
 
 from lnstab.formatting import cell, mean_pm, number, text
 from lnstab.measures import FP16_MAX, SENSITIVITY, jacobian_points, log_log_slope
+from lnstab.moduleargs import MODEL_DEFAULTS, TRAINING_DEFAULTS
 from lnstab.report.collect import RunRecord
 from lnstab.validation import is_number
 
@@ -83,8 +84,10 @@ def short_names(keys: list[str]) -> dict[str, str]:
 LABELS = {"norm_placement": "", "residual_scale": "Δt", "learning_rate": "lr", "weight_decay": "wd"}
 
 
-# Model options at their "off" value say nothing in a legend; switched on, a boolean is named alone.
-OFF = {"qk_norm": False, "z_loss": 0, "residual_gate": "none", "norm_type": "layernorm", "compile": False}
+# Model options at their "off" value, GPTModule's default, say nothing in a legend; switched on, a boolean is named
+# alone.
+OFF = {k: {**MODEL_DEFAULTS, **TRAINING_DEFAULTS}[k] for k in ("qk_norm", "z_loss", "residual_gate", "norm_type",
+                                                                "compile")}
 
 
 def label_part(name: str, value: Any) -> str:
