@@ -29,6 +29,8 @@ import torch
 
 from lnstab import validation
 from lnstab.check.cache import cache_root
+from lnstab.check.compare import main as compare
+from lnstab.check.factory import factory_subject, own_vocabulary_note
 from lnstab.check.options import (
     EXIT_FAILED,
     FACTORY_OPTIONS,
@@ -44,7 +46,15 @@ from lnstab.check.protocol import Protocol, RunFailed, plan, run_ladder
 from lnstab.check.report import ERROR, INTERRUPTED, terminal
 from lnstab.check.runner import grade, load_data, provenance, public_command
 from lnstab.check.signals import Interrupted, interruptible
-from lnstab.check.subjects import Subject, context_length, hf_subject, lnstab_subject, references
+from lnstab.check.subjects import (
+    Subject,
+    check_z_loss,
+    context_length,
+    hf_subject,
+    lnstab_subject,
+    references,
+    with_z_loss,
+)
 from lnstab.check.validation import checked_supplement
 from lnstab.check.workers import RunPool
 from lnstab.errors import LNStabError, MachineError, first_line, one_line, refused_write
@@ -72,16 +82,12 @@ def checked_subject(args: argparse.Namespace, model_args: dict[str, Any]) -> tup
     if not args.factory and any(getattr(args, p) is not None for p in FACTORY_OPTIONS):
         *named, last = (f"--{p.replace('_', '-')}" for p in FACTORY_OPTIONS)
         raise LNStabError(f"{', '.join(named)} and {last} describe a --factory model")
-    from lnstab.check.subjects import check_z_loss, with_z_loss
-
     check_z_loss(args.z_loss)  # refused before the model is built
     if model_args:
         subject, extra = lnstab_subject(model_args)
     elif args.hf:
         subject, extra = hf_subject(args.hf, args.hf_init), {}
     else:
-        from lnstab.check.factory import factory_subject
-
         seq_len = Protocol.seq_len if args.seq_len is None else args.seq_len
         subject, extra = factory_subject(args.factory, args.layer_pattern, args.module_types, seq_len,
                                          args.embed_pattern, args.final_pattern, args.norm_pattern, args.head_pattern,
@@ -159,8 +165,6 @@ def main(argv: list[str] | None = None) -> None:
     model_args, rest = split_model_args(argv)
     args = build_parser().parse_args(rest)
     if args.compare:
-        from lnstab.check.compare import main as compare
-
         compare(args.compare, model_args, rest)
         return
     if args.workers is not None:
@@ -231,8 +235,6 @@ def run_check(args: argparse.Namespace, model_args: dict[str, Any], command: str
         try:
             data, subject = load_data(protocol, subject, seq_len, args.vocab, pool)
             if args.factory and args.vocab == "protocol":  # a factory without vocab_size: what that costs, said now
-                from lnstab.check.factory import own_vocabulary_note
-
                 if note := own_vocabulary_note(subject, data.tokens):
                     sys.stderr.write(f"lnstab: lnstab check: {note}\n")
             subjects = [subject] + ([] if args.no_reference else references(subject, seq_len))

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lnstab.callbacks.sites import BLOCK_PATTERN
+from lnstab.callbacks.sites import BLOCK_PATTERN, first_tensor
 from lnstab.check import hf
 from lnstab.check.runspec import Sites, exit_call, exits_caught, probe_forward
 from lnstab.check.subjects import Shape, Subject, attention_problem, dropout_off, instrument_support
@@ -339,8 +339,6 @@ def own_vocabulary_note(subject: Subject, tokens: torch.Tensor) -> str | None:
 def check_head_widths(model: nn.Module, spec: str, exact: dict[str, str | None], n_head: int) -> None:
     """Refuse q and k projections whose outputs do not split into ``n_head`` query heads and a whole number of key
     heads of the same size that divides it (grouped-query attention), read off one forward pass."""
-    from lnstab.callbacks.sites import first_tensor
-
     widths: dict[str, set[int]] = {"--q-pattern": set(), "--k-pattern": set()}
     with contextlib.ExitStack() as hooks, torch.no_grad():
         for option in widths:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from lnstab import validation
+from lnstab.check.criteria import load_thresholds
 from lnstab.check.protocol import TIERS, TIERS_FILE, Protocol, tiers
 from lnstab.check.runner import VOCAB_MODES
 from lnstab.check.runspec import Optimisation
@@ -215,8 +216,6 @@ def tier_model_args(tier: str, model_args: dict[str, Any]) -> dict[str, Any]:
 def tier_thresholds(tier: str, path: str | None) -> dict[str, dict[str, Any]]:
     """The thresholds of ``tier`` (thresholds.yaml with the tier's file merged over it) with ``--thresholds PATH``'s
     entries merged over those."""
-    from lnstab.check.criteria import load_thresholds
-
     own = tiers()[tier].get("thresholds")
     return load_thresholds(path, load_thresholds(TIERS_FILE.with_name(own)) if own else None)
 

@@ -12,6 +12,7 @@ import shlex
 import subprocess
 import time
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -174,8 +175,6 @@ def finite_at_init(label: str, logits: torch.Tensor) -> None:
 
 def lnstab_version() -> str:
     """The installed lnstab version, with the git commit of the source tree when it is a checkout."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         text = version("lnstab")
     except PackageNotFoundError:

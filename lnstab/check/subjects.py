@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
 from torch import nn
 
 from lnstab.callbacks.sites import (
@@ -34,6 +35,7 @@ from lnstab.errors import LNStabError
 from lnstab.loss import z_loss_coefficient
 from lnstab.model import GPT, GPTConfig
 from lnstab.moduleargs import MODEL_ARGS, MODULE_ARGS, gpt_config
+from lnstab.safeload import check_yaml_text
 
 # Where the instruments look in lnstab's GPT (and, with defaults, in Hugging Face GPT-2): half-step residual modules.
 LNSTAB_SITES = Sites(
@@ -180,10 +182,6 @@ def parse_value(text: str) -> Any:
     """A ``--model.KEY`` value as YAML (``4``, ``0.5``, ``true``, ``null``, ``[0.9, 0.95]``, strings), within
     :mod:`lnstab.safeload`'s bounds (a value that is not YAML stays a string; ``1e-4``, a string to YAML 1.1, is a
     number)."""
-    import yaml
-
-    from lnstab.safeload import check_yaml_text
-
     check_yaml_text(text, "a --model.* value")
     try:
         value = yaml.safe_load(text)

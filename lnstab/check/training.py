@@ -31,6 +31,7 @@ from lnstab.callbacks import (
     RunStatus,
     StabilityLayout,
 )
+from lnstab.check.probes import BranchProbe
 from lnstab.check.runspec import Optimisation, RunResult, Sites, logits_of
 from lnstab.loss import z_loss_term
 from lnstab.model import GPT
@@ -183,8 +184,6 @@ def stress_run(
     hidden-state series, divergence events and ``summary.json`` go to ``log_root/<subject>/lr<lr>_seed<seed>/``.
     ``z_loss`` is :class:`StressModule`'s.
     """
-    from lnstab.check.probes import BranchProbe
-
     started = time.perf_counter()
     hidden = HiddenStateStatistics(
         every_n_steps=measure_every,
