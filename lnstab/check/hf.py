@@ -20,7 +20,7 @@ from lnstab.validation import is_integer
 
 # model_type -> (output norms of one decoder layer in update order, whether the RMSNorm scales by 1 + weight). Located
 # per family, never guessed from names: Llama's post_attention_layernorm is its MLP's input norm, not an output norm.
-OUTPUT_NORMS: dict[str, tuple[tuple[str, ...], bool]] = {
+FAMILY_OUTPUT_NORMS: dict[str, tuple[tuple[str, ...], bool]] = {
     "gemma2": (("post_attention_layernorm", "post_feedforward_layernorm"), True),
     "gemma3_text": (("post_attention_layernorm", "post_feedforward_layernorm"), True),
     "olmo2": (("post_attention_layernorm", "post_feedforward_layernorm"), False),
@@ -61,8 +61,8 @@ class HFCausalLM(nn.Module):
         self.hf = model
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         self.updates: list[LayerUpdates] = []
-        if model_type in OUTPUT_NORMS:
-            names, one_plus = OUTPUT_NORMS[model_type]
+        if model_type in FAMILY_OUTPUT_NORMS:
+            names, one_plus = FAMILY_OUTPUT_NORMS[model_type]
             for layer in decoder_layers(model):
                 norms = [getattr(layer, n, None) for n in names]
                 if all(isinstance(getattr(n, "weight", None), torch.Tensor) for n in norms):
@@ -89,9 +89,9 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def norm_pattern(model_type: str | None) -> str | None:
     """A regex of the located output norms (what the card names), ``None`` for other families."""
-    if model_type not in OUTPUT_NORMS:
+    if model_type not in FAMILY_OUTPUT_NORMS:
         return None
-    names = "|".join(OUTPUT_NORMS[model_type][0])
+    names = "|".join(FAMILY_OUTPUT_NORMS[model_type][0])
     return r"(?:^|\.)layers\.(\d+)\.(" + names + r")$"
 
 
