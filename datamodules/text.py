@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lnstab.errors import LNStabError
+from lnstab.errors import LNStabError, folded
 from lnstab.hub import hub_error
 from lnstab.tokenizer import EOT_TOKEN, get_encoding
 
@@ -237,7 +237,7 @@ def _reason(exc: BaseException) -> str:
     its reason, the column names, on its last)."""
     if exc.__cause__ is not None and type(exc).__name__ == "DatasetGenerationError":
         exc = exc.__cause__
-    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return folded(str(exc))
 
 
 def _decode(values: list[bytes | None], stats: DocStats) -> list[str]:

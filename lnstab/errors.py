@@ -48,6 +48,11 @@ def one_line(exc: BaseException) -> str:
     if text.startswith("Caught ") and "Original Traceback" in text:
         name = type(exc).__name__ + ": "
         text = text[text.rindex(name) + len(name):] if name in text else text.strip().splitlines()[-1]
+    return folded(text)
+
+
+def folded(text: str) -> str:
+    """``text``'s non-blank lines, stripped, joined by one space."""
     return " ".join(part.strip() for part in text.splitlines() if part.strip())
 
 

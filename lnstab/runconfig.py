@@ -13,6 +13,8 @@ from typing import Any
 
 from lightning.pytorch.cli import LightningArgumentParser, SaveConfigCallback
 
+from lnstab.errors import folded
+
 CKPT_SUBCOMMANDS = ("validate", "test", "evaluate")
 NOT_GIVEN = object()  # LNStabArgumentParser.given_logger when no --run_dir moved the loggers
 # A logger name that means "not chosen": the experiment file's name is used instead.
@@ -180,9 +182,8 @@ class LNStabArgumentParser(LightningArgumentParser):
         if not self.exit_on_error or os.environ.get("LNSTAB_DEBUG"):
             return super().error(message, ex)
         parser = getattr(ex, "subcommand_parser", None) or self
-        folded = (choices_message(message) or missing_value_message(message, self.argv)
-                  or " ".join(part.strip() for part in message.splitlines() if part.strip()))
-        sys.stderr.write(f"lnstab: error: {folded} (see: {parser.prog.replace(' [options]', '')} --help)\n")
+        line = choices_message(message) or missing_value_message(message, self.argv) or folded(message)
+        sys.stderr.write(f"lnstab: error: {line} (see: {parser.prog.replace(' [options]', '')} --help)\n")
         self.exit(2)
 
     def dump(self, cfg: Any, *args: Any, **kwargs: Any) -> str:
