@@ -12,7 +12,7 @@ import importlib
 import math
 import re
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -210,10 +210,11 @@ def auto_sites(
 
 
 def first_tensor(obj: Any) -> torch.Tensor | None:
-    """The tensor itself, or the first tensor of a tuple/list/ModelOutput (Hugging Face blocks return tuples)."""
+    """The tensor itself, or the first tensor of a tuple/list/mapping (Hugging Face blocks return tuples, its
+    ``ModelOutput`` is a dict and its ``BatchEncoding`` a ``UserDict``)."""
     if isinstance(obj, torch.Tensor):
         return obj
-    if isinstance(obj, dict):
+    if isinstance(obj, Mapping):
         obj = list(obj.values())
     if isinstance(obj, list | tuple):
         for item in obj:
@@ -341,8 +342,9 @@ def tensorboard_writer(trainer: pl.Trainer) -> Any | None:
 
 
 def probe_input(batch: Any, size: int) -> torch.Tensor:
-    """The model input of a training batch: ``batch[0]``, ``batch["input_ids"]`` or the tensor itself; ``size`` rows."""
-    if isinstance(batch, dict):
+    """The model input of a training batch: ``batch[0]``, ``batch["input_ids"]`` (any mapping: a dict, Hugging Face's
+    ``BatchEncoding``) or the tensor itself; ``size`` rows."""
+    if isinstance(batch, Mapping):
         x = batch.get("input_ids", batch.get("x", first_tensor(batch)))
     else:
         x = first_tensor(batch)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -73,8 +74,9 @@ def compute_dtype(precision: str | int) -> torch.dtype:
 
 
 def batch_size_and_tokens(batch: Any) -> tuple[int, int]:
-    """Samples and tokens of a batch: the first tensor of ``(x, y)``, a dict (``input_ids`` first) or a tensor."""
-    if isinstance(batch, dict):
+    """Samples and tokens of a batch: the first tensor of ``(x, y)``, a mapping (``input_ids`` first; a dict or Hugging
+    Face's ``BatchEncoding``) or a tensor."""
+    if isinstance(batch, Mapping):
         batch = batch.get("input_ids", next(iter(batch.values())))
     if isinstance(batch, list | tuple):
         batch = batch[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -180,3 +181,35 @@ def test_a_probe_the_model_cannot_take_is_one_line_naming_probe(tmp_path):
     with pytest.raises(ConfigError, match=r"^JacobianSensitivity: the model's forward on its probe \(shape \(2, 33\), "
                                           r"torch.int64;.*failed: IndexError: index out of range in self; give probe="):
         trainer(tmp_path, [JacobianSensitivity(every_n_steps=1, n_iter=2)], max_steps=1).fit(lit("hf"), too_long)
+
+
+def test_a_hugging_face_batch_encoding_batch_gives_the_probe_its_input_ids(tmp_path):
+    """Hugging Face's tokenizers and data collators (DataCollatorForLanguageModeling) give a ``BatchEncoding``, a
+    mapping that is not a dict: the probe was refused at the first batch ('batch of type BatchEncoding is not
+    allowed'), and ``unroll_repeats`` said it found no token ids."""
+    from torch.utils.data import DataLoader
+    from transformers import BatchEncoding
+
+    from lnstab.callbacks import HiddenStateStatistics
+    from lnstab.callbacks._unroll import example_of
+
+    class DictLM(type(lit("gpt"))):
+        def training_step(self, batch, batch_idx):
+            logits = self(batch["input_ids"])
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+    x = loader().dataset.tensors[0]
+
+    def collate(rows):
+        ids = torch.stack(rows)
+        return BatchEncoding({"attention_mask": torch.ones_like(ids), "input_ids": ids, "labels": ids.roll(-1, 1)})
+
+    assert torch.equal(example_of(collate(list(x[:3])), 2), x[:2])
+    callback = JacobianSensitivity(every_n_steps=2, probe_size=2, n_iter=2)
+    hidden = HiddenStateStatistics(every_n_steps=1, unroll_repeats=True, series_file=None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*unroll_repeats")
+        data = DataLoader(list(x), batch_size=4, collate_fn=collate)
+        trainer(tmp_path, [callback, hidden], max_steps=2).fit(DictLM(gpt()), data)
+    assert torch.equal(callback.probe, x[:2])  # the input ids, not the attention mask (its first tensor)
+    assert "jacobian/residual/L01" in callback.last

@@ -98,6 +98,9 @@ def test_batch_shapes_and_bad_arguments() -> None:
     assert tp.batch_size_and_tokens((x, x)) == tp.batch_size_and_tokens({"input_ids": x}) == (4, 64)
     with pytest.raises(TypeError, match="cannot count tokens"):
         tp.batch_size_and_tokens([1, 2])
+    from transformers import BatchEncoding  # what Hugging Face's tokenizers and data collators return: a UserDict
+
+    assert tp.batch_size_and_tokens(BatchEncoding({"input_ids": x, "labels": x[:, :3]})) == (4, 64)
     with pytest.raises(ValueError, match="every_n_steps=0 is not allowed"):
         Throughput(every_n_steps=0)
     with pytest.raises(ValueError, match="peak_flops=-1 is not allowed"):
