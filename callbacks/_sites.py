@@ -137,7 +137,8 @@ def resolve_types(name: str, value: Any) -> tuple[type, ...]:
         return ()
     items = value if isinstance(value, list | tuple) else [value]
     types = []
-    for item in items:
+    for given in items:
+        item = given
         if isinstance(item, str) and "." in item:
             module, _, attr = item.rpartition(".")
             try:
@@ -147,6 +148,10 @@ def resolve_types(name: str, value: Any) -> tuple[type, ...]:
         if not isinstance(item, type):
             shown = f"an instance of {type(item).__name__}" if isinstance(item, nn.Module) else repr(item)
             raise ConfigError(f"{name}={shown} is not allowed; give module classes or dotted class paths")
+        if not issubclass(item, nn.Module):  # no module is an instance of it: every site would be missed
+            shown = repr(given) if isinstance(given, str) else item.__name__
+            raise ConfigError(f"{name}={value!r} is not allowed; {shown} is not a torch.nn.Module class; give module "
+                              "classes or dotted class paths")
         types.append(item)
     return tuple(types)
 

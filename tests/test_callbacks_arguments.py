@@ -49,6 +49,13 @@ def test_bad_arguments_are_one_line_and_single_values_are_lists_of_one() -> None
     with pytest.raises(ConfigError) as info:
         HiddenStateStatistics(module_types=nn.Linear(2, 2))
     assert "\n" not in str(info.value) and "module_types=an instance of Linear is not allowed" in str(info.value)
+    # a class that is no module (a dotted path to a function's class, a typo'd import): before, accepted, and at
+    # setup only 'matched no module of the model'
+    with pytest.raises(ConfigError, match=r"^module_types=\['torch.Tensor'\] is not allowed; 'torch.Tensor' is not a "
+                                          r"torch.nn.Module class; give module classes or dotted class paths$"):
+        GrowthBoundMonitor(module_types=["torch.Tensor"])
+    with pytest.raises(ConfigError, match=r"^module_types=\[<class 'int'>\] is not allowed; int is not a"):
+        HiddenStateStatistics(module_types=[int])
     with pytest.raises(ConfigError, match=r"^instruments\.fatal_kinds="):  # before: refused only by .callbacks()
         Instruments(fatal_kinds=["bogus"])
     with pytest.raises(ConfigError, match=r"^instruments\.loss_explosion_factor=0\.5 is not allowed"):
