@@ -41,7 +41,8 @@ class DivergenceMonitor(TapCallback):
     of the shards summed over ranks under FSDP) and the finiteness of the weights the step started from (the
     previous update's result), and decides *before* the optimizer step, so a bad update can be dropped. That is one
     collective (several ranks) and one host sync per checked step; the weights after the last update are checked
-    once more at the end of training. Events (``step``, ``kind``, ``value``, ``layer``):
+    once more at the end of training. A step with no loss (its ``training_step`` returned ``None``, so Lightning ran
+    no backward) gets no loss checks, the others as ever. Events (``step``, ``kind``, ``value``, ``layer``):
 
     * ``nonfinite_loss`` / ``nonfinite_grad`` / ``nonfinite_activation`` (``layer`` = the first site in depth order
       whose output was not finite in some micro-batch) / ``nonfinite_param`` (weights after the step's update);
@@ -268,12 +269,16 @@ class DivergenceMonitor(TapCallback):
         zero = torch.zeros((), device=device, dtype=torch.float64)
         grads = [p.grad for p in self._params or pl_module.parameters() if p.grad is not None]
         grad_sq = torch.stack(torch._foreach_norm(grads)).double().square().sum() if grads else zero
-        loss = self._loss.double() if self._loss is not None else torch.full_like(zero, math.nan)
+        # No loss when no micro-batch of the step ran a backward: a training_step that returns None (Lightning's way
+        # to skip a batch; it still steps the optimizer, which leaves parameters without gradients alone). Nothing
+        # to judge then, not a non-finite loss: the loss checks are off for the step, the others run.
+        known = self._loss is not None
+        loss = self._loss.double() if known else zero
         maxes = [m if m is not None else zero for m in self._site_maxes()]
         site_max = torch.stack(maxes).to(device, torch.float64) if maxes else zero.new_zeros(0)
         params_bad = self._params_bad.to(device, torch.float64) if self._params_bad is not None else zero
-        spike_at = self._spike_threshold()
-        explosion_at = self._explosion_threshold()
+        spike_at = self._spike_threshold() if known else math.inf
+        explosion_at = self._explosion_threshold() if known else math.inf
         overflow_at = self.overflow_fraction * self._dtype_max()
         head = [loss, grad_sq, params_bad]
         if self._distributed:  # every rank must agree: sum this rank's verdicts (on the device) over ranks
@@ -311,7 +316,7 @@ class DivergenceMonitor(TapCallback):
         hot = next((i for i, v in enumerate(site_v) if math.isfinite(v) and v > overflow_at), None)
         if hot is not None:
             new.append(self._event(step, "activation_overflow", site_v[hot], self.sites[hot].tag))
-        if math.isfinite(loss_v):
+        if known and math.isfinite(loss_v):
             if loss_v > explosion_at:
                 new.append(self._event(step, "loss_explosion", loss_v))
             if self.first_loss is None:

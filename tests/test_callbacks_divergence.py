@@ -236,6 +236,25 @@ def test_clean_run_completes_and_state_round_trips(tmp_path, caplog):
     assert len(restored.losses) == 3
 
 
+def test_a_batch_the_training_step_skips_by_returning_none_is_no_divergence(tmp_path, caplog):
+    """Lightning skips the backward of a ``training_step`` that returns ``None`` (its documented way to skip a batch)
+    and still steps the optimizer: the monitor, which never saw that step's loss, recorded it as a NaN
+    (``nonfinite_loss``), and the default policy stopped a healthy run as diverged."""
+
+    class Skipping(LitLM):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return None if batch_idx == 1 else loss
+
+    torch.manual_seed(0)
+    monitor = DivergenceMonitor(policy="stop")
+    t = trainer(tmp_path, [monitor, RunStatus()], max_steps=4)
+    t.fit(Skipping(gpt()), loader())
+    assert monitor.events == [] and "diverged" not in caplog.text
+    assert t.global_step == 4 and read_summary(run_dir(tmp_path))["status"] == "completed"
+    assert len(monitor.losses) == 3 and all(math.isfinite(v) and v > 0 for v in monitor.losses)  # no loss for step 1
+
+
 def test_the_event_count_is_there_from_the_first_check_so_early_stopping_can_watch_it(tmp_path):
     """divergence/events was logged only with an event: EarlyStopping(monitor="divergence/events"), as the docs
     suggest, raised "not available" at the end of every run that never diverged."""
