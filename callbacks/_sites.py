@@ -77,11 +77,18 @@ class Site:
 
 
 def _layer_tag(match: re.Match, fallback: int) -> str:
+    """``L07`` from a first group ``7``, ``L07_attn`` with a second group ``resid_attn``; a first group that is no
+    layer index (``h.7``) is appended as a second one is, to the layer's number in depth order (``L07_h.7``): every
+    layer tag starts ``L<n>``, which is how the instruments, ``layer_depths`` and the reports tell layers from
+    ``embed`` and ``final``."""
     groups = [g for g in match.groups() if g is not None]
     if not groups:
         return f"L{fallback:02d}"
-    tag = f"L{int(groups[0]):02d}" if groups[0].isdigit() else groups[0]
-    for extra in groups[1:]:
+    if groups[0].isdigit():
+        tag, extras = f"L{int(groups[0]):02d}", groups[1:]
+    else:
+        tag, extras = f"L{fallback:02d}", groups
+    for extra in extras:
         tag += "_" + extra.removeprefix("resid_")
     return tag
 
@@ -96,7 +103,8 @@ def find_sites(
     """Sites of ``root`` in depth order: embed (output), layers (output), final (input).
 
     A layer's tag comes from the capture groups of ``layer_pattern`` (``(\\d+)`` → ``L07``, a second group is
-    appended: ``L07_attn``); modules chosen by ``module_types`` or a pattern without groups are numbered in order.
+    appended: ``L07_attn``); modules chosen by ``module_types`` or a pattern without groups are numbered in order, and
+    so are those whose first group is not a number (``(h\\.\\d+)`` → ``L07_h.7``).
     """
     modules: dict[str, tuple[str, nn.Module]] = {}
     for raw_name, module in root.named_modules():

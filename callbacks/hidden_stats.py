@@ -54,7 +54,8 @@ class HiddenStateStatistics(MeasuringTapCallback):
     Args:
         every_n_steps: Log on optimizer steps ``0, N, 2N, …``.
         layer_pattern: Regex searched in module names; its first group is the layer index (``L07``), a second one is
-            appended (``L07_attn``). ``None``: lnstab's ``h.<i>.resid_(attn|mlp)`` modules, else every block
+            appended (``L07_attn``), as is a first group that is no number, to the layer's number in depth order
+            (``L07_h.7``). ``None``: lnstab's ``h.<i>.resid_(attn|mlp)`` modules, else every block
             ``(h|layers|layer|blocks).<i>`` (Hugging Face GPT-2, ``nn.TransformerEncoder``). For tuple outputs
             the first tensor is used.
         module_types: Module classes (or dotted paths) to watch instead of / besides ``layer_pattern``.

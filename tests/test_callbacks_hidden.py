@@ -205,6 +205,24 @@ def test_a_layer_pattern_that_matches_no_layer_is_said_although_embed_and_final_
     assert callback.tags == ["embed", "final"]
 
 
+def test_a_layer_pattern_whose_first_group_is_no_number_tags_the_layers_in_order(tmp_path):
+    """The block's name captured instead of its index (``transformer\\.(h\\.\\d+)$``): the sites were tagged
+    ``h.0``, ``h.1``, which the instruments do not read as layers: HiddenStateStatistics measured them and warned
+    that the pattern 'matched no module of the model', and GrowthBoundMonitor dropped every site and fitted no growth
+    law. They are layers numbered in depth order now, the group appended as a second group's is."""
+    from lnstab.callbacks import GrowthBoundMonitor
+
+    pattern = r"hf\.transformer\.(h\.\d+)$"
+    hidden = HiddenStateStatistics(every_n_steps=1, layer_pattern=pattern, series_file=None)
+    bound = GrowthBoundMonitor(every_n_steps=1, layer_pattern=pattern)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*matched no module")
+        t = trainer(tmp_path, [hidden, bound], max_steps=1)
+        t.fit(lit("hf"), loader())
+    assert hidden.tags == ["embed", "L00_h.0", "L01_h.1", "final"]
+    assert "hidden/mean_abs/L01_h.1" in t.callback_metrics and "growth/exp_rate" in t.callback_metrics
+
+
 def test_an_embedding_or_final_pattern_that_matches_nothing_is_said_once_with_the_final_norm_to_name(tmp_path):
     """torch's TransformerEncoder with a final norm: the default patterns (lnstab's and Hugging Face's names) find
     neither end site. Before, nothing was said, and a ModelCheckpoint(monitor="hidden/mean_abs/final") never saved."""
