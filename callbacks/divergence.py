@@ -42,7 +42,9 @@ class DivergenceMonitor(TapCallback):
     previous update's result), and decides *before* the optimizer step, so a bad update can be dropped. That is one
     collective (several ranks) and one host sync per checked step; the weights after the last update are checked
     once more at the end of training. A step with no loss (its ``training_step`` returned ``None``, so Lightning ran
-    no backward) gets no loss checks, the others as ever. Events (``step``, ``kind``, ``value``, ``layer``):
+    no backward) gets no loss checks, the others as ever. Under a GradScaler (``precision="16-mixed"``) the loss is
+    read unscaled, and a non-finite gradient is no event: it is the scaler's overflow, an update the scaler skips
+    before it lowers its scale. Events (``step``, ``kind``, ``value``, ``layer``):
 
     * ``nonfinite_loss`` / ``nonfinite_grad`` / ``nonfinite_activation`` (``layer`` = the first site in depth order
       whose output was not finite in some micro-batch) / ``nonfinite_param`` (weights after the step's update);
@@ -182,6 +184,7 @@ class DivergenceMonitor(TapCallback):
         self._dropping = False  # this training step's update was dropped: so is every later optimizer's in it
         self._params: list[torch.nn.Parameter] = []
         self._sharded = self._distributed = False
+        self._scaler: Any = None  # the precision plugin's GradScaler (16-mixed), when it scales
         self._counted = False  # divergence/events was logged in this fit
         self._began = False  # this fit reached on_fit_start (a refusal before it leaves the run's summary alone)
 
@@ -216,6 +219,8 @@ class DivergenceMonitor(TapCallback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._params = list(pl_module.parameters())  # after the strategy and configure_model set the model up
         self._sharded, self._distributed = params_sharded(trainer), distributed(trainer)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self._scaler = scaler if scaler is not None and scaler.is_enabled() else None
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -249,6 +254,8 @@ class DivergenceMonitor(TapCallback):
         super().on_before_backward(trainer, pl_module, loss)
         if self._checking:  # Lightning divides each micro-batch's loss by their number: the sum is the step's mean
             loss = loss.detach().float().reshape(())
+            if self._scaler is not None:  # the loss a GradScaler scaled for its backward: unscaled on the device
+                loss = loss / self._scaler.scale(torch.ones((), device=loss.device))
             self._loss = loss if self._loss is None else self._loss + loss
 
     @override
@@ -309,8 +316,11 @@ class DivergenceMonitor(TapCallback):
         bad_site = next((i for i, v in enumerate(site_v) if not math.isfinite(v)), None)
         if bad_site is not None:
             new.append(self._event(step, "nonfinite_activation", site_v[bad_site], self.sites[bad_site].tag))
+        # Under a GradScaler a non-finite gradient is its overflow: it skips that update and lowers its scale
+        overflow = self._scaler is not None and not math.isfinite(grad_v)
         if not math.isfinite(grad_v):
-            new.append(self._event(step, "nonfinite_grad", grad_v))
+            if not overflow:
+                new.append(self._event(step, "nonfinite_grad", grad_v))
         elif self.grad_norm_threshold is not None and grad_v > self.grad_norm_threshold:
             new.append(self._event(step, "grad_explosion", grad_v))
         hot = next((i for i, v in enumerate(site_v) if math.isfinite(v) and v > overflow_at), None)
@@ -342,7 +352,7 @@ class DivergenceMonitor(TapCallback):
         # Non-finite weights end the run whatever the policy (no later update can repair them): those the previous
         # update left, or those this update will leave when it is applied with a non-finite gradient (the final check
         # in on_train_end then records them).
-        applies_nonfinite = not self._acted and not math.isfinite(grad_v)
+        applies_nonfinite = not self._acted and not math.isfinite(grad_v) and not overflow
         if (self._acted and self.policy == "stop") or bad_all > 0 or applies_nonfinite:
             trainer.should_stop = True
 

@@ -255,6 +255,23 @@ def test_a_batch_the_training_step_skips_by_returning_none_is_no_divergence(tmp_
     assert len(monitor.losses) == 3 and all(math.isfinite(v) and v > 0 for v in monitor.losses)  # no loss for step 1
 
 
+def test_under_a_grad_scaler_an_overflow_it_skips_is_no_divergence_and_losses_are_unscaled(tmp_path, caplog):
+    """``precision="16-mixed"``: Lightning hands ``on_before_backward`` the loss its GradScaler scaled, and the
+    gradients of a step whose scaled backward overflowed are inf, a step the scaler skips before lowering its scale
+    (its way of finding the scale). The monitor recorded every such step as ``nonfinite_grad`` and stopped the run
+    at step 0 as diverged, and its losses (spike window, first loss, event values) were loss × scale."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # overflows fp16 gradients: the first steps skip
+    monitor = DivergenceMonitor(policy="stop")
+    t = trainer(tmp_path, [monitor, RunStatus()], max_steps=4, plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
+    t.fit(lit("gpt"), loader())
+    assert scaler.get_scale() < 2.0**40  # the scaler did skip overflowing steps
+    assert monitor.events == [] and "diverged" not in caplog.text
+    assert t.global_step == 4 and read_summary(run_dir(tmp_path))["status"] == "completed"
+    assert len(monitor.losses) == 4 and all(0.5 * math.log(VOCAB) < v < 2 * math.log(VOCAB) for v in monitor.losses)
+
+
 def test_the_event_count_is_there_from_the_first_check_so_early_stopping_can_watch_it(tmp_path):
     """divergence/events was logged only with an event: EarlyStopping(monitor="divergence/events"), as the docs
     suggest, raised "not available" at the end of every run that never diverged."""
