@@ -47,7 +47,7 @@ from torch import nn
 from lnstab import validation as require
 from lnstab.errors import ConfigError
 
-from ._sites import Capture, Emit, Site, block_tag, clean_name, first_tensor
+from ._sites import Capture, Emit, Site, block_tag, clean_name, first_tensor, named_modules, one_module
 from ._views import AttentionView, LogitView
 
 HEAD_PATTERN = r"(?:^|\.)lm_head$"
@@ -340,15 +340,15 @@ def _lnstab_gpt(root: nn.Module) -> nn.Module | None:
 def output_site(root: nn.Module, source: str, final_pattern: re.Pattern, head_pattern: re.Pattern,
                 vocab_size: int | None, chunk_rows: int, who: str = "OutputLogitStatistics") -> Site:
     """The site whose calls give the output logits (module docstring), or a one-line :class:`ConfigError`."""
-    modules = {clean_name(n): (n, m) for n, m in root.named_modules()}
+    modules = named_modules(root)
     gpt = _lnstab_gpt(root) if source == "auto" else None
     if gpt is not None:
         name = next(n for n, m in root.named_modules() if m is gpt.transformer.ln_f)
         vocab = vocab_size or gpt.config.vocab_size
         return Site("output", name, gpt.transformer.ln_f, capture=OutputLogits(gpt.lm_head, vocab, chunk_rows))
-    head = next(((n, m) for c, (n, m) in modules.items() if head_pattern.search(c)), None)
+    head = one_module(modules, head_pattern, "head_pattern")
     if source == "final_hidden":
-        final = next(((n, m) for c, (n, m) in modules.items() if final_pattern.search(c)), None)
+        final = one_module(modules, final_pattern, "final_pattern")
         if final is None or head is None or not isinstance(getattr(head[1], "weight", None), torch.Tensor):
             raise ConfigError(f"source='final_hidden' is not allowed with {who} on {type(root).__name__}; no module "
                               f"matches final_pattern={final_pattern.pattern!r} or head_pattern="

@@ -93,6 +93,31 @@ def _layer_tag(match: re.Match, fallback: int) -> str:
     return tag
 
 
+def named_modules(root: nn.Module) -> dict[str, tuple[str, nn.Module]]:
+    """``root``'s modules by :func:`clean_name`: ``{name: (raw name, module)}``; of a wrapper and what it wraps (one
+    clean name), the wrapped module."""
+    modules: dict[str, tuple[str, nn.Module]] = {}
+    for raw_name, module in root.named_modules():
+        modules[clean_name(raw_name)] = (raw_name, module)  # a wrapper and what it wraps: the wrapped module wins
+    return modules
+
+
+def one_module(modules: dict[str, tuple[str, nn.Module]], pattern: re.Pattern | None, arg: str
+               ) -> tuple[str, nn.Module] | None:
+    """The one module of ``modules`` (:func:`named_modules`) whose name ``pattern`` searches to, as ``(raw name,
+    module)``; ``None`` when none does (or no pattern). A pattern that names one module (an end site, the output head)
+    but matches several is refused in one line naming two of them: taking the first, say layer 0's norm for
+    ``final_pattern=r'norm$'`` on Llama, measured another site without a word."""
+    if pattern is None:
+        return None
+    found = [(name, hit) for name, hit in modules.items() if pattern.search(name)]
+    if len(found) > 1:
+        shown = ", ".join(repr(name) for name, _ in found[:2]) + (", …" if len(found) > 2 else "")
+        raise ConfigError(f"{arg}={pattern.pattern!r} is not allowed; it matches {len(found)} modules of the model "
+                          f"({shown}) and must name one: anchor it to that module's name")
+    return found[0][1] if found else None
+
+
 def find_sites(
     root: nn.Module,
     layer_pattern: re.Pattern | None,
@@ -106,14 +131,14 @@ def find_sites(
     appended: ``L07_attn``); modules chosen by ``module_types`` or a pattern without groups are numbered in order, and
     so are those whose first group is not a number (``(h\\.\\d+)`` → ``L07_h.7``).
     """
-    modules: dict[str, tuple[str, nn.Module]] = {}
-    for raw_name, module in root.named_modules():
-        modules[clean_name(raw_name)] = (raw_name, module)  # a wrapper and what it wraps: the wrapped module wins
+    modules = named_modules(root)
+    embed_at = one_module(modules, embed_pattern, "embed_pattern")
+    final_at = one_module(modules, final_pattern, "final_pattern")
     embed, layers, final = [], [], []
     for name, (raw_name, module) in modules.items():
-        if embed_pattern is not None and embed_pattern.search(name) and not embed:
+        if embed_at is not None and raw_name == embed_at[0]:
             embed.append(Site("embed", raw_name, module))
-        elif final_pattern is not None and final_pattern.search(name) and not final:
+        elif final_at is not None and raw_name == final_at[0]:
             final.append(Site("final", raw_name, module, use_input=True))
         elif layer_pattern is not None and (match := layer_pattern.search(name)):
             first = next((g for g in match.groups() if g is not None), None)

@@ -61,11 +61,12 @@ class HiddenStateStatistics(MeasuringTapCallback):
         module_types: Module classes (or dotted paths) to watch instead of / besides ``layer_pattern``.
         embed_pattern: Regex of the module whose output is X_0 (``None`` to skip). The default names lnstab's and
             Hugging Face GPT-2's ``transformer.drop``; a pattern that matches no module is said in a warning at setup
-            (once), and the ``embed`` site is not measured.
+            (once), and the ``embed`` site is not measured; one that matches several is refused at setup.
         final_pattern: Regex of the module whose *input* is the final-norm input (``None`` to skip). The default
             names ``transformer.ln_f``; a pattern that matches no module (torch's ``TransformerEncoder`` calls its
             final norm ``encoder.norm``) is said in a warning at setup (once), naming a final norm it could be, and
-            the ``final`` site is not measured.
+            the ``final`` site is not measured; one that matches several (``norm$`` on Llama, whose every layer has
+            norms) is refused at setup, naming them.
         log_heatmap: Add the heatmaps to TensorBoard at the end of training.
         series_file: File name of the series in the run directory (``None`` to skip).
         stats: One name or a list of registered residual-stream statistics to log (``None``: every one marked

@@ -40,7 +40,7 @@ class OutputLogitStatistics(MeasuringTapCallback):
         every_n_steps: Measure on optimizer steps ``0, N, 2N, …``.
         source: ``auto``, ``final_hidden`` or ``head_output`` (above).
         final_pattern: Regex of the final norm, for ``final_hidden``.
-        head_pattern: Regex of the output head.
+        head_pattern: Regex of the output head (one module: a pattern that matches several is refused at setup).
         vocab_size: Logit columns that are real tokens (``None``: lnstab's ``config.vocab_size``, else all).
         chunk_rows: Tokens per chunk (a chunk holds ``chunk_rows × V`` float32 logits).
         metric_prefix: Log as ``<metric_prefix>/<name>`` (``None``: the names below; see ``_sites.LogsMetrics``).

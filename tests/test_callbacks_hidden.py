@@ -223,6 +223,31 @@ def test_a_layer_pattern_whose_first_group_is_no_number_tags_the_layers_in_order
     assert "hidden/mean_abs/L01_h.1" in t.callback_metrics and "growth/exp_rate" in t.callback_metrics
 
 
+def test_an_end_or_head_pattern_that_matches_several_modules_is_refused_naming_them(tmp_path):
+    """``final_pattern=r'norm$'`` on Llama (whose final norm is ``model.norm``) matches every layer's
+    ``input_layernorm`` and ``post_attention_layernorm`` too: the first match, layer 0's input norm, was measured as
+    the final site, so X_0 was logged as ``hidden/*/final`` without a word; ``head_pattern`` took its first match
+    alike."""
+    from hf_tiny import HFLM, hf_model
+
+    from lnstab.callbacks import OutputLogitStatistics
+    from lnstab.errors import ConfigError
+
+    def fit(callback):
+        trainer(tmp_path, [callback], max_steps=1).fit(LitLM(HFLM(hf_model("llama"))), loader())
+
+    with pytest.raises(ConfigError, match=r"^final_pattern='norm\$' is not allowed; it matches 5 modules of the model "
+                                          r"\('model\.hf\.model\.layers\.0\.input_layernorm', "
+                                          r"'model\.hf\.model\.layers\.0\.post_attention_layernorm', …\) and must name "
+                                          r"one: anchor it to that module's name$"):
+        fit(HiddenStateStatistics(every_n_steps=1, embed_pattern=r"embed_tokens$", final_pattern=r"norm$"))
+    with pytest.raises(ConfigError, match=r"^head_pattern='proj\$' is not allowed; it matches 14 modules"):
+        fit(OutputLogitStatistics(every_n_steps=1, head_pattern=r"proj$"))
+    anchored = HiddenStateStatistics(every_n_steps=1, embed_pattern=r"embed_tokens$", final_pattern=r"model\.norm$")
+    fit(anchored)
+    assert anchored.sites[-1].name == "model.hf.model.norm"
+
+
 def test_an_embedding_or_final_pattern_that_matches_nothing_is_said_once_with_the_final_norm_to_name(tmp_path):
     """torch's TransformerEncoder with a final norm: the default patterns (lnstab's and Hugging Face's names) find
     neither end site. Before, nothing was said, and a ModelCheckpoint(monitor="hidden/mean_abs/final") never saved."""
