@@ -64,7 +64,9 @@ class GrowthBoundMonitor(TapCallback):
     Args:
         every_n_steps: Evaluate once on optimizer steps ``0, N, 2N, …`` (hooks are no-ops on other steps).
         residual_scale: Δt for every update; ``None`` takes the model's (``output_norms()`` or ``Residual.scale``).
-        norm_pattern: Regex of the output norms, one per residual update, for models without ``output_norms()``.
+        norm_pattern: Regex of the output norms, one per residual update, for models without ``output_norms()``
+            (torch's ``LayerNorm`` or ``RMSNorm``, lnstab's ``DyT``: matches of another class are said in a warning
+            and the bound is not checked).
         layer_pattern, module_types, embed_pattern, final_pattern: Sites, as in :class:`HiddenStateStatistics`.
         tolerance: Relative slack allowed before a violation is counted (float rounding).
         unroll_repeats: A layer module that one forward runs several times (a looped block) is a layer per call,
@@ -163,6 +165,15 @@ class GrowthBoundMonitor(TapCallback):
             updates = [(m, float(self.residual_scale), g) for m, _, g in updates]
         return [(m, dt, g if isinstance(getattr(g, "weight", None), torch.Tensor) else None) for m, dt, g in updates]
 
+    def _unboundable(self, root: nn.Module) -> list[nn.Module]:
+        """The modules ``norm_pattern`` matches that :meth:`_find_updates` leaves out for their class (neither a norm
+        it can bound nor ``nn.Identity``, the placeholder of an absent norm); none for a model with
+        ``output_norms()``."""
+        if any(callable(getattr(m, "output_norms", None)) for m in root.modules()):
+            return []
+        return [m for name, m in ((clean_name(n), m) for n, m in root.named_modules())
+                if self.norm_pattern.search(name) and not isinstance(m, (*NORM_MODULES, nn.Identity))]
+
     @staticmethod
     def _sibling_scale(named: dict[str, nn.Module], name: str) -> float:
         parent, _, leaf = name.rpartition(".")
@@ -198,6 +209,12 @@ class GrowthBoundMonitor(TapCallback):
         self.norms, self.gates = [(m, dt) for m, dt, _ in updates], [g for _, _, g in updates]
         self.norm_calls = [(norm_calls or {}).get(id(m), 1) for m, _ in self.norms]
         self.unchecked = None
+        if not self.norms and (unbounded := self._unboundable(pl_module)):
+            classes = ", ".join(dict.fromkeys(type(m).__name__ for m in unbounded))
+            self.unchecked = (f"norm_pattern={self.norm_pattern.pattern!r} matches {len(unbounded)} modules of a class "
+                              f"whose output it cannot bound ({classes}): it knows torch's LayerNorm and RMSNorm and "
+                              "lnstab's DyT, whose outputs their weight and bias bound")
+            rank_zero_warn(f"{type(self).__name__}: Theorem 4's bound is not checked: {self.unchecked}")
         if self.norms and sum(self.norm_calls) != len(layers):
             self.unchecked = (f"{sum(self.norm_calls)} output-norm updates for {len(layers)} layer sites, where it "
                               "needs one output norm per residual update")

@@ -155,6 +155,60 @@ def test_growth_logged_for_every_placement_without_bound(tmp_path, placement):
     assert callback.last["growth/exp_r2"] == pytest.approx(r2_exp, rel=1e-3, abs=1e-3)
 
 
+class OwnRMSNorm(torch.nn.Module):
+    """An RMSNorm of a user's own (nanoGPT derivatives write one): not a class whose output the bound knows."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class PeriUpdate(torch.nn.Module):
+    """One residual MLP update ``x + ln_out(mlp(x))``, its output norm of class ``norm``."""
+
+    def __init__(self, norm: type) -> None:
+        super().__init__()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+        self.ln_out = norm(32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.ln_out(self.mlp(x))
+
+
+class PeriMLP(torch.nn.Module):
+    def __init__(self, norm: type) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(100, 32)
+        self.h = torch.nn.Sequential(*(PeriUpdate(norm) for _ in range(4)))
+        self.ln_f, self.head = norm(32), torch.nn.Linear(32, 100)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(self.h(self.embed(x))))
+
+
+def test_output_norms_of_a_class_it_cannot_bound_are_said_not_dropped_silently(tmp_path):
+    """norm_pattern naming the output norms of a user's Peri-LN model whose norm is a class of its own: the matches
+    were left out without a word (only LayerNorm, RMSNorm and DyT have outputs the bound knows), so the run logged
+    no bound/* metric while the user had named every output norm."""
+    from support.callbacks import LitLM
+
+    def monitor():
+        return GrowthBoundMonitor(every_n_steps=1, norm_pattern=r"h\.(\d+)\.ln_out$", layer_pattern=r"h\.(\d+)$",
+                                  embed_pattern=r"embed$", final_pattern=r"ln_f$")
+
+    said = r"Theorem 4's bound is not checked: norm_pattern=.* matches 4 modules of a class whose output it cannot"
+    with pytest.warns(UserWarning, match=rf"GrowthBoundMonitor: {said} bound \(OwnRMSNorm\)"):
+        own = monitor()
+        trainer(tmp_path, [own], max_steps=1).fit(LitLM(PeriMLP(OwnRMSNorm)), loader())
+    assert "bound/ma_bound" not in own.last and "growth/exp_rate" in own.last
+    torch_norms = monitor()
+    trainer(tmp_path, [torch_norms], max_steps=1).fit(LitLM(PeriMLP(torch.nn.RMSNorm)), loader())
+    assert torch_norms.unchecked is None and torch_norms.last["bound/violations"] == 0
+
+
 def test_state_dict_round_trip_and_arguments():
     callback = GrowthBoundMonitor()
     callback.violations = 7
