@@ -202,6 +202,12 @@ def no_sites(who: str, layer_pattern: re.Pattern | None, module_types: tuple[typ
             f"index){' or module_types' if module_types is not None else ''}; {consequence}")
 
 
+def _is_norm(module: nn.Module, norm_modules: tuple[type, ...]) -> bool:
+    """Whether ``module`` looks like a normalisation layer, for a hint: torch's and lnstab's, or a class named like
+    one (Hugging Face's ``LlamaRMSNorm``, ``Qwen2RMSNorm``, ``T5LayerNorm`` …, a user's ``RMSNorm``)."""
+    return isinstance(module, norm_modules) or type(module).__name__.endswith("Norm")
+
+
 def no_end_sites(who: str, root: nn.Module, sites: list[Site], embed_pattern: re.Pattern | None,
                  final_pattern: re.Pattern | None) -> str | None:
     """The one-line warning of an instrument whose ``embed_pattern`` or ``final_pattern`` (not ``None``) matched no
@@ -223,7 +229,7 @@ def no_end_sites(who: str, root: nn.Module, sites: list[Site], embed_pattern: re
             hints.append("embed_pattern a regex of the module whose output is X_0 (the embeddings' dropout, say)")
             continue
         blocks = [clean_name(s.name) + "." for s in sites if s.tag.startswith("L")]
-        norms = [n for raw, m in root.named_modules() if isinstance(m, NORM_MODULES)
+        norms = [n for raw, m in root.named_modules() if _is_norm(m, NORM_MODULES)
                  and not (n := clean_name(raw)).startswith(tuple(blocks))]
         found = f", e.g. final_pattern=r'{re.escape('.'.join(norms[-1].split('.')[-2:]))}$'" if norms else ""
         hints.append(f"final_pattern a regex of the final norm's name{found}")

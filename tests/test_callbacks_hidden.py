@@ -279,6 +279,12 @@ def test_an_embedding_or_final_pattern_that_matches_nothing_is_said_once_with_th
     for kind in ("gpt", "hf"):  # lnstab's and Hugging Face GPT-2's names: both found, nothing said
         callback = HiddenStateStatistics(every_n_steps=1)
         assert said(kind, callback, kind) == [] and callback.tags[0] == "embed" and callback.tags[-1] == "final"
+    # Hugging Face Llama (and its kin): its final norm is a LlamaRMSNorm, not torch's, and none was named before
+    from hf_tiny import HFLM, hf_model
+
+    llama = said(LitLM(HFLM(hf_model("llama"))), HiddenStateStatistics(every_n_steps=1, embed_pattern=None), "llama")
+    assert llama[0].endswith("a regex of the final norm's name, e.g. final_pattern=r'model\\.norm$', or None not to "
+                             "look for it")
 
 
 @pytest.mark.parametrize(
