@@ -337,6 +337,16 @@ def _lnstab_gpt(root: nn.Module) -> nn.Module | None:
     return None
 
 
+def _vocab_within(vocab_size: int | None, head: nn.Module | None, who: str) -> int | None:
+    """``vocab_size``, refused in one line when it exceeds the rows of ``head``'s weight (its logits), where that is
+    a whole matrix (not a shard, not a head without a weight): the columns would have been taken as all there are."""
+    weight = getattr(head, "weight", None)
+    if vocab_size is not None and isinstance(weight, torch.Tensor) and weight.dim() == 2 and vocab_size > len(weight):
+        raise ConfigError(f"vocab_size={vocab_size} is not allowed with {who}; the output head gives {len(weight)} "
+                          f"logits per token, so it must be at most {len(weight)}")
+    return vocab_size
+
+
 def output_site(root: nn.Module, source: str, final_pattern: re.Pattern, head_pattern: re.Pattern,
                 vocab_size: int | None, chunk_rows: int, who: str = "OutputLogitStatistics") -> Site:
     """The site whose calls give the output logits (module docstring), or a one-line :class:`ConfigError`."""
@@ -344,9 +354,10 @@ def output_site(root: nn.Module, source: str, final_pattern: re.Pattern, head_pa
     gpt = _lnstab_gpt(root) if source == "auto" else None
     if gpt is not None:
         name = next(n for n, m in root.named_modules() if m is gpt.transformer.ln_f)
-        vocab = vocab_size or gpt.config.vocab_size
+        vocab = _vocab_within(vocab_size, gpt.lm_head, who) or gpt.config.vocab_size
         return Site("output", name, gpt.transformer.ln_f, capture=OutputLogits(gpt.lm_head, vocab, chunk_rows))
     head = one_module(modules, head_pattern, "head_pattern")
+    _vocab_within(vocab_size, head[1] if head else None, who)
     if source == "final_hidden":
         final = one_module(modules, final_pattern, "final_pattern")
         if final is None or head is None or not isinstance(getattr(head[1], "weight", None), torch.Tensor):

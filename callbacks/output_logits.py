@@ -41,7 +41,8 @@ class OutputLogitStatistics(MeasuringTapCallback):
         source: ``auto``, ``final_hidden`` or ``head_output`` (above).
         final_pattern: Regex of the final norm, for ``final_hidden``.
         head_pattern: Regex of the output head (one module: a pattern that matches several is refused at setup).
-        vocab_size: Logit columns that are real tokens (``None``: lnstab's ``config.vocab_size``, else all).
+        vocab_size: Logit columns that are real tokens (``None``: lnstab's ``config.vocab_size``, else all); more than
+            the head's weight has rows is refused at setup.
         chunk_rows: Tokens per chunk (a chunk holds ``chunk_rows × V`` float32 logits).
         metric_prefix: Log as ``<metric_prefix>/<name>`` (``None``: the names below; see ``_sites.LogsMetrics``).
 

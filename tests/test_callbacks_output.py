@@ -140,6 +140,16 @@ def test_a_model_without_a_head_and_bad_arguments_are_refused_in_one_line():
     head.teardown(None, None, "fit")
     with pytest.raises(ConfigError, match="source='final_hidden' is not allowed"):
         OutputLogitStatistics(source="final_hidden", final_pattern=r"nothing$").setup(None, lit("hf"), "fit")
+    # a vocab_size above the head's rows was taken as all of them, with no word (lnstab's GPT and a head of its own)
+    for module, rows in ((LitLM(gpt(pad_vocab_multiple=64)), 128), (lit("hf"), None)):
+        rows = rows or next(m for n, m in module.named_modules() if n.endswith("lm_head")).weight.shape[0]
+        with pytest.raises(ConfigError, match=rf"^vocab_size={rows + 1} is not allowed with OutputLogitStatistics; "
+                                              rf"the output head gives {rows} logits per token, so it must be at most "
+                                              rf"{rows}$"):
+            OutputLogitStatistics(vocab_size=rows + 1).setup(None, module, "fit")
+        taken = OutputLogitStatistics(vocab_size=rows)
+        taken.setup(None, module, "fit")  # the head's own width is taken
+        taken.teardown(None, None, "fit")
     for kwargs, match in (({"every_n_steps": 0}, "every_n_steps=0"), ({"source": "logits"}, "source='logits'"),
                           ({"chunk_rows": 0}, "chunk_rows=0"), ({"vocab_size": -3}, "vocab_size=-3"),
                           ({"head_pattern": None}, "head_pattern=None")):
