@@ -76,14 +76,17 @@ class GradientStatistics(LogsMetrics, Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         require_strategy(trainer, type(self).__name__, reads_parameters=True)
         names: dict[int, str] = {}
+        unnumbered: tuple[str, str] | None = None  # a parameter the pattern matched, its group no layer index
         self.params, self.layer_of = [], []
         for name, param in pl_module.named_parameters():  # tied weights are listed once
             if not param.requires_grad:
                 continue
             match = self.layer_pattern.search(clean_name(name))
-            index = int(match.group(1)) if match and match.group(1).isdigit() else None
+            index = int(match.group(1)) if match and (match.group(1) or "").isdigit() else None
             if index is not None:
                 names.setdefault(index, f"L{index:02d}")
+            elif match and unnumbered is None:
+                unnumbered = (clean_name(name), match.group(1))
             self.params.append(param)
             self.layer_of.append(-1 if index is None else index)
         order = sorted(names)
@@ -91,7 +94,11 @@ class GradientStatistics(LogsMetrics, Callback):
         self.layers = [names[i] for i in order]
         self.layer_of = [position.get(i, -1) for i in self.layer_of]
         if not self.layers:
-            rank_zero_warn(f"{type(self).__name__}: layer_pattern matched no parameter; only totals are logged")
+            why = "matched no parameter" if unnumbered is None else (
+                f"captured {unnumbered[1]!r} in {unnumbered[0]!r}, no layer index (its group must capture the number "
+                "alone, as h\\.(\\d+)\\. does)")
+            rank_zero_warn(f"{type(self).__name__}: layer_pattern={self.layer_pattern.pattern!r} {why}; only totals "
+                           "are logged")
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -66,6 +66,12 @@ def test_gradient_statistics_arguments_and_foreign_layers(tmp_path):
     trainer(tmp_path, [callback], max_steps=1).fit(lit("encoder"), loader())
     assert callback.layers == ["L00", "L01"]
     assert callback.last["grad/norm/total"] >= max(callback.last["grad/norm/L00"], callback.last["grad/norm/L01"])
+    # a group that captures the block's name, not its index, was said as 'matched no parameter'
+    unnumbered = GradientStatistics(every_n_steps=1, layer_pattern=r"(h\.\d+)\.")
+    with pytest.warns(UserWarning, match=r"^GradientStatistics: layer_pattern=.* captured 'h\.0' in "
+                                         r"'model\.transformer\.h\.0\..*', no layer index .*; only totals"):
+        unnumbered.setup(None, lit("gpt"), "fit")
+    assert unnumbered.layers == []
 
 
 def exact_norms(block: torch.nn.Module, x: torch.Tensor) -> tuple[float, float]:
