@@ -86,8 +86,8 @@ LABELS = {"norm_placement": "", "residual_scale": "Δt", "learning_rate": "lr", 
 
 # Model options at their "off" value, GPTModule's default, say nothing in a legend; switched on, a boolean is named
 # alone.
-OFF = {k: {**MODEL_DEFAULTS, **TRAINING_DEFAULTS}[k] for k in ("qk_norm", "z_loss", "residual_gate", "norm_type",
-                                                                "compile")}
+OFF = {k: v for k, v in {**MODEL_DEFAULTS, **TRAINING_DEFAULTS}.items()
+       if k in ("qk_norm", "z_loss", "residual_gate", "norm_type", "compile")}
 
 
 def label_part(name: str, value: Any) -> str:
