@@ -147,13 +147,12 @@ class GrowthBoundMonitor(TapCallback):
 
     def _find_updates(self, root: nn.Module) -> list[tuple[nn.Module, float, nn.Module | None]]:
         """``(norm, Δt, gate)`` per residual update (``gate`` ``None`` where no gate has a ``weight``)."""
-        for module in root.modules():
-            if callable(getattr(module, "output_norms", None)):
-                norms = list(module.output_norms())
-                gates = list(module.residual_gates()) if callable(getattr(module, "residual_gates", None)) else []
-                gates = gates if len(gates) == len(norms) else [None] * len(norms)
-                updates = [(m, dt, g) for (m, dt), g in zip(norms, gates, strict=True)]
-                break
+        module = self._norms_owner(root)
+        if module is not None:
+            norms = list(module.output_norms())
+            gates = list(module.residual_gates()) if callable(getattr(module, "residual_gates", None)) else []
+            gates = gates if len(gates) == len(norms) else [None] * len(norms)
+            updates = [(m, dt, g) for (m, dt), g in zip(norms, gates, strict=True)]
         else:
             named = {clean_name(n): m for n, m in root.named_modules()}
             updates = [
@@ -165,11 +164,17 @@ class GrowthBoundMonitor(TapCallback):
             updates = [(m, float(self.residual_scale), g) for m, _, g in updates]
         return [(m, dt, g if isinstance(getattr(g, "weight", None), torch.Tensor) else None) for m, dt, g in updates]
 
+    @staticmethod
+    def _norms_owner(root: nn.Module) -> nn.Module | None:
+        """The first module of ``root`` with ``output_norms()`` (lnstab's GPT, the check's Hugging Face wrapper), whose
+        list is read instead of ``norm_pattern``'s matches; ``None`` where none has it."""
+        return next((m for m in root.modules() if callable(getattr(m, "output_norms", None))), None)
+
     def _unboundable(self, root: nn.Module) -> list[nn.Module]:
         """The modules ``norm_pattern`` matches that :meth:`_find_updates` leaves out for their class (neither a norm
         it can bound nor ``nn.Identity``, the placeholder of an absent norm); none for a model with
         ``output_norms()``."""
-        if any(callable(getattr(m, "output_norms", None)) for m in root.modules()):
+        if self._norms_owner(root) is not None:
             return []
         return [m for name, m in ((clean_name(n), m) for n, m in root.named_modules())
                 if self.norm_pattern.search(name) and not isinstance(m, (*NORM_MODULES, nn.Identity))]
